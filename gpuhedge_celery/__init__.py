@@ -1,0 +1,29 @@
+"""gpuhedge-celery: Celery-native GPU inference scheduling on Redis.
+
+Importing the package is cheap and imports neither Celery nor Redis; ``app`` (the Celery app,
+for ``celery -A gpuhedge_celery``) and the public tasks load on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "app": ("gpuhedge_celery.tasks.app", "app"),
+    "celery": ("gpuhedge_celery.tasks.app", "app"),
+    "pooled_infer": ("gpuhedge_celery.tasks.pool", "pooled_infer"),
+    "hedged_infer": ("gpuhedge_celery.tasks.races", "hedged_infer"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'gpuhedge_celery' has no attribute {name!r}")
+    module = importlib.import_module(target[0])
+    return getattr(module, target[1])

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``gpuhedge-celery bench``; each module exposes a click ``command``."""

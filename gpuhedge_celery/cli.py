@@ -1,0 +1,125 @@
+"""The ``gpuhedge-celery`` command line.
+
+Sub-commands live one per module in :mod:`gpuhedge_celery.commands` (each module exposes a click
+command named like the module) and are discovered lazily, so ``--help`` stays fast and a command's
+heavy imports (Celery, matplotlib) load only when it runs.
+
+Exit codes: 0 ok, 1 a check failed, 2 usage or configuration error, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from dataclasses import dataclass
+
+import click
+
+from .errors import ConfigError, GpuHedgeError, StoreUnavailable
+from .settings import Settings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+
+
+@dataclass
+class CliContext:
+    """What every sub-command receives through ``click.pass_obj``."""
+
+    settings: Settings
+
+
+def discover(package: str) -> dict[str, str]:
+    """Map command names to ``module`` paths for every non-private module in ``package``."""
+    pkg = importlib.import_module(package)
+    names = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_"):
+            names[info.name.replace("_", "-")] = f"{package}.{info.name}"
+    return names
+
+
+class LazyGroup(click.Group):
+    """A click group whose sub-commands are modules of a package, imported on first use."""
+
+    def __init__(self, *args, package: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._package = package
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(discover(self._package)))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        found = super().get_command(ctx, name)
+        if found is not None:
+            return found
+        module_path = discover(self._package).get(name)
+        if module_path is None:
+            return None
+        module = importlib.import_module(module_path)
+        return module.command
+
+
+def lazy_group(package: str, **kwargs):
+    """Decorator building a :class:`LazyGroup` over ``package``."""
+    return click.group(cls=LazyGroup, package=package, **kwargs)
+
+
+@lazy_group("gpuhedge_celery.commands", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--redis-url",
+    envvar="GPUHEDGE_REDIS_URL",
+    default=None,
+    help="Redis URL for broker, results and leases (env GPUHEDGE_REDIS_URL).",
+)
+@click.option(
+    "--prefix",
+    envvar="GPUHEDGE_PREFIX",
+    default=None,
+    help="Key prefix in Redis (env GPUHEDGE_PREFIX).",
+)
+@click.option(
+    "--config",
+    "config_path",
+    envvar="GPUHEDGE_CONFIG",
+    default=None,
+    help="YAML config file (env GPUHEDGE_CONFIG; default ./config/gpuhedge.yaml, then packaged).",
+)
+@click.version_option(package_name="gpuhedge-celery")
+@click.pass_context
+def cli(ctx: click.Context, redis_url: str | None, prefix: str | None, config_path: str | None):
+    """Celery-native GPU scheduling on Redis: GPU leases and hedged serverless races."""
+    ctx.obj = CliContext(
+        settings=Settings.from_env(redis_url=redis_url, prefix=prefix, config_path=config_path)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: one-line errors with named exit codes, no tracebacks."""
+    try:
+        cli.main(args=argv, prog_name="gpuhedge-celery", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return EXIT_FAILED
+    except click.ClickException as e:
+        e.show()
+        return EXIT_USAGE
+    except StoreUnavailable as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_REDIS
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_USAGE
+    except GpuHedgeError as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

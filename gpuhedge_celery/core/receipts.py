@@ -1,0 +1,103 @@
+"""Cancellation receipts: what we can prove about a loser we tried to stop.
+
+Receipts are conservative by default: a fresh receipt says ``no_evidence`` and ``leaked=True``;
+only observed facts upgrade it. ``terminal_status`` is set only from an observed terminal state,
+never from the cancel call's own reply.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .jobs import JobState
+
+
+class Evidence(str, enum.Enum):
+    """How strongly we know a cancelled job stopped, strongest first."""
+
+    CONFIRMED_TERMINAL = "confirmed_terminal"  # we polled the job and saw a terminal state
+    PROVIDER_ACK = "provider_ack"  # the provider acknowledged the cancel request
+    REQUEST_CHANNEL_CLOSED = "request_channel_closed"  # we closed the connection carrying it
+    NO_EVIDENCE = "no_evidence"
+
+    @property
+    def rank(self) -> int:
+        return _EVIDENCE_RANK[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_EVIDENCE_RANK = {
+    Evidence.CONFIRMED_TERMINAL: 3,
+    Evidence.PROVIDER_ACK: 2,
+    Evidence.REQUEST_CHANNEL_CLOSED: 1,
+    Evidence.NO_EVIDENCE: 0,
+}
+
+
+class CancelScope(str, enum.Enum):
+    """What the cancel stopped: a queued job, one request, a whole container, or unknown."""
+
+    QUEUED_JOB = "queued_job"
+    REQUEST = "request"
+    CONTAINER = "container"
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class CancelReceipt:
+    """The audited record of one cancellation. Times are epoch milliseconds."""
+
+    provider: str
+    job_id: str
+    was_running: bool | None = None
+    cancel_sent_ms: float | None = None
+    cancel_ack_ms: float | None = None
+    terminal_ms: float | None = None
+    terminal_status: JobState | None = None
+    execution_ms_before_cancel: float | None = None
+    estimated_cost_usd: float | None = None
+    reconciled_cost_usd: float | None = None
+    evidence: Evidence = Evidence.NO_EVIDENCE
+    scope: CancelScope = CancelScope.UNKNOWN
+    confirmed_terminal: bool = False
+    billing_stop_confirmed: bool = False
+    leaked: bool = True
+    note: str = ""
+
+    def upgrade(self, evidence: Evidence) -> None:
+        """Raise the evidence level; never lowers it."""
+        if evidence.rank > self.evidence.rank:
+            self.evidence = evidence
+
+    def confirm_terminal(self, state: JobState, at_ms: float) -> None:
+        """Record an observed terminal state: the strongest evidence, and not leaked."""
+        if not state.terminal:
+            raise ValueError(f"{state} is not a terminal state")
+        self.terminal_status = state
+        self.terminal_ms = at_ms
+        self.confirmed_terminal = True
+        self.upgrade(Evidence.CONFIRMED_TERMINAL)
+        self.leaked = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["terminal_status"] = self.terminal_status.value if self.terminal_status else None
+        data["evidence"] = self.evidence.value
+        data["scope"] = self.scope.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CancelReceipt:
+        data = dict(data)
+        status = data.get("terminal_status")
+        data["terminal_status"] = JobState(status) if status else None
+        data["evidence"] = Evidence(data.get("evidence", Evidence.NO_EVIDENCE.value))
+        data["scope"] = CancelScope(data.get("scope", CancelScope.UNKNOWN.value))
+        return cls(**data)

@@ -1,0 +1,132 @@
+"""The exception tree of gpuhedge-celery.
+
+Every error the package raises on purpose derives from :class:`GpuHedgeError`, so a caller can
+catch as coarsely or as finely as it needs::
+
+    GpuHedgeError
+    ├── ConfigError            bad YAML, unknown key, wrong type, unset ${ENV}
+    ├── StoreError             anything about the Redis store
+    │   ├── StoreUnavailable   Redis unreachable (connection refused, timeout, auth)
+    │   └── NotificationsUnavailable  CONFIG forbidden: keyspace events cannot be enabled
+    ├── LeaseError             lease rules
+    │   ├── LeaseLost          release/renew by a holder whose token is no longer current
+    │   ├── StaleToken         a GPU worker refused work carrying an older fencing token
+    │   ├── UnknownPool        no such pool registered
+    │   ├── EmptyPool          the pool exists but has no live GPU
+    │   └── AcquireTimeout     no GPU became free before the caller's deadline
+    ├── ProviderError          provider adapters
+    │   ├── SubmitError        the provider did not accept the job
+    │   └── ProviderProtocolError  the provider answered something we cannot parse
+    ├── BudgetExceeded         a request would exceed its configured budget
+    └── RaceFailed             a race ended without a valid result (carries its receipt)
+
+Driver errors (redis-py, httpx) are translated at the boundary with ``raise ... from e`` so the
+original is kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GpuHedgeError(Exception):
+    """Base class of every gpuhedge-celery error."""
+
+
+class ConfigError(GpuHedgeError):
+    """Invalid configuration; the message names the file, the key and what was expected."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
+        self.file = file
+        self.key = key
+        where = ""
+        if file and key:
+            where = f"{file}: {key}: "
+        elif file:
+            where = f"{file}: "
+        elif key:
+            where = f"{key}: "
+        super().__init__(f"{where}{message}")
+
+
+class StoreError(GpuHedgeError):
+    """A problem with the Redis store."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis cannot be reached (refused, timed out, or authentication failed)."""
+
+
+class NotificationsUnavailable(StoreError):
+    """Keyspace notifications cannot be enabled (CONFIG is forbidden on managed Redis)."""
+
+
+class LeaseError(GpuHedgeError):
+    """A lease rule was violated."""
+
+
+class LeaseLost(LeaseError):
+    """The caller's lease is no longer current: it expired or another holder took the GPU."""
+
+    def __init__(self, gpu_id: str, token: int, message: str | None = None):
+        self.gpu_id = gpu_id
+        self.token = token
+        super().__init__(message or f"lease on GPU {gpu_id!r} with token {token} is no longer held")
+
+
+class StaleToken(LeaseError):
+    """A GPU worker refused work because its fencing token is older than one already seen."""
+
+    def __init__(self, gpu_id: str, token: int, current: int):
+        self.gpu_id = gpu_id
+        self.token = token
+        self.current = current
+        super().__init__(f"GPU {gpu_id!r} refused fencing token {token}: token {current} is newer")
+
+
+class UnknownPool(LeaseError):
+    """The named pool has no registered GPUs at all."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        super().__init__(f"unknown pool {pool!r}: no GPU is registered in it")
+
+
+class EmptyPool(LeaseError):
+    """The pool is known but none of its GPUs is on a live host."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        super().__init__(f"pool {pool!r} has no live GPU (every host stopped heartbeating)")
+
+
+class AcquireTimeout(LeaseError):
+    """No GPU of the pool became free before the caller's deadline."""
+
+
+class ProviderError(GpuHedgeError):
+    """A provider adapter failed."""
+
+    def __init__(self, provider: str, message: str):
+        self.provider = provider
+        super().__init__(f"provider {provider!r}: {message}")
+
+
+class SubmitError(ProviderError):
+    """The provider did not accept the job."""
+
+
+class ProviderProtocolError(ProviderError):
+    """The provider's answer could not be parsed (missing field, malformed JSON)."""
+
+
+class BudgetExceeded(GpuHedgeError):
+    """The request would exceed its configured budget."""
+
+
+class RaceFailed(GpuHedgeError):
+    """A race ended without a valid result. ``receipt`` holds the full race receipt (a dict)."""
+
+    def __init__(self, message: str, receipt: dict[str, Any] | None = None):
+        self.receipt = receipt or {}
+        super().__init__(message)

@@ -1,0 +1,74 @@
+"""Fixtures shared by every test tier.
+
+Tiers: pure tables (no fixtures), ``fake_redis`` (fakeredis, no expiry or events), ``redis_url`` /
+``redis_client`` (a real redis-server: the machine's, or one started here; never skipped), and
+real Celery worker processes (fixtures in tests/support/fixtures_*.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import uuid
+
+import pytest
+
+from tests.support.redis_server import shared_redis_url, start_redis_server
+
+# Every tests/support/fixtures_*.py module is a fixture plugin.
+pytest_plugins = sorted(
+    f"tests.support.{p.stem}"
+    for p in (pathlib.Path(__file__).parent / "support").glob("fixtures_*.py")
+)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a real redis-server. Fails (never skips) when none can be reached or started."""
+    try:
+        url, server = shared_redis_url()
+    except RuntimeError as e:
+        pytest.fail(f"no real redis-server for the tests: {e}")
+    yield url
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(redis_url):
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    import redis
+
+    value = f"t{uuid.uuid4().hex[:10]}"
+    yield value
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{value}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def private_redis():
+    """A redis-server of this test alone (for CONFIG changes, kills, restarts)."""
+    try:
+        server = start_redis_server()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_redis():
+    import fakeredis
+
+    return fakeredis.FakeRedis(decode_responses=True)
