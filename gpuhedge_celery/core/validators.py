@@ -1,0 +1,357 @@
+"""Result validators: decide whether a provider's payload is a usable answer.
+
+A race is won by the first *valid* result, so validators are the referee. Each validator is a
+plain function ``fn(payload, **options) -> ValidationResult`` registered under a name; configs
+and requests choose one by name (``wav``, ``json``, ``nonempty``, or a user's own)::
+
+    @validator("has_text")
+    def has_text(payload, **options):
+        return ValidationResult.check(bool(payload.get("text")), "no text in the payload")
+
+Pure code: stdlib only (numpy is used for speed when it is importable, never required).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import struct
+import sys
+import wave
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+try:  # optional accelerator; every code path also works without it
+    import numpy as _np
+except ImportError:  # pragma: no cover - depends on the environment
+    _np = None
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """The verdict of a validator: ``ok`` plus human-readable ``reasons`` when it is not."""
+
+    ok: bool
+    reasons: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def passed(cls, **details: Any) -> ValidationResult:
+        return cls(True, (), details)
+
+    @classmethod
+    def failed(cls, *reasons: str, **details: Any) -> ValidationResult:
+        return cls(False, tuple(reasons) or ("rejected",), details)
+
+    @classmethod
+    def check(cls, ok: bool, reason: str, **details: Any) -> ValidationResult:
+        """``passed`` when ``ok``, else ``failed(reason)``: for one-condition validators."""
+        return cls.passed(**details) if ok else cls.failed(reason, **details)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "reasons": list(self.reasons), "details": dict(self.details)}
+
+
+ValidatorFn = Callable[..., Any]
+
+_REGISTRY: dict[str, ValidatorFn] = {}
+
+
+def validator(name: str) -> Callable[[ValidatorFn], ValidatorFn]:
+    """Register the decorated function as the validator called ``name`` (replacing any other).
+
+    The function receives the payload and the validator's options as keyword arguments and
+    returns a :class:`ValidationResult` (a bare ``bool`` is accepted too).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("a validator needs a non-empty name")
+
+    def register(fn: ValidatorFn) -> ValidatorFn:
+        _REGISTRY[name] = fn
+        return fn
+
+    return register
+
+
+def available_validators() -> list[str]:
+    """Names of every registered validator, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_validator(name: str) -> ValidatorFn:
+    """The validator called ``name``; a :class:`ConfigError` listing the known ones if none."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(available_validators())
+        raise ConfigError(f"unknown validator {name!r} (known: {known})", key="validator") from None
+
+
+def validate(name: str, payload: Any, **options: Any) -> ValidationResult:
+    """Run the validator ``name`` on ``payload``; a validator that raises counts as a rejection."""
+    fn = get_validator(name)
+    try:
+        verdict = fn(payload, **options)
+    except TypeError as e:
+        if "unexpected keyword" in str(e):
+            # bad options are a configuration mistake, not a bad payload
+            raise ConfigError(f"validator {name!r}: {e}", key="validator") from e
+        return ValidationResult.failed(f"{name}: validator raised {type(e).__name__}: {e}")
+    except Exception as e:  # a user validator crashing must not crash the race
+        return ValidationResult.failed(f"{name}: validator raised {type(e).__name__}: {e}")
+    if isinstance(verdict, ValidationResult):
+        return verdict
+    if isinstance(verdict, bool):
+        return ValidationResult.check(verdict, f"rejected by validator {name!r}")
+    raise TypeError(f"validator {name!r} returned {type(verdict).__name__}, not ValidationResult")
+
+
+# --- nonempty -------------------------------------------------------------------------------
+
+
+@validator("nonempty")
+def nonempty(payload: Any) -> ValidationResult:
+    """Accept anything but ``None``, empty or whitespace-only strings/bytes and empty containers."""
+    if payload is None:
+        return ValidationResult.failed("payload is missing (None)")
+    if isinstance(payload, (str, bytes, bytearray)) and not payload.strip():
+        return ValidationResult.failed("payload is empty")
+    if isinstance(payload, (Mapping, Sequence)) and len(payload) == 0:
+        return ValidationResult.failed("payload is an empty container")
+    return ValidationResult.passed()
+
+
+# --- json -----------------------------------------------------------------------------------
+
+
+@validator("json")
+def json_payload(payload: Any, required: Sequence[str] = ()) -> ValidationResult:
+    """Accept a JSON document (text, bytes, or already-parsed dict/list); ``required`` top keys."""
+    if isinstance(payload, (bytes, bytearray)):
+        try:
+            payload = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return ValidationResult.failed("payload is not UTF-8 text")
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except ValueError as e:
+            return ValidationResult.failed(f"payload is not valid JSON: {e}")
+    elif not isinstance(payload, (dict, list, int, float, bool)) and payload is not None:
+        return ValidationResult.failed(f"payload is a {type(payload).__name__}, not JSON")
+    if required:
+        if not isinstance(payload, dict):
+            return ValidationResult.failed("payload is not a JSON object")
+        missing = [k for k in required if k not in payload]
+        if missing:
+            return ValidationResult.failed(f"missing keys: {', '.join(missing)}")
+    return ValidationResult.passed()
+
+
+# --- wav ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Audio:
+    sample_rate: int
+    channels: int
+    frames: int
+    samples: Any  # interleaved floats in [-1, 1]: a list, an array('d') or a numpy array
+
+
+def _wav_bytes(payload: Any) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    if isinstance(payload, str):
+        text = payload.strip()
+        if text.startswith("data:") and "," in text:  # data:audio/wav;base64,....
+            text = text.split(",", 1)[1]
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"payload is not base64: {e}") from e
+    raise ValueError(f"payload is a {type(payload).__name__}, expected WAV bytes or base64 text")
+
+
+def _pcm_to_floats(raw: bytes, width: int) -> Any:
+    """Interleaved PCM ints to floats in [-1, 1) (WAV is little-endian; 8-bit is unsigned)."""
+    if _np is not None:
+        if width == 1:
+            return (_np.frombuffer(raw, dtype=_np.uint8).astype(_np.float64) - 128.0) / 128.0
+        if width == 3:
+            b = _np.frombuffer(raw[: len(raw) // 3 * 3], dtype=_np.uint8).reshape(-1, 3)
+            ints = b[:, 0].astype(_np.int32) | (b[:, 1].astype(_np.int32) << 8)
+            ints |= b[:, 2].astype(_np.int8).astype(_np.int32) << 16
+            return ints.astype(_np.float64) / float(1 << 23)
+        dtype = {2: "<i2", 4: "<i4"}[width]
+        return _np.frombuffer(raw, dtype=dtype).astype(_np.float64) / float(1 << (8 * width - 1))
+    if width == 1:
+        return [(b - 128) / 128.0 for b in raw]
+    if width == 3:
+        scale = float(1 << 23)
+        return [
+            int.from_bytes(raw[i : i + 3], "little", signed=True) / scale
+            for i in range(0, len(raw) - 2, 3)
+        ]
+    ints = array({2: "h", 4: "i"}[width])
+    if ints.itemsize != width:  # pragma: no cover - exotic platforms
+        raise ValueError(f"no native {width}-byte integer type")
+    ints.frombytes(raw[: len(raw) // width * width])
+    if sys.byteorder == "big":  # pragma: no cover
+        ints.byteswap()
+    scale = float(1 << (8 * width - 1))
+    return [x / scale for x in ints]
+
+
+def _read_riff(data: bytes) -> _Audio:
+    """Parse WAVs the stdlib ``wave`` module refuses before 3.12: IEEE float (format 3) and
+    WAVE_FORMAT_EXTENSIBLE wrapping PCM or float."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a RIFF/WAVE file")
+    pos, fmt, payload = 12, None, None
+    while pos + 8 <= len(data):
+        cid, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
+        body = data[pos + 8 : pos + 8 + size]
+        if cid == b"fmt " and len(body) >= 16:
+            fmt = body
+        elif cid == b"data":
+            payload = body
+        pos += 8 + size + (size & 1)
+    if fmt is None or payload is None:
+        raise ValueError("not a WAV file: no fmt or data chunk")
+    tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", fmt[:16])
+    if tag == 0xFFFE and len(fmt) >= 26:  # the real format code opens the sub-format GUID
+        tag = struct.unpack("<H", fmt[24:26])[0]
+    if channels < 1 or rate < 1:
+        raise ValueError(f"not a WAV file: {channels} channels at {rate} Hz")
+    if tag == 1 and bits in (8, 16, 24, 32):
+        samples = _pcm_to_floats(payload, bits // 8)
+    elif tag == 3 and bits in (32, 64):
+        samples = array("f" if bits == 32 else "d")
+        samples.frombytes(payload[: len(payload) // (bits // 8) * (bits // 8)])
+        if sys.byteorder == "big":  # pragma: no cover
+            samples.byteswap()
+    else:
+        raise ValueError(f"unsupported WAV format tag {tag} with {bits}-bit samples")
+    return _Audio(rate, channels, len(samples) // channels, samples)
+
+
+def tone_wav(
+    duration_s: float = 1.0,
+    sample_rate: int = 16_000,
+    amplitude: float = 0.3,
+    freq_hz: float = 220.0,
+    channels: int = 1,
+) -> bytes:
+    """A 16-bit PCM sine-tone WAV: the simulator's payload and the tests' known-good audio."""
+    frames = int(round(duration_s * sample_rate))
+    peak = 32767
+    step = 2 * math.pi * freq_hz / sample_rate
+    ints = array("h")
+    for i in range(frames):
+        v = int(max(-1.0, min(1.0, amplitude * math.sin(step * i))) * peak)
+        ints.extend([v] * channels)
+    if sys.byteorder == "big":  # pragma: no cover
+        ints.byteswap()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(ints.tobytes())
+    return buf.getvalue()
+
+
+def read_wav(payload: Any) -> _Audio:
+    """Decode WAV bytes (or base64 text) to interleaved float samples; ``ValueError`` if not WAV."""
+    data = _wav_bytes(payload)
+    try:
+        with wave.open(io.BytesIO(data), "rb") as w:
+            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            frames = w.getnframes()
+            raw = w.readframes(frames)
+    except wave.Error as e:
+        if "unknown format" in str(e):
+            return _read_riff(data)
+        raise ValueError(f"not a WAV file: {e}") from e
+    except (EOFError, struct.error) as e:
+        raise ValueError(f"truncated WAV file: {e}") from e
+    if width not in (1, 2, 3, 4):
+        raise ValueError(f"unsupported sample width {width} bytes")
+    samples = _pcm_to_floats(raw, width)
+    return _Audio(rate, channels, len(samples) // max(channels, 1), samples)
+
+
+def _audio_stats(audio: _Audio, clip_at: float) -> tuple[bool, float, float]:
+    """(has NaN, RMS of the mono mix, fraction of samples with |x| >= clip_at)."""
+    n_ch, frames = audio.channels, audio.frames
+    if _np is not None:
+        x = _np.asarray(audio.samples, dtype=_np.float64)[: frames * n_ch]
+        if _np.isnan(x).any():
+            return True, float("nan"), 0.0
+        mono = x.reshape(frames, n_ch).mean(axis=1) if n_ch > 1 else x
+        rms = float(_np.sqrt(_np.mean(mono * mono))) if frames else 0.0
+        clipped = float(_np.count_nonzero(_np.abs(x) >= clip_at)) / max(len(x), 1)
+        return False, rms, clipped
+    x = audio.samples
+    if any(v != v for v in x):  # NaN is the only value not equal to itself
+        return True, float("nan"), 0.0
+    if n_ch == 1:
+        mono = x
+    else:
+        mono = [sum(x[i : i + n_ch]) / n_ch for i in range(0, frames * n_ch, n_ch)]
+    rms = math.sqrt(math.fsum(v * v for v in mono) / frames) if frames else 0.0
+    clipped = sum(1 for v in x if abs(v) >= clip_at) / max(len(x), 1)
+    return False, rms, clipped
+
+
+@validator("wav")
+def wav_payload(
+    payload: Any,
+    sample_rate: int | None = None,
+    min_s: float = 0.5,
+    max_s: float = 120.0,
+    min_rms: float = 1e-4,
+    max_clipped: float = 0.01,
+    clip_at: float = 0.999,
+) -> ValidationResult:
+    """Accept speech-like audio: parseable WAV, 0.5-120 s, audible (mono-mix RMS >= 1e-4),
+    at most 1 % of samples clipped at |x| >= 0.999, no NaN, and ``sample_rate`` if given."""
+    try:
+        audio = read_wav(payload)
+    except ValueError as e:
+        return ValidationResult.failed(str(e))
+    reasons: list[str] = []
+    duration = audio.frames / audio.sample_rate if audio.sample_rate else 0.0
+    details = {
+        "duration_s": round(duration, 4),
+        "sample_rate": audio.sample_rate,
+        "channels": audio.channels,
+    }
+    if sample_rate is not None and audio.sample_rate != int(sample_rate):
+        reasons.append(f"sample rate {audio.sample_rate} Hz, expected {int(sample_rate)} Hz")
+    if duration < min_s:
+        reasons.append(f"too short: {duration:.3f} s < {min_s} s")
+    elif duration > max_s:
+        reasons.append(f"too long: {duration:.3f} s > {max_s} s")
+    if audio.frames:
+        has_nan, rms, clipped = _audio_stats(audio, clip_at)
+        if has_nan:
+            reasons.append("samples contain NaN")
+        else:
+            details.update(rms=rms, clipped_fraction=clipped)
+            if rms < min_rms:
+                reasons.append(f"near-silent: RMS {rms:.2e} < {min_rms:g}")
+            if clipped > max_clipped:
+                reasons.append(f"clipped: {clipped:.1%} of samples at |x| >= {clip_at}")
+    return ValidationResult(not reasons, tuple(reasons), details)
