@@ -1,0 +1,118 @@
+"""Pure lease rules: how to read a lease row, and how long a pool's lease TTL should be.
+
+No I/O here: the store passes in what it read, the CLI prints what comes out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+FREE = "free"
+HELD = "held"
+STALE = "stale"
+
+# Used only until a pool's TTL is set (``gpuhedge-celery leases suggest-ttl`` says what to set).
+DEFAULT_POOL_TTL_MS = 60_000
+
+DEFAULT_PERCENTILE = 99.0
+DEFAULT_MARGIN = 1.5
+MIN_TTL_MS = 1_000
+FEW_SAMPLES = 20
+
+
+def classify(*, leased: bool, host_live: bool, token: int = 0, accepted: int = 0) -> str:
+    """The state the table shows for one GPU: ``free``, ``held`` or ``stale``.
+
+    A lease is stale when its host stopped heartbeating (nobody renews it, it only waits for its
+    TTL) or when the GPU's worker already accepted a newer token than the lease carries.
+    """
+    if not leased:
+        return FREE
+    if not host_live or token < accepted:
+        return STALE
+    return HELD
+
+
+def validate_ttl_ms(ttl_ms: object, *, what: str = "ttl_ms") -> int:
+    """``ttl_ms`` as a positive int; ValueError naming ``what`` otherwise."""
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int):
+        raise ValueError(f"{what} must be a whole number of milliseconds, got {ttl_ms!r}")
+    if ttl_ms <= 0:
+        raise ValueError(f"{what} must be > 0 ms, got {ttl_ms}")
+    return ttl_ms
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of ``values`` (sorted or not), ``0 < pct <= 100``."""
+    if not values:
+        raise ValueError("no values")
+    if not 0 < pct <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {pct}")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True)
+class TtlSuggestion:
+    """A recommended lease TTL and the numbers it came from."""
+
+    ttl_ms: int
+    samples: int
+    percentile: float  # which percentile was used (100 = the maximum, when samples are few)
+    percentile_s: float  # that percentile of the recorded durations
+    margin: float
+    median_s: float
+    max_s: float
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def suggest_ttl(
+    durations_s: Iterable[float],
+    *,
+    pct: float = DEFAULT_PERCENTILE,
+    margin: float = DEFAULT_MARGIN,
+    min_ttl_ms: int = MIN_TTL_MS,
+) -> TtlSuggestion:
+    """Recommend a lease TTL from recorded job durations (seconds).
+
+    TTL = the ``pct`` percentile of durations x ``margin`` (at least ``min_ttl_ms``): nearly every
+    job then finishes within one TTL even if its renewals stall, while a crashed holder's GPU
+    comes back within that TTL. With fewer than 20 samples the maximum stands in for the
+    percentile, because a percentile of a handful of numbers is noise.
+    """
+    values = [float(d) for d in durations_s]
+    if not values:
+        raise ValueError("no job durations recorded: nothing to base a TTL on")
+    bad = [d for d in values if not math.isfinite(d) or d < 0]
+    if bad:
+        raise ValueError(f"job durations must be finite and >= 0 s, got {bad[0]!r}")
+    if margin < 1:
+        raise ValueError(f"margin must be >= 1, got {margin}")
+    used_pct = 100.0 if len(values) < FEW_SAMPLES else pct
+    p = percentile(values, used_pct)
+    ttl_ms = max(min_ttl_ms, math.ceil(p * margin * 1000))
+    which = "max" if used_pct == 100.0 else f"p{used_pct:g}"
+    few = f" (only {len(values)} samples, so the max)" if used_pct == 100.0 else ""
+    reason = (
+        f"{which} of {len(values)} recorded job durations is {p:.3f} s{few}; "
+        f"TTL = {which} x {margin:g} margin = {ttl_ms / 1000:.3f} s"
+        + (f" (raised to the {min_ttl_ms} ms floor)" if ttl_ms == min_ttl_ms else "")
+        + ": jobs that long still finish inside one TTL if renewal stalls, and a crashed "
+        "holder's GPU is free again within it"
+    )
+    return TtlSuggestion(
+        ttl_ms=ttl_ms,
+        samples=len(values),
+        percentile=used_pct,
+        percentile_s=p,
+        margin=margin,
+        median_s=percentile(values, 50),
+        max_s=max(values),
+        reason=reason,
+    )

@@ -1,0 +1,102 @@
+"""Every Redis key and channel name the lease store uses, in one place.
+
+All names live under one configurable prefix so several deployments (or test runs) can share a
+Redis without seeing each other's keys.
+"""
+
+from __future__ import annotations
+
+LEASE_SEGMENT = "lease"
+
+
+class Keys:
+    """Builds the key names of one deployment (one prefix)."""
+
+    def __init__(self, prefix: str = "gpuhedge"):
+        if not prefix:
+            raise ValueError("key prefix must not be empty")
+        self.prefix = prefix
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    # -- leases -----------------------------------------------------------------------------
+    def lease(self, gpu_id: str) -> str:
+        """String ``token|since_ms|holder`` with a PX TTL: present while the GPU is held."""
+        return self._k(LEASE_SEGMENT, gpu_id)
+
+    def lease_prefix(self) -> str:
+        """What every lease key starts with (the listener filters keyspace events on it)."""
+        return self._k(LEASE_SEGMENT, "")
+
+    def gpu_of_lease_key(self, key: str) -> str | None:
+        """The GPU id of a lease key of this prefix, else None."""
+        start = self.lease_prefix()
+        return key[len(start) :] if key.startswith(start) else None
+
+    def fence(self, gpu_id: str) -> str:
+        """Integer counter: the last fencing token issued for the GPU (INCR, never reset)."""
+        return self._k("fence", gpu_id)
+
+    def accepted(self, gpu_id: str) -> str:
+        """Integer: the highest fencing token the GPU's worker has accepted (check_fence)."""
+        return self._k("accepted", gpu_id)
+
+    # -- registry ---------------------------------------------------------------------------
+    def gpu(self, gpu_id: str) -> str:
+        """Hash: pool, host, labels (JSON) of one registered GPU."""
+        return self._k("gpu", gpu_id)
+
+    def all_gpus(self) -> str:
+        """Set of every registered GPU id."""
+        return self._k("gpus")
+
+    def pool_gpus(self, pool: str) -> str:
+        """Set of the GPU ids registered in a pool."""
+        return self._k("pool", pool, "gpus")
+
+    def pools(self) -> str:
+        """Set of pool names."""
+        return self._k("pools")
+
+    def pool_ttl(self) -> str:
+        """Hash pool -> lease TTL in ms (one hash so the claim script can read it from KEYS)."""
+        return self._k("pool_ttl")
+
+    def host(self, host: str) -> str:
+        """Host heartbeat: present (with a PX TTL) while the host is alive."""
+        return self._k("host", host)
+
+    def host_gpus(self, host: str) -> str:
+        """Set of the GPU ids owned by a host."""
+        return self._k("host", host, "gpus")
+
+    def durations(self, pool: str) -> str:
+        """List of recent job durations (seconds, newest first) for TTL suggestions."""
+        return self._k("durations", pool)
+
+    # -- waiting ----------------------------------------------------------------------------
+    def waiters(self, pool: str) -> str:
+        """Sorted set holder -> arrival number: the pool's FIFO wait queue."""
+        return self._k("waiters", pool)
+
+    def waitinfo(self, pool: str) -> str:
+        """Hash holder -> ``expires_at_ms|gpu,gpu,...``: liveness and GPU filter of each waiter."""
+        return self._k("waitinfo", pool)
+
+    def waitseq(self, pool: str) -> str:
+        """Integer counter giving waiters their arrival numbers."""
+        return self._k("waitseq", pool)
+
+    def wake_channel(self) -> str:
+        """Pub/sub channel (message: pool) published when a queue change may let a waiter in."""
+        return self._k("wake")
+
+    # -- reconcile --------------------------------------------------------------------------
+    def running(self, gpu_id: str) -> str:
+        """What the GPU's worker reports running (owned by the Celery glue)."""
+        return self._k("running", gpu_id)
+
+    def reconcile_lock(self) -> str:
+        """Short lock so two reconcile passes never run at once."""
+        return self._k("reconcile", "lock")

@@ -1,0 +1,16 @@
+-- renew: extend a lease, only for the holder of the current fencing token.
+-- KEYS[1] lease key
+-- ARGV[1] the caller's token   ARGV[2] new TTL in ms
+-- Returns 1   renewed
+--        -1   no lease (it expired or was freed)
+--        -2   the lease carries another token (someone else holds the GPU)
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return -1
+end
+local token = string.match(value, '^(%d+)|')
+if token ~= ARGV[1] then
+  return -2
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1

@@ -1,0 +1,52 @@
+-- timer_claim: take up to ARGV[2] timers that are due (or whose claimer's lease ran out).
+-- KEYS[1] due ZSET (id -> due ms)      KEYS[2] in-flight ZSET (id -> lease deadline ms)
+-- KEYS[3] data HASH (id -> JSON record) KEYS[4] deliveries HASH (id -> claim count)
+-- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim
+-- ARGV[3] lease in ms: unacknowledged claims become claimable again after it
+-- Returns {deadline, next_ms, id1, record1, deliveries1, id2, ...}
+--   deadline  the lease deadline of this claim (the token ack compares)
+--   next_ms   the earliest due time or lease deadline left after this claim, -1 if none
+local now = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
+local deadline = now + tonumber(ARGV[3])
+local out = {deadline, -1}
+
+local function take(id)
+  local record = redis.call('HGET', KEYS[3], id)
+  if not record then
+    -- Cancelled between being scheduled and claimed: drop the orphan entry.
+    redis.call('ZREM', KEYS[2], id)
+    return
+  end
+  redis.call('ZADD', KEYS[2], deadline, id)
+  local n = redis.call('HINCRBY', KEYS[4], id, 1)
+  out[#out + 1] = id
+  out[#out + 1] = record
+  out[#out + 1] = n
+end
+
+-- Claims whose holder died come first: they were due before anything still waiting.
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(expired) do
+  take(id)
+end
+local room = limit - #expired
+if room > 0 then
+  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, room)
+  for _, id in ipairs(due) do
+    redis.call('ZREM', KEYS[1], id)
+    take(id)
+  end
+end
+
+local next_ms = -1
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if head[2] then
+  next_ms = tonumber(head[2])
+end
+head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if head[2] and (next_ms < 0 or tonumber(head[2]) < next_ms) then
+  next_ms = tonumber(head[2])
+end
+out[2] = next_ms
+return out
