@@ -1,0 +1,118 @@
+"""Key names (and Lua script registration) for distributed races and durable timers.
+
+Every key of one race carries the race id as a Redis Cluster hash tag (``{<race_id>}``), so a
+Lua script may touch all of that race's keys at once and Cluster keeps them on one slot. The
+timer keys of one timer namespace share the tag ``{<namespace>}`` for the same reason; a
+deployment that outgrows one slot runs several namespaces (shards).
+
+Cross-race structures (the live-race index) live on their own slot and are never touched in the
+same script as a race's keys: they are hints, written next to the script in a pipeline.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+# A race id or timer namespace becomes part of a hash tag: braces would break the tag, and
+# whitespace or control characters make keys unreadable in redis-cli.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+def check_name(value: str, what: str) -> str:
+    """Return ``value`` if it is safe inside a key's hash tag, else raise ``ValueError``."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(
+            f"invalid {what} {value!r}: expected 1-200 letters, digits, '_', '-', '.' or ':'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class TimerKeys:
+    """The keys of one timer namespace (all on the slot of ``{namespace}``)."""
+
+    due: str  # ZSET timer id -> due epoch ms
+    inflight: str  # ZSET timer id -> claim lease deadline epoch ms
+    data: str  # HASH timer id -> JSON {"key", "due", "payload"}
+    deliveries: str  # HASH timer id -> how many times it was claimed
+    seq: str  # STRING counter giving timer ids their sequence number
+    channel: str  # pub/sub channel announcing a new earliest timer
+
+
+def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
+    """Key names of the timer namespace ``namespace`` under ``prefix``."""
+    check_name(namespace, "timer namespace")
+    base = f"{prefix}:{{{namespace}}}"
+    return TimerKeys(
+        due=f"{base}:due",
+        inflight=f"{base}:inflight",
+        data=f"{base}:data",
+        deliveries=f"{base}:deliveries",
+        seq=f"{base}:seq",
+        channel=f"{base}:wake",
+    )
+
+
+@dataclass(frozen=True)
+class RaceKeys:
+    """The keys of one race (all on the slot of ``{race_id}``)."""
+
+    state: str  # HASH {"v": version, "data": JSON state}
+    winner: str  # STRING attempt id of the one winner
+    jobs: str  # HASH attempt id -> JSON provider job handle (live jobs only)
+    owner: str  # STRING "token|owner" with a PX lease
+    owner_seq: str  # STRING fencing counter for owner tokens
+    receipt: str  # STRING JSON receipt, with a TTL
+
+    def all(self) -> tuple[str, ...]:
+        """Every key of the race, for expiry and clean-up."""
+        return (self.state, self.winner, self.jobs, self.owner, self.owner_seq, self.receipt)
+
+
+def race_keys(prefix: str, race_id: str) -> RaceKeys:
+    """Key names of race ``race_id`` under ``prefix``."""
+    check_name(race_id, "race id")
+    base = f"{prefix}:race:{{{race_id}}}"
+    return RaceKeys(
+        state=f"{base}:state",
+        winner=f"{base}:winner",
+        jobs=f"{base}:jobs",
+        owner=f"{base}:owner",
+        owner_seq=f"{base}:owner_seq",
+        receipt=f"{base}:receipt",
+    )
+
+
+def live_races_key(prefix: str) -> str:
+    """ZSET race id -> last heartbeat epoch ms, read by the janitor (its own slot)."""
+    return f"{prefix}:{{races}}:live"
+
+
+@cache
+def _lua_source(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+_registered: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def lua_script(client: Any, name: str) -> Any:
+    """The ``lua/<name>.lua`` script registered on ``client``, registered once and reused.
+
+    redis-py sends EVALSHA and loads the source only when the server answers NOSCRIPT, so the
+    script text crosses the network once per server, not once per call.
+    """
+    scripts = _registered.get(client)
+    if scripts is None:
+        scripts = {}
+        _registered[client] = scripts
+    script = scripts.get(name)
+    if script is None:
+        script = client.register_script(_lua_source(name))
+        scripts[name] = script
+    return script

@@ -1,0 +1,333 @@
+"""Durable timers in Redis that any coordinator process may fire, and the thread that fires them.
+
+Hedge, cutover, safety and escalation timers must fire on time and must not die with the worker
+that armed them, so they are not Celery countdown tasks (a dead worker's ETA task waits for the
+broker's visibility timeout, one hour by default). Instead:
+
+* a timer is a member of a ZSET scored by its due time (epoch ms), with its record in a hash;
+* :meth:`TimerStore.claim` atomically moves due timers into an in-flight ZSET scored by a lease
+  deadline, so two processes never both fire one timer;
+* :meth:`TimerStore.ack` removes a fired timer, but only for the claim that is still current;
+* an in-flight timer whose lease passed (its claimer died) is claimable again: delivery is
+  at least once, so handlers must be idempotent (the race store's version check makes them so).
+
+:class:`TimerService` is a daemon thread per process that sleeps until the earliest due time,
+woken early by a pub/sub message when an earlier timer is armed, and re-reads at least every
+``idle_ms`` in case a message was lost (pub/sub is fire-and-forget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from ..core.clock import Clock, WallClock
+from ..errors import StoreError
+from .connection import translate_errors
+from .race_keys import lua_script, timer_keys
+
+log = logging.getLogger(__name__)
+
+ACKED = 1
+NOT_IN_FLIGHT = 0
+CLAIMED_ELSEWHERE = -1
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Translate redis-py errors into the package's :class:`StoreError` branch."""
+    with translate_errors():
+        try:
+            yield
+        except redis.ResponseError as e:
+            raise StoreError(f"{what} failed in Redis: {e}") from e
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """One claimed timer. ``lease_deadline_ms`` identifies the claim when acknowledging it."""
+
+    id: str
+    key: str
+    due_ms: int
+    payload: dict[str, Any]
+    deliveries: int
+    lease_deadline_ms: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one claim returned: the timers (earliest first) and when to look again."""
+
+    timers: list[Timer]
+    next_ms: int | None  # earliest due time or lease deadline left, None when nothing is left
+
+
+class TimerStore:
+    """A namespace of durable timers in Redis (keys from :func:`timer_keys`)."""
+
+    def __init__(self, client: Any, prefix: str = "gpuhedge", namespace: str = "timers"):
+        self.client = client
+        self.keys = timer_keys(prefix, namespace)
+        self._arm = lua_script(client, "timer_arm")
+        self._claim = lua_script(client, "timer_claim")
+        self._ack = lua_script(client, "timer_ack")
+        self._cancel = lua_script(client, "timer_cancel")
+
+    def _arm_args(
+        self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None
+    ) -> tuple[list[str], list[Any]]:
+        if not isinstance(key, str) or not key or "\n" in key or len(key) > 300:
+            raise ValueError(f"invalid timer key {key!r}: expected 1-300 characters, no newline")
+        if isinstance(due_ms, bool) or not isinstance(due_ms, int) or due_ms < 0:
+            raise ValueError(f"invalid due time {due_ms!r}: expected epoch milliseconds (int)")
+        if not isinstance(payload, dict):
+            raise ValueError(f"invalid timer payload for {key!r}: expected a dict")
+        try:
+            record = json.dumps({"key": key, "due": due_ms, "payload": payload})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"timer payload for {key!r} is not JSON-serialisable: {e}") from None
+        k = self.keys
+        return [k.due, k.data, k.seq, k.inflight], [key, due_ms, record, timer_id or "", k.channel]
+
+    def arm(
+        self, key: str, due_ms: int, payload: dict[str, Any], *, timer_id: str | None = None
+    ) -> str:
+        """Schedule a timer due at ``due_ms`` (epoch ms) and return its id (``key|seq``).
+
+        With an explicit ``timer_id`` arming is idempotent: arming an id that is already
+        waiting or in flight changes nothing (a redelivered task may arm twice).
+        """
+        keys, args = self._arm_args(key, due_ms, payload, timer_id)
+        with store_errors("arming a timer"):
+            found = self._arm(keys=keys, args=args)
+        return _text(found[0])
+
+    def arm_many(self, items: Iterable[tuple[str, int, dict[str, Any]]]) -> list[str]:
+        """Arm several ``(key, due_ms, payload)`` timers in one round trip; returns their ids."""
+        with store_errors("arming timers"):
+            pipe = self.client.pipeline(transaction=False)
+            for key, due_ms, payload in items:
+                keys, args = self._arm_args(key, due_ms, payload, None)
+                self._arm(keys=keys, args=args, client=pipe)
+            return [_text(found[0]) for found in pipe.execute()]
+
+    def cancel(self, timer_id: str) -> bool:
+        """Remove a timer, waiting or in flight; False when it already fired or never existed."""
+        k = self.keys
+        with store_errors("cancelling a timer"):
+            found = self._cancel(keys=[k.due, k.inflight, k.data, k.deliveries], args=[timer_id])
+        return bool(found)
+
+    def claim(self, now_ms: int, limit: int = 100, lease_ms: int = 10_000) -> Claim:
+        """Atomically take up to ``limit`` timers due at ``now_ms``, each leased for ``lease_ms``.
+
+        Timers whose earlier claim's lease has passed are taken first. Nothing else can claim a
+        taken timer until ``now + lease_ms``; acknowledge it before then.
+        """
+        if limit < 1 or lease_ms < 1:
+            raise ValueError(f"claim needs limit >= 1 and lease_ms >= 1, got {limit}, {lease_ms}")
+        k = self.keys
+        with store_errors("claiming due timers"):
+            raw = self._claim(
+                keys=[k.due, k.inflight, k.data, k.deliveries], args=[now_ms, limit, lease_ms]
+            )
+        deadline, next_ms = int(raw[0]), int(raw[1])
+        timers = []
+        for i in range(2, len(raw), 3):
+            record = json.loads(_text(raw[i + 1]))
+            timers.append(
+                Timer(
+                    id=_text(raw[i]),
+                    key=record["key"],
+                    due_ms=int(record["due"]),
+                    payload=record["payload"],
+                    deliveries=int(raw[i + 2]),
+                    lease_deadline_ms=deadline,
+                )
+            )
+        timers.sort(key=lambda t: t.due_ms)
+        return Claim(timers=timers, next_ms=None if next_ms < 0 else next_ms)
+
+    def claim_due(self, now_ms: int, limit: int = 100, lease_ms: int = 10_000) -> list[Timer]:
+        """The timers of :meth:`claim`, earliest due first."""
+        return self.claim(now_ms, limit, lease_ms).timers
+
+    def ack(self, timer: Timer) -> bool:
+        """Mark a fired timer done; False when the claim is no longer current (see ack_many)."""
+        return self.ack_many([timer])[0] == ACKED
+
+    def ack_many(self, timers: list[Timer]) -> list[int]:
+        """Acknowledge several timers in one call; one code per timer.
+
+        ``ACKED`` removed; ``NOT_IN_FLIGHT`` cancelled or already acknowledged;
+        ``CLAIMED_ELSEWHERE`` its lease ran out and another process claimed it again.
+        """
+        if not timers:
+            return []
+        args: list[Any] = []
+        for t in timers:
+            args += [t.id, t.lease_deadline_ms]
+        k = self.keys
+        with store_errors("acknowledging timers"):
+            return [int(c) for c in self._ack(keys=[k.inflight, k.data, k.deliveries], args=args)]
+
+    def pending(self) -> int:
+        """How many timers wait to become due (not counting those in flight)."""
+        with store_errors("counting timers"):
+            return int(self.client.zcard(self.keys.due))
+
+    def in_flight(self) -> int:
+        """How many timers are claimed and not yet acknowledged."""
+        with store_errors("counting timers"):
+            return int(self.client.zcard(self.keys.inflight))
+
+    def due_time(self, timer_id: str) -> int | None:
+        """The due time of a waiting timer, None if it is not waiting."""
+        with store_errors("reading a timer"):
+            score = self.client.zscore(self.keys.due, timer_id)
+        return None if score is None else int(score)
+
+
+TimerHandler = Callable[[Timer], None]
+
+
+class TimerService:
+    """A daemon thread that fires a namespace's timers in this process (start one per process).
+
+    For each claimed timer it calls ``handler(timer)`` and acknowledges the timer once the
+    handler returns. A handler that raises leaves its timer in flight, so it is delivered again
+    after ``lease_ms`` (up to ``max_deliveries`` times, then dropped with an error in the log).
+    Handlers should be short (send a task, write a flag): a claim's lease covers its whole batch.
+    """
+
+    def __init__(
+        self,
+        store: TimerStore,
+        handler: TimerHandler,
+        *,
+        batch: int = 200,
+        lease_ms: int = 10_000,
+        idle_ms: int = 100,
+        use_pubsub: bool = True,
+        max_deliveries: int = 10,
+        clock: Clock | None = None,
+        name: str = "gpuhedge-timers",
+    ):
+        if idle_ms < 1:
+            raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
+        self.store = store
+        self.handler = handler
+        self.batch = batch
+        self.lease_ms = lease_ms
+        # Without wake-up messages only polling bounds the lag, so poll often.
+        self.idle_ms = idle_ms if use_pubsub else min(idle_ms, 5)
+        self.use_pubsub = use_pubsub
+        self.max_deliveries = max_deliveries
+        self.clock = clock or WallClock()
+        self.fired = 0
+        self.failed = 0
+        self.last_error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._pubsub: Any = None
+
+    def now_ms(self) -> int:
+        return int(self.clock.now() * 1000)
+
+    def start(self) -> TimerService:
+        """Start the thread (once); returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the thread to stop and wait for it; claimed timers are finished first."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def run_once(self) -> int | None:
+        """Claim and fire one batch; returns when to look again (epoch ms), None if idle."""
+        claim = self.store.claim(self.now_ms(), self.batch, self.lease_ms)
+        done = []
+        for timer in claim.timers:
+            if self._fire(timer):
+                done.append(timer)
+        if done:
+            self.store.ack_many(done)
+        if claim.timers:
+            return self.now_ms()  # there may be more due than one batch held
+        return claim.next_ms
+
+    def _fire(self, timer: Timer) -> bool:
+        try:
+            self.handler(timer)
+        except Exception:
+            self.failed += 1
+            if timer.deliveries >= self.max_deliveries:
+                log.error("timer %s dropped after %d failed deliveries", timer.id, timer.deliveries)
+                return True
+            log.exception("timer %s handler failed; it will be delivered again", timer.id)
+            return False
+        self.fired += 1
+        return True
+
+    def _wait(self, ms: int) -> None:
+        if ms <= 0:
+            return
+        if self._pubsub is None:
+            self._stop.wait(ms / 1000)
+            return
+        # A message means an earlier timer was armed; drain the rest so a burst costs one claim.
+        if self._pubsub.get_message(timeout=ms / 1000) is not None:
+            while self._pubsub.get_message(timeout=0) is not None:
+                pass
+
+    def _subscribe(self) -> None:
+        if not self.use_pubsub:
+            return
+        self._close_pubsub()
+        pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.store.keys.channel)
+        self._pubsub = pubsub
+
+    def _close_pubsub(self) -> None:
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                self._pubsub.close()
+            self._pubsub = None
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while not self._stop.is_set():
+            try:
+                if self.use_pubsub and self._pubsub is None:
+                    # Subscribe before claiming, so no wake-up between the two is missed.
+                    self._subscribe()
+                next_ms = self.run_once()
+                backoff = 0.0
+                now = self.now_ms()
+                wait = self.idle_ms if next_ms is None else min(next_ms - now, self.idle_ms)
+                self._wait(wait)
+            except Exception as e:  # the thread must not die silently: log, back off, retry
+                self.last_error = e
+                log.warning("timer service: %s; retrying", e)
+                self._close_pubsub()
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                self._stop.wait(backoff)
+        self._close_pubsub()
