@@ -1,0 +1,21 @@
+-- race_owner_claim: take (or re-take) the ownership lease of a race, with a fencing token.
+-- KEYS[1] owner STRING "token|owner" with a PX expiry
+-- KEYS[2] fencing counter (strictly increasing per race)
+-- ARGV[1] owner name (a coordinator or janitor id)
+-- ARGV[2] lease in ms
+-- Returns {1, token, owner}   claimed, or already ours (lease renewed, token unchanged)
+--         {0, token, owner}   held by another owner whose lease is still running
+local held = redis.call('GET', KEYS[1])
+if held then
+  local sep = string.find(held, '|', 1, true)
+  local token = tonumber(string.sub(held, 1, sep - 1))
+  local owner = string.sub(held, sep + 1)
+  if owner == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, token, owner}
+  end
+  return {0, token, owner}
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], token .. '|' .. ARGV[1], 'PX', ARGV[2])
+return {1, token, ARGV[1]}

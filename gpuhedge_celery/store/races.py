@@ -1,0 +1,378 @@
+"""The Redis side of a distributed race: versioned state, the winner claim, live jobs, receipts.
+
+Everything here is generic (race ids, attempt ids, JSON blobs) so the coordinator can put the
+race engine's serialised state machine on top:
+
+* **state** is saved with optimistic concurrency: a save names the version it read, and a Lua
+  script refuses it if anyone saved since, so two coordinators (or a redelivered task) can never
+  both advance a race from the same version;
+* **the winner** is claimed with set-if-absent: exactly one attempt ever wins, and the same
+  attempt claiming again (a duplicate delivery) is told it won;
+* **live provider jobs** are registered per race, and every race has a heartbeat in one
+  cross-race ZSET, so a janitor can find the jobs of races nobody advances any more;
+* **ownership** is a lease with a fencing token: a janitor (or a coordinator holding a race for
+  a while) takes it before acting, which tells a slow owner (lease renewed) from a dead one;
+* **receipts** are kept with a configurable TTL and read by race id.
+
+All keys of one race share the hash tag ``{race_id}`` (see :mod:`.race_keys`). The heartbeat
+index is on its own slot, so it is written next to the scripts in the same pipeline, never inside
+them: it is a hint, and the janitor re-reads the race's own keys before acting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.clock import Clock, WallClock
+from ..errors import LeaseError, StoreError
+from .race_keys import live_races_key, lua_script, race_keys
+from .timers import _text, store_errors
+
+DEFAULT_RECEIPT_TTL_S = 24 * 3600.0
+DEFAULT_STATE_TTL_S = 24 * 3600.0
+
+
+class VersionConflict(StoreError):
+    """A save named a version that is no longer current: reload and decide again."""
+
+    def __init__(self, race_id: str, expected: int, current: int):
+        self.race_id = race_id
+        self.expected = expected
+        self.current = current
+        if expected == 0:
+            what = f"race {race_id!r} already exists (version {current})"
+        elif current == 0:
+            what = f"race {race_id!r} does not exist (expected version {expected})"
+        else:
+            what = f"race {race_id!r} is at version {current}, not {expected}"
+        super().__init__(what)
+
+
+class OwnershipLost(LeaseError):
+    """The caller's ownership lease on a race expired or was taken over."""
+
+    def __init__(self, race_id: str, token: int):
+        self.race_id = race_id
+        self.token = token
+        super().__init__(f"ownership of race {race_id!r} with token {token} is no longer held")
+
+
+@dataclass(frozen=True)
+class RaceRecord:
+    """A race's state as loaded, with the version a save must name."""
+
+    race_id: str
+    version: int
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WinnerClaim:
+    """The answer to a winner claim: ``won`` for the claimer, ``first`` if this claim set it."""
+
+    won: bool
+    winner: str
+    first: bool
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """An ownership lease on a race; ``token`` strictly increases per race (fencing)."""
+
+    race_id: str
+    owner: str
+    token: int
+
+
+@dataclass(frozen=True)
+class StaleRace:
+    """A race whose heartbeat stopped and that nobody owns: its live jobs need cancelling."""
+
+    race_id: str
+    last_seen_ms: int
+    live_jobs: dict[str, dict[str, Any]]
+
+
+def _ms(seconds: float | None) -> int:
+    return 0 if seconds is None else max(1, int(seconds * 1000))
+
+
+def _dumps(value: dict[str, Any], what: str) -> str:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a dict, got {type(value).__name__}")
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
+
+
+class RaceStore:
+    """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str = "gpuhedge",
+        *,
+        receipt_ttl_s: float = DEFAULT_RECEIPT_TTL_S,
+        state_ttl_s: float | None = DEFAULT_STATE_TTL_S,
+        clock: Clock | None = None,
+    ):
+        if receipt_ttl_s <= 0:
+            raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
+        self.client = client
+        self.prefix = prefix
+        self.receipt_ttl_s = receipt_ttl_s
+        self.state_ttl_s = state_ttl_s
+        self.clock = clock or WallClock()
+        self.live_key = live_races_key(prefix)
+        self._save = lua_script(client, "race_save")
+        self._claim_winner = lua_script(client, "race_claim_winner")
+        self._owner_claim = lua_script(client, "race_owner_claim")
+        self._owner_renew = lua_script(client, "race_owner_renew")
+        self._finish = lua_script(client, "race_finish")
+
+    def now_ms(self) -> int:
+        return int(self.clock.now() * 1000)
+
+    def _touch(self, pipe: Any, race_id: str) -> None:
+        # GT: hosts with skewed clocks never move a heartbeat backwards.
+        pipe.zadd(self.live_key, {race_id: self.now_ms()}, gt=True)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def create(self, race_id: str, state: dict[str, Any]) -> int:
+        """Store a new race's first state (version 1); VersionConflict if the race exists."""
+        return self.save(race_id, state, 0)
+
+    def save(self, race_id: str, state: dict[str, Any], expected_version: int) -> int:
+        """Save ``state`` if the race is still at ``expected_version``; returns the new version.
+
+        Raises :class:`VersionConflict` when someone saved since (or, for version 0, the race
+        already exists). Also refreshes the race's heartbeat.
+        """
+        keys = race_keys(self.prefix, race_id)
+        data = _dumps(state, f"state of race {race_id!r}")
+        with store_errors(f"saving race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            self._save(
+                keys=[keys.state],
+                args=[expected_version, data, _ms(self.state_ttl_s)],
+                client=pipe,
+            )
+            self._touch(pipe, race_id)
+            (ok, version), _ = pipe.execute()
+        if not ok:
+            raise VersionConflict(race_id, expected_version, int(version))
+        return int(version)
+
+    def load(self, race_id: str) -> RaceRecord | None:
+        """The race's current state and version, or None if there is no such race."""
+        keys = race_keys(self.prefix, race_id)
+        with store_errors(f"loading race {race_id!r}"):
+            version, data = self.client.hmget(keys.state, ["v", "data"])
+        if version is None:
+            return None
+        return RaceRecord(race_id, int(version), json.loads(_text(data)))
+
+    def update(
+        self,
+        race_id: str,
+        change: Callable[[dict[str, Any]], dict[str, Any]],
+        *,
+        attempts: int = 20,
+    ) -> RaceRecord:
+        """Load, apply ``change`` to the state, save; retried on conflicts. Returns the result.
+
+        ``change`` may run several times (once per conflict), so it must be a pure function of
+        the state it is given.
+        """
+        for _ in range(attempts):
+            record = self.load(race_id)
+            if record is None:
+                raise VersionConflict(race_id, 1, 0)
+            new_state = change(record.state)
+            try:
+                version = self.save(race_id, new_state, record.version)
+            except VersionConflict:
+                continue
+            return RaceRecord(race_id, version, new_state)
+        raise StoreError(f"race {race_id!r}: gave up after {attempts} conflicting saves")
+
+    # -- the winner --------------------------------------------------------------------------
+
+    def claim_winner(self, race_id: str, attempt_id: str) -> WinnerClaim:
+        """Make ``attempt_id`` the race's one winner unless another attempt already is."""
+        if not isinstance(attempt_id, str) or not attempt_id:
+            raise ValueError(f"invalid attempt id {attempt_id!r}: expected a non-empty string")
+        keys = race_keys(self.prefix, race_id)
+        with store_errors(f"claiming the winner of race {race_id!r}"):
+            won, winner, first = self._claim_winner(
+                keys=[keys.winner], args=[attempt_id, _ms(self.state_ttl_s)]
+            )
+        return WinnerClaim(won=bool(won), winner=_text(winner), first=bool(first))
+
+    def winner(self, race_id: str) -> str | None:
+        """The attempt that won the race, None while nobody has."""
+        with store_errors(f"reading the winner of race {race_id!r}"):
+            found = self.client.get(race_keys(self.prefix, race_id).winner)
+        return None if found is None else _text(found)
+
+    # -- live provider jobs and the heartbeat index ------------------------------------------
+
+    def add_job(self, race_id: str, attempt_id: str, handle: dict[str, Any]) -> None:
+        """Register a submitted provider job as live (its JSON handle), before anything else.
+
+        Register right after the provider accepted the job, so a crash leaves the janitor a
+        handle to cancel rather than an unknown paid job.
+        """
+        keys = race_keys(self.prefix, race_id)
+        data = _dumps(handle, f"job handle of {race_id!r}/{attempt_id!r}")
+        with store_errors(f"registering a job of race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(keys.jobs, attempt_id, data)
+            self._touch(pipe, race_id)
+            pipe.execute()
+
+    def remove_job(self, race_id: str, attempt_id: str) -> bool:
+        """Forget a job that reached a terminal state; False if it was not registered."""
+        with store_errors(f"removing a job of race {race_id!r}"):
+            return bool(self.client.hdel(race_keys(self.prefix, race_id).jobs, attempt_id))
+
+    def live_jobs(self, race_id: str) -> dict[str, dict[str, Any]]:
+        """Attempt id -> job handle of every job of the race still registered as live."""
+        with store_errors(f"reading the jobs of race {race_id!r}"):
+            raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
+        return {_text(k): json.loads(_text(v)) for k, v in raw.items()}
+
+    def touch(self, race_id: str) -> None:
+        """Record that the race is being advanced (its heartbeat for the janitor)."""
+        with store_errors(f"touching race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            self._touch(pipe, race_id)
+            pipe.execute()
+
+    def last_seen_ms(self, race_id: str) -> int | None:
+        """The race's last heartbeat (epoch ms), None if it is not in the live index."""
+        with store_errors(f"reading the heartbeat of race {race_id!r}"):
+            score = self.client.zscore(self.live_key, race_id)
+        return None if score is None else int(score)
+
+    def forget(self, race_id: str) -> None:
+        """Drop the race from the live index (it finished and has no live job left)."""
+        with store_errors(f"forgetting race {race_id!r}"):
+            self.client.zrem(self.live_key, race_id)
+
+    def stale_races(self, stale_ms: int, limit: int = 100) -> list[StaleRace]:
+        """Races whose heartbeat is older than ``stale_ms`` and whose owner lease has lapsed.
+
+        A race with a live owner lease is slow, not dead, and is left out. The index is only a
+        hint: a caller should take ownership (:meth:`claim_owner`) before cancelling anything.
+        """
+        cutoff = self.now_ms() - stale_ms
+        with store_errors("scanning stale races"):
+            found = self.client.zrangebyscore(
+                self.live_key, "-inf", cutoff, start=0, num=limit, withscores=True
+            )
+            pipe = self.client.pipeline(transaction=False)
+            for race_id, _ in found:
+                keys = race_keys(self.prefix, _text(race_id))
+                pipe.exists(keys.owner)
+                pipe.hgetall(keys.jobs)
+            answers = pipe.execute()
+        stale = []
+        for i, (race_id, score) in enumerate(found):
+            owned, jobs = answers[2 * i], answers[2 * i + 1]
+            if owned:
+                continue
+            live = {_text(k): json.loads(_text(v)) for k, v in jobs.items()}
+            stale.append(StaleRace(_text(race_id), int(score), live))
+        return stale
+
+    # -- ownership ---------------------------------------------------------------------------
+
+    def claim_owner(self, race_id: str, owner: str, lease_ms: int) -> Ownership | None:
+        """Take the race's ownership lease (or renew our own); None if someone else holds it."""
+        if not owner or "|" in owner:
+            raise ValueError(f"invalid owner name {owner!r}: non-empty, without '|'")
+        keys = race_keys(self.prefix, race_id)
+        with store_errors(f"claiming race {race_id!r}"):
+            ok, token, _holder = self._owner_claim(
+                keys=[keys.owner, keys.owner_seq], args=[owner, lease_ms]
+            )
+        return Ownership(race_id, owner, int(token)) if ok else None
+
+    def owner(self, race_id: str) -> Ownership | None:
+        """Who holds the race's ownership lease now, None if nobody does."""
+        with store_errors(f"reading the owner of race {race_id!r}"):
+            held = self.client.get(race_keys(self.prefix, race_id).owner)
+        if held is None:
+            return None
+        token, _, owner = _text(held).partition("|")
+        return Ownership(race_id, owner, int(token))
+
+    def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
+        """Extend our lease and refresh the heartbeat; OwnershipLost if it is no longer ours."""
+        keys = race_keys(self.prefix, ownership.race_id)
+        with store_errors(f"renewing race {ownership.race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            self._owner_renew(keys=[keys.owner], args=[ownership.token, lease_ms], client=pipe)
+            self._touch(pipe, ownership.race_id)
+            renewed, _ = pipe.execute()
+        if not renewed:
+            raise OwnershipLost(ownership.race_id, ownership.token)
+
+    def release_owner(self, ownership: Ownership) -> bool:
+        """Give the lease up; False if it had already lapsed or been taken over."""
+        keys = race_keys(self.prefix, ownership.race_id)
+        with store_errors(f"releasing race {ownership.race_id!r}"):
+            return bool(self._owner_renew(keys=[keys.owner], args=[ownership.token, 0]))
+
+    # -- receipts ----------------------------------------------------------------------------
+
+    def finish(self, race_id: str, receipt: dict[str, Any], ttl_s: float | None = None) -> int:
+        """Store the final receipt and let the race's keys expire with it after ``ttl_s``.
+
+        Returns how many jobs are still registered as live; with none the race also leaves the
+        live index, otherwise it stays there for the janitor.
+        """
+        keys = race_keys(self.prefix, race_id)
+        data = _dumps(receipt, f"receipt of race {race_id!r}")
+        ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
+        with store_errors(f"finishing race {race_id!r}"):
+            live = int(
+                self._finish(
+                    keys=[keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
+                    args=[data, ttl_ms],
+                )
+            )
+            if live == 0:
+                self.client.zrem(self.live_key, race_id)
+        return live
+
+    def put_receipt(
+        self, race_id: str, receipt: dict[str, Any], ttl_s: float | None = None
+    ) -> None:
+        """Store (or replace) a race's receipt, kept ``ttl_s`` (default: the store's TTL)."""
+        keys = race_keys(self.prefix, race_id)
+        data = _dumps(receipt, f"receipt of race {race_id!r}")
+        ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
+        with store_errors(f"storing the receipt of race {race_id!r}"):
+            self.client.set(keys.receipt, data, px=ttl_ms)
+
+    def receipt(self, race_id: str) -> dict[str, Any] | None:
+        """The race's receipt, None if it was never written or has expired."""
+        with store_errors(f"reading the receipt of race {race_id!r}"):
+            found = self.client.get(race_keys(self.prefix, race_id).receipt)
+        return None if found is None else json.loads(_text(found))
+
+    def delete(self, race_id: str) -> None:
+        """Remove every key of the race and its heartbeat (tests, manual clean-up)."""
+        with store_errors(f"deleting race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(*race_keys(self.prefix, race_id).all())
+            pipe.zrem(self.live_key, race_id)
+            pipe.execute()
