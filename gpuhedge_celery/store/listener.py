@@ -1,0 +1,301 @@
+"""One pub/sub connection per process that turns lease-key events into waiter wake-ups.
+
+The listener subscribes to the ``del`` and ``expired`` key-event channels of the store's
+database and to the store's wake channel, and sets the ``threading.Event`` of every waiter that
+watches the key (or pool) named in a message. Events are hints only: waiters re-check on a
+bounded interval anyway, because ``expired`` can arrive seconds late and pub/sub drops whatever
+is published while the connection is down.
+
+After a reconnect (redis-py re-subscribes by itself; we see the fresh ``subscribe``
+confirmations) the listener wakes every waiter, so each re-reads the table before any event
+is trusted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from ..errors import StoreUnavailable
+from .keys import Keys
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FLAGS = "Egx"
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _where(client: redis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+    return f"redis://{where}/{kw.get('db', 0)}"
+
+
+def merged_flags(current: str) -> str | None:
+    """``current`` notify-keyspace-events flags plus E, g and x; None if nothing is missing."""
+    has_gx = "A" in current or ("g" in current and "x" in current)
+    if "E" in current and has_gx:
+        return None
+    missing = "".join(
+        f for f in REQUIRED_FLAGS if f not in current and not (f in "gx" and "A" in current)
+    )
+    return current + missing
+
+
+def enable_notifications(client: redis.Redis) -> bool:
+    """Make sure key-event notifications for ``del`` and ``expired`` are on (adds E, g, x).
+
+    Flags already set are kept. Returns False, logging one line with the fix (once per server
+    and process), when CONFIG is forbidden, as on managed Redis; waiters then rely on their
+    bounded re-check. Raises StoreUnavailable when Redis cannot be reached.
+    """
+    where = _where(client)
+    try:
+        current = _text(
+            client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+        )
+        wanted = merged_flags(current)
+        if wanted is not None:
+            client.config_set("notify-keyspace-events", wanted)
+        return True
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise StoreUnavailable(f"Redis at {where} is unreachable ({e})") from e
+    except redis.ResponseError as e:
+        with _warned_lock:
+            first = where not in _warned
+            _warned.add(where)
+        if first:
+            log.warning(
+                "cannot enable keyspace notifications on %s (CONFIG refused: %s); set "
+                "notify-keyspace-events to include 'Egx' (managed Redis such as ElastiCache: in "
+                "the parameter group); until then waiters fall back to their bounded re-check",
+                where,
+                str(e).splitlines()[0],
+            )
+        return False
+
+
+class Watch:
+    """A waiter's registration: its event is set when a watched key or pool may have changed."""
+
+    def __init__(self, listener: KeyspaceListener, keys: frozenset[str], pool: str):
+        self.listener = listener
+        self.keys = keys
+        self.pool = pool
+        self.event = threading.Event()
+
+    def close(self) -> None:
+        self.listener._unregister(self)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KeyspaceListener:
+    """The process's pub/sub reader for one Redis database and key prefix."""
+
+    def __init__(self, client: redis.Redis, keys: Keys):
+        self.client = client
+        self.keys = keys
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        self.channels = (
+            f"__keyevent@{db}__:del",
+            f"__keyevent@{db}__:expired",
+            keys.wake_channel(),
+        )
+        self.notifications = False  # whether enable_notifications succeeded
+        self.reconnects = 0  # times the pub/sub connection came back (each wakes every waiter)
+        self.messages = 0
+        self._resubscribed = 0
+        self._by_key: dict[str, set[Watch]] = {}
+        self._by_pool: dict[str, set[Watch]] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._pubsub: Any = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, timeout_s: float = 5.0) -> KeyspaceListener:
+        """Enable notifications, subscribe, and return once the subscription is active."""
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        self.notifications = enable_notifications(self.client)
+        self._ready.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="gpuhedge-listener", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            self.close()
+            raise StoreUnavailable(f"could not subscribe to lease events: {self._error}")
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+
+    def close(self) -> None:
+        """Stop the thread and close the pub/sub connection."""
+        self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    # -- registrations ----------------------------------------------------------------------
+    def watch(self, lease_keys: Iterable[str], pool: str) -> Watch:
+        """Register interest in ``lease_keys`` and in wake messages for ``pool``."""
+        w = Watch(self, frozenset(lease_keys), pool)
+        with self._lock:
+            for key in w.keys:
+                self._by_key.setdefault(key, set()).add(w)
+            self._by_pool.setdefault(pool, set()).add(w)
+        return w
+
+    def rewatch(self, w: Watch, lease_keys: Iterable[str]) -> None:
+        """Change the keys a watch covers (the pool's live GPUs changed)."""
+        new = frozenset(lease_keys)
+        with self._lock:
+            for key in w.keys - new:
+                self._discard(self._by_key, key, w)
+            for key in new - w.keys:
+                self._by_key.setdefault(key, set()).add(w)
+            w.keys = new
+
+    def _unregister(self, w: Watch) -> None:
+        with self._lock:
+            for key in w.keys:
+                self._discard(self._by_key, key, w)
+            self._discard(self._by_pool, w.pool, w)
+
+    @staticmethod
+    def _discard(index: dict[str, set[Watch]], name: str, w: Watch) -> None:
+        found = index.get(name)
+        if found is not None:
+            found.discard(w)
+            if not found:
+                del index[name]
+
+    def wake_all(self) -> None:
+        """Wake every waiter (after a reconnect: re-check the table before trusting events)."""
+        with self._lock:
+            watches = {w for ws in self._by_pool.values() for w in ws}
+        for w in watches:
+            w.event.set()
+
+    # -- the reader thread ------------------------------------------------------------------
+    def _subscribe(self) -> None:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=False)
+        pubsub.subscribe(*self.channels)
+        confirmed = 0
+        deadline = time.monotonic() + 5
+        while confirmed < len(self.channels):
+            if time.monotonic() > deadline:
+                pubsub.close()
+                raise redis.TimeoutError("no subscribe confirmation within 5 s")
+            msg = pubsub.get_message(timeout=0.5)
+            if msg and msg["type"] == "subscribe":
+                confirmed += 1
+        self._pubsub = pubsub
+
+    def _run(self) -> None:
+        backoff = 0.05
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if self._pubsub is None:
+                        self._subscribe()
+                        if self._ready.is_set():
+                            self._reconnected()
+                        self._ready.set()
+                        backoff = 0.05
+                    msg = self._pubsub.get_message(timeout=0.2)
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                    self._drop(e)
+                    if not self._ready.is_set():
+                        self._error = e
+                        self._ready.set()
+                        return
+                    self._stopped.wait(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                if msg is not None:
+                    self._dispatch(msg)
+        finally:
+            self._drop(None)
+
+    def _drop(self, error: BaseException | None) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            try:
+                pubsub.close()
+            except Exception:  # noqa: BLE001 - the connection is already broken
+                pass
+        if error is not None:
+            log.warning("lease event connection lost (%s); reconnecting", error)
+            self.wake_all()
+
+    def _reconnected(self) -> None:
+        self.reconnects += 1
+        self.wake_all()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "subscribe":
+            # redis-py re-subscribed after a dropped connection: events published meanwhile
+            # are lost, so every waiter re-reads the table.
+            if self._ready.is_set():
+                # Wake on each confirmation: the last one comes after every channel is back.
+                self._resubscribed += 1
+                if self._resubscribed % len(self.channels) == 0:
+                    self.reconnects += 1
+                self.wake_all()
+            return
+        if kind != "message":
+            return
+        self.messages += 1
+        channel, data = _text(msg["channel"]), _text(msg["data"])
+        with self._lock:
+            if channel == self.channels[2]:
+                targets = list(self._by_pool.get(data, ()))
+            else:
+                targets = list(self._by_key.get(data, ()))
+        for w in targets:
+            w.event.set()
+
+
+_listeners: dict[tuple[int, str, str], KeyspaceListener] = {}
+_listeners_lock = threading.Lock()
+
+
+def listener_for(client: redis.Redis, keys: Keys) -> KeyspaceListener:
+    """The started listener of this process for ``client``'s database and ``keys``' prefix."""
+    key = (os.getpid(), _where(client), keys.prefix)
+    with _listeners_lock:
+        found = _listeners.get(key)
+        if found is None or not found.alive:
+            found = KeyspaceListener(client, keys).start()
+            _listeners[key] = found
+        return found
+
+
+def close_listeners() -> None:
+    """Stop every listener of this process (tests, shutdown)."""
+    with _listeners_lock:
+        found = list(_listeners.values())
+        _listeners.clear()
+    for listener in found:
+        listener.close()
