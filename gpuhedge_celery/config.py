@@ -1,0 +1,338 @@
+"""The YAML configuration: providers, policy, SLO deadlines, attempt caps, budget, validator.
+
+Lookup order (first found wins): an explicit path (``--config`` / ``GPUHEDGE_CONFIG``), then
+``./config/gpuhedge.yaml``, then the packaged default ``gpuhedge_celery/data/default.yaml``.
+
+Every error is one line naming the file, the dotted key and what was expected, e.g.
+``my.yaml: providers.runpod.billed_rate_per_s: expected a number >= 0, got 'cheap'``. Unknown
+keys (and duplicated keys) are errors, never ignored. ``${VAR}`` references inside adapter
+blocks are resolved when a provider is built, not at load, so a config naming an API key that
+this process does not need still loads. See docs/configuration.md for every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+from .providers.options import Block
+from .providers.registry import adapter_class, build_provider
+
+ROLES = ("primary", "hedge", "fallback")
+DEFAULT_PATH = Path("config") / "gpuhedge.yaml"
+PACKAGED_DIR = Path(__file__).parent / "data"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+#: parameters of the built-in policies (milliseconds after the primary's submit)
+BUILTIN_POLICIES: dict[str, tuple[str, ...]] = {
+    "single": (),
+    "fixed": ("hedge_after_ms",),
+    "state_aware": ("queue_cutover_ms", "safety_hedge_ms"),
+    "cascade": ("queue_cutover_ms", "safety_hedge_ms", "escalate_after_ms"),
+}
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    """One entry of ``providers:``. ``options`` is the adapter block as written (``${VAR}``
+    unresolved), ``spec`` the adapter's parsed form of it."""
+
+    name: str
+    adapter: str
+    role: str = "primary"
+    gpu: str | None = None
+    billed_rate_per_s: float = 0.0
+    idle_billed_seconds: float = 0.0
+    deployed: bool = True
+    timeout_s: float | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    spec: Any = None
+    time_scale: float = 1.0
+    source: str | None = None
+
+    def renamed(self, name: str) -> ProviderConfig:
+        return dataclasses.replace(self, name=name)
+
+    def __repr__(self) -> str:
+        # adapter blocks may hold secrets (headers): show their keys, never their values
+        return (
+            f"ProviderConfig(name={self.name!r}, adapter={self.adapter!r}, role={self.role!r}, "
+            f"gpu={self.gpu!r}, billed_rate_per_s={self.billed_rate_per_s!r}, "
+            f"idle_billed_seconds={self.idle_billed_seconds!r}, deployed={self.deployed!r}, "
+            f"options=<keys {sorted(self.options)}>)"
+        )
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The default race policy: a name (built-in or ``module:attr``) and its parameters."""
+
+    name: str = "fixed"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ValidatorConfig:
+    """The default validator: a registered name and its options."""
+
+    name: str = "nonempty"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuHedgeConfig:
+    """A loaded configuration. Durations are in provider time; multiply by ``time_scale`` for
+    real time (1.0 everywhere except compressed simulations such as the demo)."""
+
+    source: str
+    providers: Mapping[str, ProviderConfig]
+    policy: PolicyConfig = PolicyConfig()
+    slo_deadlines_s: tuple[float, ...] = (60.0,)
+    attempt_cap_s: float = 180.0
+    budget_usd_per_request: float | None = None
+    validator: ValidatorConfig = ValidatorConfig()
+    time_scale: float = 1.0
+
+    def provider(self, name: str) -> ProviderConfig:
+        """The provider called ``name``; a one-line ConfigError listing the known ones if none."""
+        try:
+            return self.providers[name]
+        except KeyError:
+            known = ", ".join(self.providers) or "none"
+            raise ConfigError(f"no provider {name!r} (known: {known})", file=self.source) from None
+
+    def by_role(self, role: str, *, deployed_only: bool = True) -> list[ProviderConfig]:
+        """Providers with ``role`` in file order (only deployed ones unless told otherwise)."""
+        return [
+            p
+            for p in self.providers.values()
+            if p.role == role and (p.deployed or not deployed_only)
+        ]
+
+    def cap_s(self, name: str) -> float:
+        """The per-attempt cap for provider ``name`` (its ``timeout_s``, else ``attempt_cap_s``)."""
+        own = self.provider(name).timeout_s
+        return own if own is not None else self.attempt_cap_s
+
+    def scaled_policy_params(self) -> dict[str, Any]:
+        """Policy parameters in real time: every ``*_ms`` value multiplied by ``time_scale``."""
+        return {
+            k: (v * self.time_scale if k.endswith("_ms") and isinstance(v, (int, float)) else v)
+            for k, v in self.policy.params.items()
+        }
+
+    def build(self, name: str, **kwargs: Any):
+        """Build provider ``name`` (kwargs to the adapter: ``clock``, ``sleep``, ``env``...)."""
+        return build_provider(name, self.provider(name), **kwargs)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def packaged_path(name: str = "default.yaml") -> Path:
+    """Path of a config shipped inside the package (``default.yaml``, ``demo.yaml``)."""
+    path = PACKAGED_DIR / name
+    if not path.is_file():
+        known = ", ".join(sorted(p.name for p in PACKAGED_DIR.glob("*.yaml")))
+        raise ConfigError(f"no packaged config {name!r} (packaged: {known})")
+    return path
+
+
+def find_config(explicit: str | Path | None = None, *, cwd: str | Path | None = None) -> Path:
+    """The config file to use: ``explicit``, else ./config/gpuhedge.yaml, else the packaged one."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise ConfigError(
+                "config file not found (from --config or GPUHEDGE_CONFIG)", file=str(path)
+            )
+        return path
+    local = Path(cwd or Path.cwd()) / DEFAULT_PATH
+    if local.is_file():
+        return local
+    return packaged_path("default.yaml")
+
+
+def load_config(path: str | Path | None = None, *, cwd: str | Path | None = None) -> GpuHedgeConfig:
+    """Find (see :func:`find_config`), read and validate a config file."""
+    found = find_config(path, cwd=cwd)
+    try:
+        text = found.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e.strerror or e}", file=str(found)) from e
+    return parse_config_text(text, source=str(found))
+
+
+def parse_config_text(text: str, source: str = "<string>") -> GpuHedgeConfig:
+    """Parse YAML text into a validated :class:`GpuHedgeConfig` (``source`` names it in errors)."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"invalid YAML{where}: {problem}", file=source) from None
+    return parse_config(data, source=source)
+
+
+def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
+    """Validate an already-parsed mapping (the YAML document) into a :class:`GpuHedgeConfig`."""
+    root = Block(data, "", source)
+    time_scale = root.number("time_scale", 1.0, positive=True)
+    providers_block = root.mapping("providers")
+    providers: dict[str, ProviderConfig] = {}
+    for name in providers_block.data:
+        providers_block.raw(name)
+        providers[str(name)] = _parse_provider(providers_block, str(name), time_scale)
+    if providers and not any(p.role == "primary" for p in providers.values()):
+        raise providers_block.error(None, "expected at least one provider with role: primary")
+
+    policy_block = root.mapping("policy")
+    policy = _parse_policy(policy_block)
+
+    slo = root.mapping("slo")
+    deadlines = slo.raw("deadlines_s", [60.0])
+    if (
+        not isinstance(deadlines, list)
+        or not deadlines
+        or not all(
+            isinstance(d, (int, float)) and not isinstance(d, bool) and d > 0 for d in deadlines
+        )
+    ):
+        raise slo.error(
+            "deadlines_s", f"expected a non-empty list of seconds > 0, got {deadlines!r}"
+        )
+    slo.finish()
+
+    timeouts = root.mapping("timeouts")
+    attempt_cap_s = timeouts.number("attempt_cap_s", 180.0, positive=True)
+    timeouts.finish()
+
+    budget = root.mapping("budget")
+    max_usd = budget.number("max_usd_per_request", None, minimum=0.0)
+    budget.finish()
+
+    validator = _parse_validator(root)
+    root.finish()
+    return GpuHedgeConfig(
+        source=source,
+        providers=providers,
+        policy=policy,
+        slo_deadlines_s=tuple(float(d) for d in deadlines),
+        attempt_cap_s=attempt_cap_s,
+        budget_usd_per_request=max_usd,
+        validator=validator,
+        time_scale=time_scale,
+    )
+
+
+def parse_provider(
+    name: str, data: Mapping[str, Any], *, source: str | None = None, time_scale: float = 1.0
+) -> ProviderConfig:
+    """Validate one ``providers.<name>`` mapping on its own (as ``build_provider`` accepts)."""
+    holder = Block({name: data}, "providers", source)
+    holder.raw(name)
+    return _parse_provider(holder, name, time_scale)
+
+
+def _parse_provider(parent: Block, name: str, time_scale: float) -> ProviderConfig:
+    if not _NAME_RE.match(name):
+        raise parent.error(name, "expected a provider name of letters, digits, '_', '-' or '.'")
+    block = parent.mapping(name)
+    adapter = block.string("adapter")
+    cls = adapter_class(adapter, key=block.key("adapter"), file=block.file)
+    # the adapter's own block sits under its type name (or `options` for a module:Class)
+    block_key = adapter if block.has(adapter) or ":" not in adapter else "options"
+    adapter_block = block.mapping(block_key)
+    spec = cls.parse_options(adapter_block, time_scale=time_scale)
+    timeout_s = block.number("timeout_s", None, positive=True)
+    config = ProviderConfig(
+        name=name,
+        adapter=adapter,
+        role=block.string("role", "primary", choices=ROLES),
+        gpu=block.string("gpu", None),
+        billed_rate_per_s=block.number("billed_rate_per_s", 0.0, minimum=0.0),
+        idle_billed_seconds=block.number("idle_billed_seconds", 0.0, minimum=0.0),
+        deployed=block.boolean("deployed", True),
+        timeout_s=timeout_s,
+        options=dict(adapter_block.data),
+        spec=spec,
+        time_scale=time_scale,
+        source=block.file,
+    )
+    block.finish()
+    return config
+
+
+def _parse_policy(block: Block) -> PolicyConfig:
+    name = block.string("name", "fixed")
+    params_block = block.mapping("params")
+    params: dict[str, Any] = {}
+    builtin = BUILTIN_POLICIES.get(name)
+    if builtin is None and ":" not in name:
+        known = ", ".join(BUILTIN_POLICIES)
+        raise block.error("name", f"expected one of {known}, or 'module:attr', got {name!r}")
+    for key in params_block.data:
+        if builtin is not None and key not in builtin:
+            continue  # reported by finish() below with the list of known parameters
+        value = params_block.raw(key)
+        if key.endswith("_ms") and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise params_block.error(key, f"expected milliseconds >= 0, got {value!r}")
+        params[key] = value
+    params_block.finish(extra_known=builtin or ())
+    block.finish()
+    return PolicyConfig(name=name, params=params)
+
+
+def _parse_validator(root: Block) -> ValidatorConfig:
+    from .core.validators import available_validators
+
+    value = root.raw("validator", "nonempty")
+    if isinstance(value, str):
+        name, options = value, {}
+    elif isinstance(value, Mapping):
+        block = root.mapping("validator")
+        name = block.string("name")
+        options = {k: v for k, v in value.items() if k != "name"}
+    else:
+        raise root.error("validator", f"expected a name or {{name: ..., options}}, got {value!r}")
+    if name not in available_validators():
+        known = ", ".join(available_validators())
+        raise root.error(
+            "validator",
+            f"unknown validator {name!r} (known: {known}; register yours with @validator first)",
+        )
+    import inspect
+
+    from .core.validators import get_validator
+
+    try:
+        inspect.signature(get_validator(name)).bind(None, **options)
+    except TypeError as e:
+        raise root.error("validator", f"bad options for validator {name!r}: {e}") from None
+    return ValidatorConfig(name=name, options=options)

@@ -1,0 +1,172 @@
+"""The provider contract: four methods every GPU backend implements, and shared helpers.
+
+A provider runs one request as one job. Races talk to providers only through::
+
+    submit(request: dict) -> JobHandle          # start the job; the handle is plain JSON data
+    status(handle) -> JobState                  # cheap poll
+    result(handle, cap_s) -> AttemptResult      # wait for terminal, right-censored at cap_s
+    cancel(handle) -> CancelReceipt             # native cancel, confirmed by polling status
+
+Handles carry everything needed to poll or cancel the job from another process, so a Celery
+worker that did not submit the job (or a janitor after a crash) can rebuild the handle from
+JSON, build the provider from config, and act on the same job.
+
+The API is synchronous (Celery tasks are) and takes its time from an injected clock and sleep,
+so tests drive it on a :class:`~gpuhedge_celery.core.clock.VirtualClock`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..core.clock import Clock, VirtualClock, WallClock
+from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
+from ..core.receipts import CancelReceipt
+from .options import Block
+
+if TYPE_CHECKING:  # config imports the registry, which imports this module
+    from ..config import ProviderConfig
+
+Sleep = Callable[[float], None]
+
+
+def default_sleep_for(clock: Clock) -> Sleep:
+    """The sleep matching ``clock``: a virtual clock advances instead of blocking."""
+    if isinstance(clock, VirtualClock):
+
+        def advance(seconds: float) -> None:
+            clock.advance(max(0.0, seconds))
+
+        return advance
+    return time.sleep
+
+
+class Provider(abc.ABC):
+    """One GPU backend (a serverless endpoint, a simulator, a self-hosted pool).
+
+    Subclasses implement the four contract methods. Attributes used by races and cost reports:
+
+    - ``name``: the provider's name in the config (and in every handle it issues);
+    - ``billed_rate_per_s``: USD per second of execution (a worker running the job);
+    - ``idle_billed_seconds``: seconds billed per worker start after the job ends (scale-down);
+    - ``reports_queue_state`` (class attribute): False when the backend cannot tell queued from
+      running; such a provider reports every unfinished job as ``IN_PROGRESS`` (the coarser,
+      conservative truth: a running job costs money, a queued one does not), so a queue-state
+      cutover can never be driven by it.
+    """
+
+    #: adapter type name used in config (``adapter: sim``); set by each subclass.
+    adapter: ClassVar[str] = ""
+    #: whether ``status`` can return ``QUEUED``; see the class docstring.
+    reports_queue_state: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        billed_rate_per_s: float = 0.0,
+        idle_billed_seconds: float = 0.0,
+        clock: Clock | None = None,
+        sleep: Sleep | None = None,
+    ):
+        self.name = name
+        self.billed_rate_per_s = float(billed_rate_per_s)
+        self.idle_billed_seconds = float(idle_billed_seconds)
+        # epoch seconds by default: handles are compared across processes and hosts
+        self.clock: Clock = clock or WallClock()
+        self.sleep: Sleep = sleep or default_sleep_for(self.clock)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    # --- configuration ----------------------------------------------------------------------
+
+    @classmethod
+    def parse_options(cls, block: Block, *, time_scale: float | None = None) -> Any:
+        """Validate this adapter's YAML block (``providers.<name>.<adapter>``) at config load.
+
+        Returns the parsed options handed back to :meth:`from_config` (an adapter-specific
+        object). Unknown keys must be reported: call ``block.finish()``. The default accepts an
+        empty block only.
+        """
+        block.finish()
+        return None
+
+    @classmethod
+    def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> Provider:
+        """Build the provider described by ``cfg`` (kwargs: ``clock``, ``sleep``, ``env``...)."""
+        kwargs.pop("env", None)
+        return cls(
+            cfg.name,
+            billed_rate_per_s=cfg.billed_rate_per_s,
+            idle_billed_seconds=cfg.idle_billed_seconds,
+            **kwargs,
+        )
+
+    # --- the contract -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def submit(self, request: dict[str, Any]) -> JobHandle:
+        """Start ``request`` as a new job and return its handle (raises ``SubmitError``)."""
+
+    @abc.abstractmethod
+    def status(self, handle: JobHandle) -> JobState:
+        """The job's current state, cheaply (raises ``ProviderError`` when it cannot tell)."""
+
+    @abc.abstractmethod
+    def result(self, handle: JobHandle, cap_s: float) -> AttemptResult:
+        """Wait until the job is terminal or ``cap_s`` after its submit time, whichever is first.
+
+        Never raises for slowness: at the cap the answer is an ``AttemptResult`` in state
+        ``TIMEOUT`` (the job itself is left alone; cancelling is the caller's decision).
+        Returns at once when the job is already terminal.
+        """
+
+    @abc.abstractmethod
+    def cancel(self, handle: JobHandle) -> CancelReceipt:
+        """Cancel the job natively and confirm it by polling status to a terminal state.
+
+        The receipt states only what was observed: evidence, scope and ``leaked`` start
+        conservative (``no_evidence``, leaked) and are upgraded by observations alone.
+        """
+
+    # --- helpers for subclasses and callers -------------------------------------------------
+
+    def now_ms(self) -> float:
+        """The provider clock in milliseconds (receipt times)."""
+        return self.clock.now() * 1000.0
+
+    def elapsed_ms(self, handle: JobHandle) -> float:
+        """Milliseconds since ``handle`` was submitted, on this provider's clock."""
+        return (self.clock.now() - handle.submitted_at) * 1000.0
+
+    def deadline(self, handle: JobHandle, cap_s: float) -> float:
+        """The clock reading at which ``result(handle, cap_s)`` gives up."""
+        return handle.submitted_at + float(cap_s)
+
+    def cost_usd(self, execution_s: float) -> float:
+        """Active cost of ``execution_s`` seconds of execution at this provider's rate."""
+        return max(0.0, execution_s) * self.billed_rate_per_s
+
+    def timeout_result(
+        self, handle: JobHandle, cap_s: float, events: list[LifecycleEvent], **metrics: Any
+    ) -> AttemptResult:
+        """The right-censored answer at the cap (``TIMEOUT``, wall time = the cap)."""
+        events = [*events, LifecycleEvent(cap_s * 1000.0, "timeout", f"no result by {cap_s} s")]
+        return AttemptResult(
+            provider=self.name,
+            job_id=handle.job_id,
+            state=JobState.TIMEOUT,
+            wall_ms=cap_s * 1000.0,
+            metrics=dict(metrics),
+            events=events,
+            error=f"right-censored at the {cap_s} s cap",
+        )
+
+    def check_handle(self, handle: JobHandle) -> None:
+        """Refuse a handle issued by another provider (a mix-up would poll the wrong job)."""
+        if handle.provider != self.name:
+            raise ValueError(f"handle of provider {handle.provider!r} given to {self.name!r}")

@@ -1,0 +1,428 @@
+"""The ``sim`` adapter: a deterministic serverless GPU provider that needs no account.
+
+Each job's fate is drawn once, at submit, from ``random.Random("<seed>:<key>")`` (the key is the
+request's ``sim_key`` when given, else the provider's submit counter): a fast or slow mode
+(bimodal queue and run times), then an outcome (valid, invalid = a near-silent WAV, failed). The
+draws go into ``handle.extra["sim"]``, so the job's state at any moment is a pure function of
+the handle, the clock and a tiny shared :class:`SimLedger` that records cancellations. Any
+process holding the handle computes the same QUEUED -> IN_PROGRESS -> COMPLETED timeline.
+
+``time_scale`` compresses the wall clock: with 0.01, a 10 s provider-time job takes 0.1 s of
+real time. Costs and provider metrics stay in provider time.
+
+Tests and demos may force a job's fate per provider with ``request["sim"][<provider name>]``,
+e.g. ``{"queue_s": 20, "run_s": 5, "outcome": "invalid"}`` (outcome ``submit_error`` makes
+``submit`` raise).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import random
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
+from ..core.receipts import CancelReceipt, CancelScope, Evidence
+from ..core.validators import tone_wav
+from ..errors import SubmitError
+from .base import Provider
+from .options import Block
+from .simspec import SimSpec
+
+if TYPE_CHECKING:
+    from ..config import ProviderConfig
+
+OUTCOMES = ("ok", "invalid", "failed", "submit_error")
+
+
+class SimLedger(Protocol):
+    """Shared memory of sim job fates across processes: string keys, small JSON string values.
+
+    Three operations map one-to-one onto Redis (``GET``, ``SET NX EX``, ``INCR``), so a Redis
+    ledger is a few lines; :class:`MemoryLedger` is the in-process default.
+    """
+
+    def get(self, key: str) -> str | None:
+        """The value stored at ``key``, or None."""
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
+        """Store ``value`` unless ``key`` exists; True when stored (first writer wins)."""
+
+    def incr(self, key: str) -> int:
+        """Atomically add one to the integer at ``key`` (starting from 0) and return it."""
+
+
+class MemoryLedger:
+    """A :class:`SimLedger` in this process's memory (thread-safe; TTLs are ignored)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            return self._data.get(key)
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
+        with self._lock:
+            if key in self._data:
+                return False
+            self._data[key] = value
+            return True
+
+    def incr(self, key: str) -> int:
+        with self._lock:
+            value = int(self._data.get(key, "0")) + 1
+            self._data[key] = str(value)
+            return value
+
+
+_default_ledger: SimLedger = MemoryLedger()
+
+#: how long ledger records live where the ledger supports expiry (results are kept ~30 min)
+LEDGER_TTL_S = 24 * 3600.0
+
+
+def set_default_ledger(ledger: SimLedger) -> None:
+    """Make ``ledger`` the one every sim provider without an explicit ledger uses (e.g. Redis)."""
+    global _default_ledger
+    _default_ledger = ledger
+
+
+def get_default_ledger() -> SimLedger:
+    """The ledger sim providers use when none was given to them."""
+    return _default_ledger
+
+
+def cancel_key(provider: str, job_id: str) -> str:
+    """Ledger key holding a job's cancellation: ``{"sent": epoch_s, "terminal": epoch_s}``."""
+    return f"sim:cancel:{provider}:{job_id}"
+
+
+def done_key(provider: str, job_id: str) -> str:
+    """Ledger key recording a job's observed natural end: ``{"state": ..., "at": epoch_s}``."""
+    return f"sim:done:{provider}:{job_id}"
+
+
+def seq_key(provider: str) -> str:
+    """Ledger counter numbering a provider's submissions that carry no ``sim_key``."""
+    return f"sim:seq:{provider}"
+
+
+@functools.lru_cache(maxsize=16)
+def _audio_b64(seconds: float, sample_rate: int, silent: bool) -> str:
+    amplitude = 1e-6 if silent else 0.3  # 1e-6 rounds to digital silence: RMS 0 < 1e-4
+    return base64.b64encode(tone_wav(seconds, sample_rate, amplitude)).decode("ascii")
+
+
+@dataclass(frozen=True)
+class _Fate:
+    """A sim job's drawn fate, read back from ``handle.extra['sim']``."""
+
+    key: str
+    slow: bool
+    queue_s: float
+    run_s: float
+    outcome: str
+    time_scale: float
+
+    @property
+    def end_s(self) -> float:
+        return self.queue_s + self.run_s
+
+    @classmethod
+    def of(cls, handle: JobHandle) -> _Fate:
+        d = handle.extra["sim"]
+        return cls(
+            str(d["key"]),
+            bool(d["slow"]),
+            float(d["queue_s"]),
+            float(d["run_s"]),
+            str(d["outcome"]),
+            float(d["time_scale"]),
+        )
+
+
+@dataclass(frozen=True)
+class _View:
+    """The job as seen at one moment: state, and when (epoch s) it became terminal, if it did."""
+
+    state: JobState
+    terminal_at: float | None
+    cancel: dict[str, float] | None
+    started: bool
+    execution_s: float = 0.0  # provider-time seconds run so far (what is billed)
+
+
+class SimProvider(Provider):
+    """A simulated serverless provider with seeded bimodal latency; see the module docstring."""
+
+    adapter = "sim"
+
+    def __init__(
+        self,
+        name: str,
+        spec: SimSpec | None = None,
+        *,
+        ledger: SimLedger | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(name, **kwargs)
+        self.spec = spec or SimSpec()
+        self._ledger = ledger
+
+    @classmethod
+    def parse_options(cls, block: Block, *, time_scale: float | None = None) -> SimSpec:
+        return SimSpec.from_block(block, time_scale=time_scale)
+
+    @classmethod
+    def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> SimProvider:
+        kwargs.pop("env", None)
+        spec = cfg.spec if isinstance(cfg.spec, SimSpec) else SimSpec(time_scale=cfg.time_scale)
+        return cls(
+            cfg.name,
+            spec,
+            billed_rate_per_s=cfg.billed_rate_per_s,
+            idle_billed_seconds=cfg.idle_billed_seconds,
+            **kwargs,
+        )
+
+    @property
+    def ledger(self) -> SimLedger:
+        return self._ledger or _default_ledger
+
+    @property
+    def reports_queue_state(self) -> bool:  # type: ignore[override]
+        return self.spec.reports_queue_state
+
+    @property
+    def time_scale(self) -> float:
+        return self.spec.time_scale
+
+    # --- draws ------------------------------------------------------------------------------
+
+    def draw(self, key: str) -> dict[str, Any]:
+        """The fate of the job with ``key``: same seed and key, same fate, in every process."""
+        spec = self.spec
+        rng = random.Random(f"{spec.seed}:{key}")
+        slow = rng.random() < spec.slow_probability
+        mode = spec.slow if slow else spec.fast
+        queue_s = mode.queue_s.draw(rng)
+        run_s = mode.run_s.draw(rng)
+        u = rng.random()
+        if u < spec.fail_probability:
+            outcome = "failed"
+        elif u < spec.fail_probability + spec.invalid_probability:
+            outcome = "invalid"
+        else:
+            outcome = "ok"
+        return {"key": key, "slow": slow, "queue_s": round(queue_s, 6), "run_s": round(run_s, 6),
+                "outcome": outcome}  # fmt: skip
+
+    # --- contract ---------------------------------------------------------------------------
+
+    def submit(self, request: dict[str, Any]) -> JobHandle:
+        """Draw the job's fate and return a handle carrying it (no I/O but the ledger counter)."""
+        if not isinstance(request, dict):
+            raise SubmitError(self.name, f"request must be a dict, got {type(request).__name__}")
+        key = request.get("sim_key")
+        if key is None:
+            key = self.ledger.incr(seq_key(self.name)) - 1
+        fate = self.draw(str(key))
+        forced = (request.get("sim") or {}).get(self.name) or {}
+        if not isinstance(forced, dict):
+            raise SubmitError(self.name, "request['sim'][provider] must be a mapping")
+        for field in forced:
+            if field not in ("queue_s", "run_s", "outcome", "slow"):
+                raise SubmitError(self.name, f"unknown sim override {field!r}")
+        fate.update(forced)
+        if fate["outcome"] not in OUTCOMES:
+            raise SubmitError(self.name, f"sim outcome must be one of {OUTCOMES}")
+        if fate["outcome"] == "submit_error":
+            raise SubmitError(self.name, "simulated submit failure")
+        fate["time_scale"] = self.spec.time_scale
+        job_id = f"sim-{self.name}-{uuid.uuid4().hex[:12]}"
+        return JobHandle(self.name, job_id, self.clock.now(), {"sim": fate})
+
+    def status(self, handle: JobHandle) -> JobState:
+        """The state at this instant, derived from the handle's draws and the ledger."""
+        self.check_handle(handle)
+        state = self._view(handle, self.clock.now()).state
+        if state is JobState.QUEUED and not self.spec.reports_queue_state:
+            return JobState.IN_PROGRESS
+        return state
+
+    def result(self, handle: JobHandle, cap_s: float) -> AttemptResult:
+        """Sleep until the job's terminal moment (or the cap), re-reading the ledger as it goes."""
+        self.check_handle(handle)
+        deadline = self.deadline(handle, cap_s)
+        poll = self.spec.poll_s
+        while True:
+            now = self.clock.now()
+            view = self._view(handle, now)
+            if view.state.terminal:
+                return self._terminal_result(handle, view)
+            if now >= deadline:
+                return self.timeout_result(handle, cap_s, self._events(handle, view, now))
+            wake = min(self._next_change(handle, view), deadline)
+            self.sleep(max(0.0, min(wake - now, poll)))
+
+    def cancel(self, handle: JobHandle) -> CancelReceipt:
+        """Record the cancel in the ledger, then watch the job reach its terminal state."""
+        self.check_handle(handle)
+        fate = _Fate.of(handle)
+        scale = fate.time_scale
+        receipt = CancelReceipt(provider=self.name, job_id=handle.job_id)
+        now = self.clock.now()
+        before = self._view(handle, now)
+        receipt.cancel_sent_ms = now * 1000.0
+        if before.state.terminal:
+            receipt.was_running = False
+            receipt.confirm_terminal(before.state, now * 1000.0)
+            receipt.execution_ms_before_cancel = before.execution_s * 1000.0
+            cost = self.cost_usd(before.execution_s)
+            receipt.estimated_cost_usd = receipt.reconciled_cost_usd = cost
+            receipt.billing_stop_confirmed = True
+            receipt.note = f"already {before.state} before the cancel; nothing to stop"
+            return receipt
+        record = {"sent": now, "terminal": now + self.spec.cancel_terminal_s * scale}
+        stored = self.ledger.set_if_absent(
+            cancel_key(self.name, handle.job_id), json.dumps(record), LEDGER_TTL_S
+        )
+        record = self._cancel_record(handle) if not stored else record
+        ack_at = min(record["sent"] + self.spec.cancel_ack_s * scale, record["terminal"])
+        self.sleep(max(0.0, ack_at - now))
+        receipt.cancel_ack_ms = max(ack_at, now) * 1000.0
+        receipt.upgrade(Evidence.PROVIDER_ACK)
+        view = self._view(handle, self.clock.now())
+        while not view.state.terminal:  # the sim always reaches terminal: confirm it
+            self.sleep(max(0.0, min(self._next_change(handle, view), 1e18) - self.clock.now()))
+            view = self._view(handle, self.clock.now())
+        queued = not self._view(handle, record["sent"]).started
+        receipt.was_running = None if not self.spec.reports_queue_state else not queued
+        receipt.scope = CancelScope.QUEUED_JOB if queued else CancelScope.REQUEST
+        receipt.confirm_terminal(view.state, (view.terminal_at or self.clock.now()) * 1000.0)
+        execution_s = view.execution_s
+        receipt.execution_ms_before_cancel = execution_s * 1000.0
+        receipt.estimated_cost_usd = receipt.reconciled_cost_usd = self.cost_usd(execution_s)
+        receipt.billing_stop_confirmed = True
+        if view.state is not JobState.CANCELLED:
+            receipt.note = f"the job reached {view.state} before the cancel took effect"
+        elif queued:
+            receipt.note = "cancelled in queue; no worker started"
+        return receipt
+
+    # --- timeline ---------------------------------------------------------------------------
+
+    def timeline(self, handle: JobHandle) -> list[tuple[float, JobState]]:
+        """The job's natural transitions (epoch s) if nobody cancels it: for schedulers."""
+        fate = _Fate.of(handle)
+        t0, scale = handle.submitted_at, fate.time_scale
+        end_state = JobState.FAILED if fate.outcome == "failed" else JobState.COMPLETED
+        return [
+            (t0, JobState.QUEUED),
+            (t0 + fate.queue_s * scale, JobState.IN_PROGRESS),
+            (t0 + fate.end_s * scale, end_state),
+        ]
+
+    def next_change_at(self, handle: JobHandle) -> float | None:
+        """Epoch seconds of the job's next state change, or None once it is terminal."""
+        view = self._view(handle, self.clock.now())
+        return None if view.state.terminal else self._next_change(handle, view)
+
+    def _cancel_record(self, handle: JobHandle) -> dict[str, float] | None:
+        raw = self.ledger.get(cancel_key(self.name, handle.job_id))
+        return json.loads(raw) if raw else None
+
+    def _view(self, handle: JobHandle, now: float) -> _View:
+        fate = _Fate.of(handle)
+        t0, scale = handle.submitted_at, fate.time_scale
+        start, end = t0 + fate.queue_s * scale, t0 + fate.end_s * scale
+        natural_end = JobState.FAILED if fate.outcome == "failed" else JobState.COMPLETED
+        cancel = self._cancel_record(handle)
+        if cancel is not None and cancel["sent"] < end:
+            if cancel["sent"] < start:
+                # a queued job leaves the queue at once: it never starts, costs nothing
+                if now >= cancel["terminal"]:
+                    return _View(JobState.CANCELLED, cancel["terminal"], cancel, False)
+                return _View(JobState.QUEUED, None, cancel, False)
+            if cancel["terminal"] < end:
+                if now >= cancel["terminal"]:
+                    ran = (cancel["terminal"] - start) / scale
+                    return _View(JobState.CANCELLED, cancel["terminal"], cancel, True, ran)
+                return _View(JobState.IN_PROGRESS, None, cancel, True, (now - start) / scale)
+        if now >= end:
+            return _View(natural_end, end, cancel, True, fate.run_s)
+        if now >= start:
+            return _View(JobState.IN_PROGRESS, None, cancel, True, (now - start) / scale)
+        return _View(JobState.QUEUED, None, cancel, False)
+
+    def _next_change(self, handle: JobHandle, view: _View) -> float:
+        fate = _Fate.of(handle)
+        t0, scale = handle.submitted_at, fate.time_scale
+        times = [t0 + fate.end_s * scale]
+        if not view.started and not view.cancel:
+            times.append(t0 + fate.queue_s * scale)
+        if view.cancel:
+            times.append(view.cancel["terminal"])
+        now = self.clock.now()
+        upcoming = [t for t in times if t > now]
+        return min(upcoming) if upcoming else now
+
+    def _events(self, handle: JobHandle, view: _View, now: float) -> list[LifecycleEvent]:
+        fate = _Fate.of(handle)
+        scale = fate.time_scale
+        events = [LifecycleEvent(0.0, "queued" if self.spec.reports_queue_state else "submitted")]
+        started_ms = fate.queue_s * scale * 1000.0
+        if (
+            view.started
+            and self.spec.reports_queue_state
+            and started_ms <= ((now - handle.submitted_at) * 1000.0)
+        ):
+            events.append(LifecycleEvent(started_ms, "running"))
+        if view.cancel and view.cancel["sent"] <= now:
+            sent_ms = (view.cancel["sent"] - handle.submitted_at) * 1000.0
+            events.append(LifecycleEvent(sent_ms, "cancel_sent"))
+        if view.state.terminal and view.terminal_at is not None:
+            end_ms = (view.terminal_at - handle.submitted_at) * 1000.0
+            events.append(LifecycleEvent(end_ms, view.state.value.lower()))
+        return events
+
+    def _terminal_result(self, handle: JobHandle, view: _View) -> AttemptResult:
+        fate = _Fate.of(handle)
+        assert view.terminal_at is not None
+        wall_ms = round((view.terminal_at - handle.submitted_at) * 1000.0, 3)
+        execution_s = view.execution_s
+        metrics = {
+            "delay_ms": round((fate.queue_s if view.started else 0.0) * 1000.0, 3),
+            "execution_ms": round(execution_s * 1000.0, 3),
+            "cost_usd": self.cost_usd(execution_s),
+            "slow_mode": fate.slow,
+            "time_scale": fate.time_scale,
+        }
+        payload, error = None, None
+        if view.state is JobState.COMPLETED:
+            silent = fate.outcome == "invalid"
+            payload = _audio_b64(self.spec.audio_s, self.spec.sample_rate, silent)
+        elif view.state is JobState.FAILED:
+            error = "simulated job failure"
+        self.ledger.set_if_absent(
+            done_key(self.name, handle.job_id),
+            json.dumps({"state": view.state.value, "at": view.terminal_at}),
+            LEDGER_TTL_S,
+        )
+        return AttemptResult(
+            provider=self.name,
+            job_id=handle.job_id,
+            state=view.state,
+            wall_ms=wall_ms,
+            payload=payload,
+            metrics=metrics,
+            events=self._events(handle, view, view.terminal_at),
+            error=error,
+        )
