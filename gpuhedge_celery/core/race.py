@@ -1,0 +1,428 @@
+"""The race engine: THE state machine behind live Celery races, the simulator and the replay.
+
+Events in, actions out. A driver calls :meth:`Race.handle` with an
+:mod:`~gpuhedge_celery.core.race_events` event, performs the actions it returns, and reports what
+happened as further events. The engine never sleeps and reads time only from its injected clock,
+so the same code runs on a :class:`~gpuhedge_celery.core.clock.VirtualClock` in a replay and on a
+:class:`~gpuhedge_celery.core.clock.WallClock` in a coordinator that may crash and be resumed by
+another process (:meth:`Race.to_dict` / :meth:`Race.from_dict`).
+
+Rules enforced here for every policy:
+
+* the first *valid* result wins; invalid or failed results never end the race;
+* at most ``max_live`` (2) live jobs; a job is live from its launch until its result is in or its
+  cancellation is confirmed terminal (a leaked job stays live: it may still be burning a GPU);
+  a launch asked for at capacity waits and is retried whenever a job ends;
+* every loser is cancelled and every non-winning attempt ends with a receipt;
+* a job whose cancel is not yet confirmed stays in the race and may still win (then the other
+  job is cancelled); a cancel that fails leaks a receipt and never loses a won race.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .attempts import LIVE_PHASES, UNSETTLED_PHASES, Attempt, Phase
+from .clock import Clock
+from .jobs import JobState
+from .policies import FALLBACK, PRIMARY, Policy, policy_from_dict
+from .race_events import (
+    Action,
+    AttemptSubmitted,
+    Cancel,
+    CancelAcknowledged,
+    CancelConfirmed,
+    CancelFailed,
+    DeclareWinner,
+    Event,
+    Launch,
+    PollStatus,
+    RaceFinished,
+    ResultArrived,
+    ScheduleTimer,
+    Start,
+    StatusObserved,
+    SubmitFailed,
+    TimerDue,
+)
+from .receipts import CancelReceipt, CancelScope, Evidence
+
+MAX_LIVE_JOBS = 2
+
+
+class Race:
+    """One request's race, driven by events; also the :class:`RaceControl` its policy sees."""
+
+    def __init__(
+        self, policy: Policy, clock: Clock, *, race_id: str = "", max_live: int = MAX_LIVE_JOBS
+    ):
+        if max_live < 1:
+            raise ValueError("max_live must be at least 1")
+        self.policy = policy
+        self.clock = clock
+        self.race_id = race_id
+        self.max_live = max_live
+        self.started_at: float | None = None  # clock reading at Start
+        self.attempts: list[Attempt] = []
+        self.timers: dict[str, float] = {}  # key -> clock reading when due
+        self.waiting: list[list[str]] = []  # [provider, role] launches held back at capacity
+        self.state: dict[str, Any] = {}  # the policy's own per-race state
+        self.flags: list[str] = []
+        self.winner: str | None = None
+        self.finished = False
+        self.note = ""
+        self._out: list[Action] = []
+        self._now = 0.0
+
+    # ------------------------------------------------------------------ driver interface
+    def start(self) -> list[Action]:
+        """Shorthand for ``handle(Start())``."""
+        return self.handle(Start())
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event at the clock's current reading; return the actions to perform."""
+        if self.finished:
+            return []
+        self._now = self.clock.now()
+        self._out = []
+        if isinstance(event, Start):
+            self._on_start()
+        elif self.started_at is None:
+            raise ValueError(f"race {self.race_id!r} got {event.kind} before start")
+        elif isinstance(event, TimerDue):
+            self._on_timer(event)
+        else:
+            attempt = self._attempt(getattr(event, "attempt_id", ""))
+            if attempt is None:
+                raise ValueError(f"race {self.race_id!r} has no attempt {event.attempt_id!r}")  # type: ignore[attr-defined]
+            handler = _HANDLERS[type(event)]
+            handler(self, attempt, event)
+        self._settle()
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def has_winner(self) -> bool:
+        return self.winner is not None
+
+    @property
+    def live_count(self) -> int:
+        return sum(1 for a in self.attempts if a.phase in LIVE_PHASES)
+
+    @property
+    def winner_attempt(self) -> Attempt | None:
+        return self._attempt(self.winner) if self.winner else None
+
+    @property
+    def t0(self) -> float:
+        """Seconds from Start to the primary's submit: the origin of every policy time."""
+        primary = self.attempt_for(PRIMARY)
+        if primary is not None and primary.submitted_at is not None:
+            return primary.submitted_at
+        return 0.0
+
+    def latency(self) -> float | None:
+        """End-to-end seconds from the primary's submit to the winning result, or None."""
+        won = self.winner_attempt
+        return None if won is None or won.result_at is None else won.result_at - self.t0
+
+    def outcome(self, rates: Any = None) -> Any:
+        """The race's :class:`~gpuhedge_celery.core.outcome.Outcome` (priced when given rates)."""
+        from .outcome import race_outcome  # outcome.py builds on this module
+
+        return race_outcome(self, rates)
+
+    # ------------------------------------------------------------------ RaceControl
+    def elapsed(self) -> float:
+        return self._rel() - self.t0
+
+    def attempt_for(self, role: str) -> Attempt | None:
+        return next((a for a in self.attempts if a.role == role), None)
+
+    def launch(self, provider: str, role: str) -> str | None:
+        if self.winner is not None or self.finished:
+            return None
+        if self.live_count >= self.max_live:
+            self.waiting.append([provider, role])
+            self.flag("escalation_waited" if role == FALLBACK else f"{role}_waited")
+            return None
+        attempt = Attempt(
+            id=f"a{len(self.attempts) + 1}", provider=provider, role=role, launched_at=self._rel()
+        )
+        attempt.timeline.append([attempt.launched_at, "launched"])
+        self.attempts.append(attempt)
+        self._out.append(Launch(attempt.id, provider, role))
+        return attempt.id
+
+    def poll(self, attempt_id: str) -> None:
+        attempt = self._attempt(attempt_id)
+        if attempt is not None and attempt.live and attempt.phase is not Phase.LAUNCHING:
+            self._out.append(PollStatus(attempt_id))
+
+    def cancel(self, attempt_id: str, reason: str) -> None:
+        attempt = self._attempt(attempt_id)
+        if attempt is not None:
+            self._send_cancel(attempt, reason)
+
+    def set_timer(self, key: str, after_s: float) -> None:
+        at = (self.started_at or 0.0) + self.t0 + after_s
+        self.timers[key] = at
+        self._out.append(ScheduleTimer(key, at))
+
+    def clear_timer(self, key: str) -> None:
+        self.timers.pop(key, None)
+
+    def flag(self, name: str) -> None:
+        if name not in self.flags:
+            self.flags.append(name)
+
+    # ------------------------------------------------------------------ event handlers
+    def _on_start(self) -> None:
+        if self.started_at is not None:
+            return  # a duplicated Start
+        self.started_at = self._now
+        self.policy.on_start(self)
+
+    def _on_timer(self, event: TimerDue) -> None:
+        at = self.timers.get(event.key)
+        if at is None:
+            return  # cleared, already fired, or duplicated
+        if self._now < at - 1e-9:  # delivered early: ask again rather than act early
+            self._out.append(ScheduleTimer(event.key, at))
+            return
+        del self.timers[event.key]
+        if self.winner is None:
+            self.policy.on_timer(self, event.key)
+
+    def _on_submitted(self, a: Attempt, event: AttemptSubmitted) -> None:
+        if a.phase is not Phase.LAUNCHING:
+            return
+        a.phase = Phase.RUNNING
+        a.submitted_at = self._rel()
+        a.job_id = event.job_id
+        a.handle = dict(event.handle) if event.handle else None
+        a.timeline.append([a.submitted_at, "submitted"])
+        if a.cancel_requested:
+            self._send_cancel(a, a.cancel_reason or "lost")
+        elif self.winner is None:
+            self.policy.on_submitted(self, a)
+
+    def _on_submit_failed(self, a: Attempt, event: SubmitFailed) -> None:
+        if a.phase is not Phase.LAUNCHING:
+            return
+        self._end(a, JobState.FAILED, False, [event.error or "submit failed"], "submit_failed")
+
+    def _on_status(self, a: Attempt, event: StatusObserved) -> None:
+        if not a.live:
+            return
+        label = str(event.state) if event.state is not None else "poll_error"
+        a.timeline.append([self._rel(), label])
+        if event.state is not None:
+            a.last_state = event.state.value
+            if event.state.terminal and a.phase in (Phase.CANCELLING, Phase.LEAKED):
+                self._confirm_cancel(a, event.state)
+                return
+        if self.winner is None:
+            self.policy.on_status(self, a, event.state, event.error)
+
+    def _on_result(self, a: Attempt, event: ResultArrived) -> None:
+        if not a.live:
+            return  # a duplicate, or a result after its cancellation was confirmed
+        # A result is terminal by definition; a driver reporting a non-terminal state failed.
+        state = event.state if event.state.terminal else JobState.FAILED
+        good = bool(event.valid) and state is JobState.COMPLETED
+        label = "valid" if good else "invalid"
+        self._end(a, state, good, list(event.reasons), f"{state} ({label})")
+        if a.receipt is not None:
+            # The result is an observed terminal state: it settles the pending cancel.
+            a.receipt.confirm_terminal(state, self._ms())
+            a.receipt.note = (a.receipt.note + "; " if a.receipt.note else "") + (
+                "result arrived before the cancel took effect"
+            )
+        if good and self.winner is None:
+            self._declare(a)
+        elif not good and self.winner is None:
+            self.policy.on_failed(self, a)
+
+    def _on_cancel_ack(self, a: Attempt, event: CancelAcknowledged) -> None:
+        r = a.receipt
+        if r is None or a.phase not in (Phase.CANCELLING, Phase.LEAKED):
+            return
+        p = event.receipt
+        r.upgrade(Evidence.PROVIDER_ACK)
+        r.cancel_ack_ms = self._ms()
+        a.timeline.append([self._rel(), "cancel_acknowledged"])
+        if p is None:
+            return
+        if p.cancel_ack_ms is not None:
+            r.cancel_ack_ms = p.cancel_ack_ms
+        if p.was_running is not None:
+            r.was_running = p.was_running
+        if p.scope is not CancelScope.UNKNOWN:
+            r.scope = p.scope
+        for name in ("execution_ms_before_cancel", "estimated_cost_usd", "reconciled_cost_usd"):
+            if getattr(p, name) is not None:
+                setattr(r, name, getattr(p, name))
+        r.billing_stop_confirmed = r.billing_stop_confirmed or p.billing_stop_confirmed
+        if p.note:
+            r.note = p.note
+        r.upgrade(p.evidence if p.evidence is not Evidence.CONFIRMED_TERMINAL else r.evidence)
+        if p.confirmed_terminal and p.terminal_status is not None:
+            # The adapter itself polled the job to a terminal state before returning.
+            self._confirm_cancel(a, p.terminal_status, p.terminal_ms)
+
+    def _on_cancel_confirmed(self, a: Attempt, event: CancelConfirmed) -> None:
+        if a.phase in (Phase.CANCELLING, Phase.LEAKED):
+            self._confirm_cancel(a, event.state)
+
+    def _on_cancel_failed(self, a: Attempt, event: CancelFailed) -> None:
+        if a.phase is not Phase.CANCELLING or a.receipt is None:
+            return
+        a.phase = Phase.LEAKED
+        a.receipt.leaked = True
+        a.receipt.note = f"cancel failed: {event.error}" if event.error else "cancel failed"
+        a.timeline.append([self._rel(), "leaked"])
+        self.flag("leaked")
+
+    # ------------------------------------------------------------------ internals
+    def _rel(self) -> float:
+        return self._now - (self.started_at or 0.0)
+
+    def _ms(self) -> float:
+        return self._now * 1000.0
+
+    def _attempt(self, attempt_id: str | None) -> Attempt | None:
+        return next((a for a in self.attempts if a.id == attempt_id), None)
+
+    def _end(
+        self, a: Attempt, state: JobState, valid: bool, reasons: list[str], label: str
+    ) -> None:
+        a.phase = Phase.ENDED
+        a.result_state = state.value
+        a.last_state = state.value
+        a.valid = valid
+        a.reasons = reasons
+        a.result_at = self._rel()
+        a.timeline.append([a.result_at, label])
+
+    def _declare(self, a: Attempt) -> None:
+        self.winner = a.id
+        self.timers.clear()
+        self.waiting.clear()
+        self._out.append(DeclareWinner(a.id))
+        for other in self.attempts:
+            if other is not a and other.phase in (Phase.LAUNCHING, Phase.RUNNING):
+                self._send_cancel(other, "lost")
+
+    def _send_cancel(self, a: Attempt, reason: str) -> None:
+        if a.phase is Phase.LAUNCHING:
+            a.cancel_requested = True  # cancelled as soon as the provider gives us a job id
+            a.cancel_reason = reason
+            return
+        if a.phase is not Phase.RUNNING:
+            return
+        a.phase = Phase.CANCELLING
+        a.cancel_reason = reason
+        a.cancel_sent_at = self._rel()
+        was_running = {"QUEUED": False, "IN_PROGRESS": True}.get(a.last_state or "")
+        a.receipt = CancelReceipt(
+            provider=a.provider,
+            job_id=a.job_id,
+            was_running=was_running,
+            cancel_sent_ms=self._ms(),
+            scope=CancelScope.QUEUED_JOB if was_running is False else CancelScope.UNKNOWN,
+            note=reason,
+        )
+        a.timeline.append([a.cancel_sent_at, f"cancel_sent ({reason})"])
+        self._out.append(Cancel(a.id, reason))
+
+    def _confirm_cancel(self, a: Attempt, state: JobState, at_ms: float | None = None) -> None:
+        assert a.receipt is not None
+        a.receipt.confirm_terminal(state, self._ms() if at_ms is None else at_ms)
+        a.phase = Phase.CANCELLED
+        a.last_state = state.value
+        a.timeline.append([self._rel(), f"{state} (cancel confirmed)"])
+
+    def _settle(self) -> None:
+        """After every event: retry held launches, give an idle policy its turn, finish."""
+        while self.winner is None and self.waiting and self.live_count < self.max_live:
+            provider, role = self.waiting.pop(0)
+            self.launch(provider, role)
+        if self.winner is None and self.started_at is not None and self.live_count == 0:
+            self.policy.on_idle(self)
+            if self.live_count == 0:
+                self._finish(None, "no attempt returned a valid result")
+        elif self.winner is not None:
+            if not any(a.phase in UNSETTLED_PHASES for a in self.attempts):
+                self._finish(self.winner, "")
+
+    def _finish(self, winner: str | None, note: str) -> None:
+        self.finished = True
+        self.note = note
+        self.timers.clear()
+        for a in self.attempts:
+            if a.id != winner and a.receipt is None:
+                a.receipt = _ended_on_its_own(a, self._ms())
+        self._out.append(RaceFinished(winner, note))
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the race in another process (JSON-safe)."""
+        return {
+            "race_id": self.race_id,
+            "policy": self.policy.to_dict(),
+            "max_live": self.max_live,
+            "started_at": self.started_at,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "timers": dict(self.timers),
+            "waiting": [list(w) for w in self.waiting],
+            "state": dict(self.state),
+            "flags": list(self.flags),
+            "winner": self.winner,
+            "finished": self.finished,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], clock: Clock) -> Race:
+        """Resume a race saved by :meth:`to_dict`, reading time from ``clock`` from now on."""
+        race = cls(
+            policy_from_dict(data["policy"]),
+            clock,
+            race_id=data.get("race_id", ""),
+            max_live=int(data.get("max_live", MAX_LIVE_JOBS)),
+        )
+        race.started_at = data.get("started_at")
+        race.attempts = [Attempt.from_dict(a) for a in data.get("attempts", [])]
+        race.timers = {k: float(v) for k, v in (data.get("timers") or {}).items()}
+        race.waiting = [list(w) for w in data.get("waiting", [])]
+        race.state = dict(data.get("state") or {})
+        race.flags = list(data.get("flags") or [])
+        race.winner = data.get("winner")
+        race.finished = bool(data.get("finished"))
+        race.note = data.get("note", "")
+        return race
+
+
+def _ended_on_its_own(a: Attempt, now_ms: float) -> CancelReceipt:
+    """The receipt of a loser that needed no cancel: it ended (or never started) by itself."""
+    receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
+    state = JobState(a.result_state) if a.result_state else JobState.FAILED
+    receipt.confirm_terminal(state, now_ms)
+    receipt.was_running = a.submitted_at is not None
+    if a.submitted_at is None:
+        receipt.note = "never submitted: " + "; ".join(a.reasons)
+    else:
+        receipt.note = f"ended on its own ({state}); no cancel needed"
+    return receipt
+
+
+_HANDLERS = {
+    AttemptSubmitted: Race._on_submitted,
+    SubmitFailed: Race._on_submit_failed,
+    StatusObserved: Race._on_status,
+    ResultArrived: Race._on_result,
+    CancelAcknowledged: Race._on_cancel_ack,
+    CancelConfirmed: Race._on_cancel_confirmed,
+    CancelFailed: Race._on_cancel_failed,
+}

@@ -1,0 +1,257 @@
+"""The messages a race exchanges with whoever drives it: events in, actions out.
+
+A driver (the replay, the simulator, a Celery coordinator) performs each :class:`Action` the race
+emits and reports back what happened as an :class:`Event`. Both are plain data with ``to_dict`` /
+``from_dict`` so they can cross process boundaries (Celery messages, Redis).
+
+Events are idempotent where it matters for at-least-once delivery: a duplicated result, timer or
+acknowledgement is ignored by the race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+from .jobs import JobState
+from .receipts import CancelReceipt
+
+# --------------------------------------------------------------------------- events (in)
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class: something that happened to the race, reported by its driver."""
+
+    kind: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"kind": self.kind}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, JobState):
+                value = value.value
+            elif isinstance(value, CancelReceipt):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[f.name] = value
+        return data
+
+
+@dataclass(frozen=True)
+class Start(Event):
+    """Begin the race: the policy launches its primary."""
+
+    kind: ClassVar[str] = "start"
+
+
+@dataclass(frozen=True)
+class TimerDue(Event):
+    """A timer the race scheduled (by key) has come due."""
+
+    kind: ClassVar[str] = "timer_due"
+    key: str
+
+
+@dataclass(frozen=True)
+class AttemptSubmitted(Event):
+    """The provider accepted a launched attempt; ``handle`` is its serialised JobHandle."""
+
+    kind: ClassVar[str] = "attempt_submitted"
+    attempt_id: str
+    job_id: str = ""
+    handle: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SubmitFailed(Event):
+    """The provider refused a launched attempt: it ends without a valid result."""
+
+    kind: ClassVar[str] = "submit_failed"
+    attempt_id: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StatusObserved(Event):
+    """A status poll answered: a state, or ``error`` when the poll itself failed."""
+
+    kind: ClassVar[str] = "status_observed"
+    attempt_id: str
+    state: JobState | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ResultArrived(Event):
+    """An attempt's result is in: its terminal state and whether it passed validation."""
+
+    kind: ClassVar[str] = "result_arrived"
+    attempt_id: str
+    state: JobState = JobState.COMPLETED
+    valid: bool = True
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CancelAcknowledged(Event):
+    """The provider's cancel call returned; ``receipt`` is what the provider could say."""
+
+    kind: ClassVar[str] = "cancel_acknowledged"
+    attempt_id: str
+    receipt: CancelReceipt | None = None
+
+
+@dataclass(frozen=True)
+class CancelConfirmed(Event):
+    """A cancelled attempt was observed in a terminal state (polled, not the cancel's reply)."""
+
+    kind: ClassVar[str] = "cancel_confirmed"
+    attempt_id: str
+    state: JobState = JobState.CANCELLED
+
+
+@dataclass(frozen=True)
+class CancelFailed(Event):
+    """The cancel raised or never reached a terminal state: the attempt is leaked."""
+
+    kind: ClassVar[str] = "cancel_failed"
+    attempt_id: str
+    error: str = ""
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        Start,
+        TimerDue,
+        AttemptSubmitted,
+        SubmitFailed,
+        StatusObserved,
+        ResultArrived,
+        CancelAcknowledged,
+        CancelConfirmed,
+        CancelFailed,
+    )
+}
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    """Rebuild an event from :meth:`Event.to_dict` output (e.g. a Celery message body)."""
+    data = dict(data)
+    kind = data.pop("kind", None)
+    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown race event kind {kind!r}")
+    if data.get("state") is not None and "state" in {f.name for f in fields(cls)}:
+        data["state"] = JobState(data["state"])
+    if cls is CancelAcknowledged and data.get("receipt") is not None:
+        data["receipt"] = CancelReceipt.from_dict(data["receipt"])
+    if cls is ResultArrived:
+        data["reasons"] = tuple(data.get("reasons") or ())
+    return cls(**data)
+
+
+# --------------------------------------------------------------------------- actions (out)
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base class: something the race asks its driver to do."""
+
+    kind: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class Launch(Action):
+    """Submit a job to ``provider``; report AttemptSubmitted or SubmitFailed for ``attempt_id``."""
+
+    kind: ClassVar[str] = "launch"
+    attempt_id: str
+    provider: str
+    role: str
+
+
+@dataclass(frozen=True)
+class PollStatus(Action):
+    """Poll the attempt's status once; report StatusObserved (state or error)."""
+
+    kind: ClassVar[str] = "poll_status"
+    attempt_id: str
+
+
+@dataclass(frozen=True)
+class Cancel(Action):
+    """Cancel the attempt through the provider; report acknowledgement, confirmation or failure."""
+
+    kind: ClassVar[str] = "cancel"
+    attempt_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScheduleTimer(Action):
+    """Deliver ``TimerDue(key)`` when the race's clock reads ``at`` or later."""
+
+    kind: ClassVar[str] = "schedule_timer"
+    key: str
+    at: float
+
+
+@dataclass(frozen=True)
+class DeclareWinner(Action):
+    """The attempt returned the first valid result: hand its result to the caller."""
+
+    kind: ClassVar[str] = "declare_winner"
+    attempt_id: str
+
+
+@dataclass(frozen=True)
+class RaceFinished(Action):
+    """Nothing is left to do; ``winner`` is None when no attempt returned a valid result."""
+
+    kind: ClassVar[str] = "race_finished"
+    winner: str | None
+    note: str = ""
+
+
+ACTION_TYPES: dict[str, type[Action]] = {
+    cls.kind: cls
+    for cls in (Launch, PollStatus, Cancel, ScheduleTimer, DeclareWinner, RaceFinished)
+}
+
+
+def action_from_dict(data: dict[str, Any]) -> Action:
+    """Rebuild an action from :meth:`Action.to_dict` output."""
+    data = dict(data)
+    cls = ACTION_TYPES.get(data.pop("kind", None))  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError("unknown race action kind")
+    return cls(**data)
+
+
+__all__ = [
+    "Action",
+    "AttemptSubmitted",
+    "Cancel",
+    "CancelAcknowledged",
+    "CancelConfirmed",
+    "CancelFailed",
+    "DeclareWinner",
+    "Event",
+    "Launch",
+    "PollStatus",
+    "RaceFinished",
+    "ResultArrived",
+    "ScheduleTimer",
+    "Start",
+    "StatusObserved",
+    "SubmitFailed",
+    "TimerDue",
+    "action_from_dict",
+    "event_from_dict",
+]
