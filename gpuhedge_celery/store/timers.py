@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -293,10 +294,17 @@ class TimerService:
         if self._pubsub is None:
             self._stop.wait(ms / 1000)
             return
-        # A message means an earlier timer was armed; drain the rest so a burst costs one claim.
-        if self._pubsub.get_message(timeout=ms / 1000) is not None:
-            while self._pubsub.get_message(timeout=0) is not None:
-                pass
+        # Wait in slices so stop() is honoured promptly even during a long idle wait.
+        until = time.monotonic() + ms / 1000
+        while not self._stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            if self._pubsub.get_message(timeout=min(left, 0.25)) is not None:
+                # An earlier timer was armed; drain the rest so a burst costs one claim.
+                while self._pubsub.get_message(timeout=0) is not None:
+                    pass
+                return
 
     def _subscribe(self) -> None:
         if not self.use_pubsub:

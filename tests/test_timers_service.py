@@ -1,0 +1,256 @@
+"""The timer service with real processes on a real redis-server: once each, on time, crash-safe.
+
+Timing bounds are generous (other test runs share this 2-core machine); each one is still far
+below what the behaviour under test would cost without the mechanism (a poll interval, a lease).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from gpuhedge_celery.store.timers import Timer, TimerService, TimerStore
+
+pytestmark = pytest.mark.timeout(90)
+
+ctx = multiprocessing.get_context("fork")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class Recorder:
+    """A handler that records (timer, fired-at ms) in this process."""
+
+    def __init__(self):
+        self.fired: list[tuple[Timer, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, timer: Timer) -> None:
+        with self.lock:
+            self.fired.append((timer, now_ms()))
+
+
+def _serve_into_file(url: str, prefix: str, path: str, lease_ms: int) -> None:
+    """Child process: fire timers, appending ``id deliveries`` lines to ``path`` (unbuffered)."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    def handler(timer: Timer) -> None:
+        os.write(fd, f"{timer.id} {timer.deliveries}\n".encode())
+
+    TimerService(TimerStore(client, prefix), handler, batch=10, lease_ms=lease_ms).start()
+    time.sleep(120)  # killed by the test long before
+
+
+def _claim_then_hang(url: str, prefix: str, lease_ms: int, claimed) -> None:
+    """Child process: a service whose handler hangs, so its claimed timers stay in flight."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+
+    def handler(timer: Timer) -> None:
+        claimed.set()
+        time.sleep(120)
+
+    TimerService(TimerStore(client, prefix), handler, batch=100, lease_ms=lease_ms).start()
+    time.sleep(120)
+
+
+def _arm_and_die(url: str, prefix: str, due_ms: int) -> None:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    TimerStore(client, prefix).arm("orphan|safety", due_ms, {"from": "dead armer"})
+    os._exit(0)
+
+
+def _read_lines(paths: list[Path]) -> dict[str, list[str]]:
+    fired: dict[str, list[str]] = {}
+    for path in paths:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                timer_id, _ = line.split(" ")
+                fired.setdefault(timer_id, []).append(path.name)
+    return fired
+
+
+def _stop(processes) -> None:
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(5)
+
+
+def test_four_processes_fire_every_timer_exactly_once(redis_url, redis_client, prefix, tmp_path):
+    store = TimerStore(redis_client, prefix)
+    paths = [tmp_path / f"p{i}.log" for i in range(4)]
+    procs = [
+        ctx.Process(target=_serve_into_file, args=(redis_url, prefix, str(p), 10_000))
+        for p in paths
+    ]
+    for p in procs:
+        p.start()
+    try:
+        start = now_ms() + 500
+        ids = store.arm_many([(f"race{i}|t", start + (i * 7) % 1500, {}) for i in range(300)])
+        wait_for(lambda: sum(map(len, _read_lines(paths).values())) >= 300, 40, "300 firings")
+        time.sleep(0.3)  # a duplicate, if any, would land now
+        fired = _read_lines(paths)
+    finally:
+        _stop(procs)
+    assert set(fired) == set(ids)
+    assert [k for k, v in fired.items() if len(v) != 1] == []
+    assert len({name for v in fired.values() for name in v}) >= 2  # the work was shared
+    assert store.pending() == 0 and store.in_flight() == 0
+
+
+def test_a_killed_claimers_timers_fire_elsewhere_after_its_lease(redis_url, redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    lease_ms = 1500
+    claimed = ctx.Event()
+    # All due at once, so the victim claims all of them in one batch.
+    due = now_ms() + 300
+    ids = store.arm_many([(f"race{i}|hedge", due, {"i": i}) for i in range(20)])
+    victim = ctx.Process(target=_claim_then_hang, args=(redis_url, prefix, lease_ms, claimed))
+    victim.start()
+    try:
+        assert claimed.wait(20), "the victim never claimed"
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = now_ms()
+    finally:
+        _stop([victim])
+    assert store.in_flight() == 20 and store.pending() == 0
+
+    recorder = Recorder()
+    service = TimerService(store, recorder, lease_ms=5000).start()
+    try:
+        wait_for(lambda: len(recorder.fired) >= 20, 20, "the dead claimer's timers")
+    finally:
+        service.stop()
+    assert sorted(t.id for t, _ in recorder.fired) == sorted(ids)
+    assert {t.deliveries for t, _ in recorder.fired} == {2}
+    first_fire = min(at for _, at in recorder.fired)
+    # Not before the dead claimer's lease ran out, and long before any visibility timeout.
+    assert first_fire >= due + lease_ms - 50
+    assert first_fire - killed_at < lease_ms + 10_000
+    assert store.in_flight() == 0
+
+
+def test_a_timer_outlives_the_process_that_armed_it(redis_url, redis_client, prefix):
+    due = now_ms() + 300
+    armer = ctx.Process(target=_arm_and_die, args=(redis_url, prefix, due))
+    armer.start()
+    armer.join(20)
+    recorder = Recorder()
+    service = TimerService(TimerStore(redis_client, prefix), recorder).start()
+    try:
+        wait_for(lambda: recorder.fired, 20, "the orphan timer")
+    finally:
+        service.stop()
+    (timer, at), *_ = recorder.fired
+    assert timer.payload == {"from": "dead armer"} and at >= due
+
+
+def test_service_fires_in_due_order_and_on_time(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+    service = TimerService(store, recorder).start()
+    try:
+        base = now_ms() + 300
+        offsets = [(i * 37) % 400 for i in range(40)]  # distinct, armed out of order
+        store.arm_many([(f"race{i}|t", base + off, {}) for i, off in enumerate(offsets)])
+        wait_for(lambda: len(recorder.fired) >= 40, 20, "40 firings")
+    finally:
+        service.stop()
+    dues = [t.due_ms for t, _ in recorder.fired]
+    assert dues == sorted(dues)
+    lags = [at - t.due_ms for t, at in recorder.fired]
+    assert min(lags) >= 0
+    assert max(lags) < 1000  # typically a few ms
+
+
+def test_arming_an_earlier_timer_wakes_a_sleeping_service(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    store.arm("race|far", now_ms() + 60_000, {})
+    recorder = Recorder()
+    # It re-reads only every 8 s, so firing much sooner proves the wake-up message worked.
+    service = TimerService(store, recorder, idle_ms=8000).start()
+    try:
+        channel = store.keys.channel
+        wait_for(lambda: redis_client.pubsub_numsub(channel)[0][1] == 1, 10, "the subscription")
+        time.sleep(0.2)  # let the service go to sleep on the far timer
+        due = now_ms() + 100
+        store.arm("race|near", due, {})
+        wait_for(lambda: recorder.fired, 7, "the near timer")
+    finally:
+        service.stop(timeout=10)
+    (timer, at), *_ = recorder.fired
+    assert timer.key == "race|near"
+    assert at - due < 3000
+
+
+def test_polling_only_service_fires_on_time(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+    service = TimerService(store, recorder, use_pubsub=False).start()
+    try:
+        due = now_ms() + 200
+        store.arm("race|hedge", due, {})
+        wait_for(lambda: recorder.fired, 10, "the timer")
+    finally:
+        service.stop()
+    (_, at), *_ = recorder.fired
+    assert 0 <= at - due < 1000
+
+
+def test_failing_handler_gets_the_timer_again_after_the_lease(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    calls: list[tuple[int, int]] = []
+
+    def flaky(timer: Timer) -> None:
+        calls.append((timer.deliveries, now_ms()))
+        if timer.deliveries == 1:
+            raise RuntimeError("provider API hiccup")
+
+    service = TimerService(store, flaky, lease_ms=400).start()
+    try:
+        store.arm("race|cutover", now_ms(), {})
+        wait_for(lambda: len(calls) >= 2, 15, "the redelivery")
+        wait_for(lambda: store.in_flight() == 0, 5, "the ack")
+    finally:
+        service.stop()
+    assert [d for d, _ in calls] == [1, 2]
+    assert calls[1][1] - calls[0][1] >= 350
+    assert service.failed == 1 and service.fired == 1
+
+
+def test_handler_that_always_fails_is_dropped_after_max_deliveries(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    calls: list[int] = []
+
+    def broken(timer: Timer) -> None:
+        calls.append(timer.deliveries)
+        raise RuntimeError("bug")
+
+    service = TimerService(store, broken, lease_ms=200, max_deliveries=3).start()
+    try:
+        store.arm("race|safety", now_ms(), {})
+        wait_for(lambda: len(calls) >= 3 and store.in_flight() == 0, 15, "the drop")
+        time.sleep(0.5)
+    finally:
+        service.stop()
+    assert calls == [1, 2, 3]
+    assert store.pending() == 0
