@@ -170,7 +170,7 @@ def fmt_s(ms: int | float) -> str:
 
 def bad_name(kind: str, body: str, expected: str) -> ConfigError:
     """The one-line error for a policy name that does not match its kind's grammar."""
-    return ConfigError(f"bad policy name {kind}:{body!r}: expected {kind}:{expected}")
+    return ConfigError(f"bad policy name '{kind}:{body}': expected {kind}:{expected}")
 
 
 def check_ms(value: Any, what: str) -> int:

@@ -13,7 +13,6 @@ time" means in the published tables. No closed-form latency formula is used anyw
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,55 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .clock import VirtualClock
 from .jobs import JobState
 from .outcome import PUBLISHED_RATES, ProviderRate, attempt_cost
 from .policies import Policy, parse_policy
 from .race import Race
-from .race_events import (
-    AttemptSubmitted,
-    Cancel,
-    CancelAcknowledged,
-    CancelConfirmed,
-    Event,
-    Launch,
-    PollStatus,
-    ResultArrived,
-    ScheduleTimer,
-    StatusObserved,
-    SubmitFailed,
-    TimerDue,
-)
-from .receipts import CancelReceipt, CancelScope, Evidence
+from .scripted import Arm, run_race
 from .stats import INF, Summary, summarise
 
 SUBSETS = ("all", "calibration", "evaluation")
 CALIBRATION_LAST_ROUND = 18  # rounds 1-18 calibrate, 19 onwards evaluate
 DELAY_GRID_S = (0, 5, 10, 15, 20, 30, 45, 60)
 DEFAULT_DEADLINES_S = (60.0,)
-
-# Same-instant ordering: replies to actions first, then results, then timers, so a result that
-# lands exactly on a hedge timer counts as "in by then" and no hedge is launched.
-_REPLY, _RESULT, _TIMER = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One provider's recorded run of one round."""
-
-    provider: str
-    wall_s: float
-    valid: bool
-    state: JobState
-    reasons: tuple[str, ...] = ()
-    submitted: bool = True
-    queue_delay_s: float | None = None  # None: the provider exposes no queued state
-
-    def status_after(self, elapsed_s: float) -> JobState:
-        """What a status poll ``elapsed_s`` after submit would have said."""
-        if self.queue_delay_s is None:
-            return JobState.UNKNOWN
-        return JobState.QUEUED if elapsed_s < self.queue_delay_s else JobState.IN_PROGRESS
 
 
 @dataclass(frozen=True)
@@ -164,62 +125,9 @@ def replay_round(
     rnd: Round,
     rates: Mapping[str, ProviderRate] | None = None,
 ) -> RoundResult:
-    """Run ``policy``'s race on ``rnd``'s recorded timings on a virtual clock."""
+    """Run ``policy``'s race on ``rnd``'s recorded timings on a virtual clock, and price it."""
     rates = PUBLISHED_RATES if rates is None else rates
-    clock = VirtualClock()
-    race = Race(policy, clock, race_id=f"round-{rnd.round_id}")
-    queue: list[tuple[float, int, int, Event]] = []
-    submits: dict[str, tuple[Arm, float]] = {}
-    seq = 0
-
-    def push(t: float, prio: int, event: Event) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(queue, (t, prio, seq, event))
-
-    def perform(actions: list, t: float) -> None:
-        for action in actions:
-            if isinstance(action, Launch):
-                arm = rnd.arms.get(action.provider)
-                if arm is None:
-                    raise ConfigError(
-                        f"round {rnd.round_id} has no provider {action.provider!r} "
-                        f"(it has {', '.join(sorted(rnd.arms))})",
-                        key="policy",
-                    )
-                if not arm.submitted:
-                    push(t, _REPLY, SubmitFailed(action.attempt_id, "; ".join(arm.reasons)))
-                    continue
-                submits[action.attempt_id] = (arm, t)
-                job = f"r{rnd.round_id}-{arm.provider}-{action.attempt_id}"
-                push(t, _REPLY, AttemptSubmitted(action.attempt_id, job))
-                result = ResultArrived(action.attempt_id, arm.state, arm.valid, arm.reasons)
-                push(t + arm.wall_s, _RESULT, result)
-            elif isinstance(action, PollStatus):
-                arm, at = submits[action.attempt_id]
-                push(t, _REPLY, StatusObserved(action.attempt_id, arm.status_after(t - at)))
-            elif isinstance(action, Cancel):
-                arm, at = submits[action.attempt_id]
-                queued = arm.status_after(t - at) is JobState.QUEUED
-                receipt = CancelReceipt(
-                    provider=arm.provider,
-                    job_id="",
-                    was_running=not queued,
-                    evidence=Evidence.PROVIDER_ACK,
-                    scope=CancelScope.QUEUED_JOB if queued else CancelScope.REQUEST,
-                )
-                push(t, _REPLY, CancelAcknowledged(action.attempt_id, receipt))
-                push(t, _REPLY, CancelConfirmed(action.attempt_id, JobState.CANCELLED))
-            elif isinstance(action, ScheduleTimer):
-                push(action.at, _TIMER, TimerDue(action.key))
-
-    perform(race.start(), 0.0)
-    while queue and not race.finished:
-        t, _, _, event = heapq.heappop(queue)
-        clock.set(t)
-        perform(race.handle(event), t)
-    if not race.finished:
-        raise RuntimeError(f"race on round {rnd.round_id} did not finish")  # an engine bug
+    race = run_race(policy, rnd.arms, race_id=f"round-{rnd.round_id}")
     active = billed = 0.0
     for attempt in race.attempts:
         rate = rates.get(attempt.provider)
