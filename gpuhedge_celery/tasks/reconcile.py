@@ -1,0 +1,198 @@
+"""The beat task ``gpuhedge.reconcile``: make Redis agree with what GPU workers really run.
+
+I/O only: take a short lock, broadcast ``gpuhedge_gpus`` and collect the replies, read the lease
+table, let :func:`gpuhedge_celery.core.reconcile.plan` decide, apply its actions with
+token-checked store calls, and send requests stranded on a dead GPU's queue back to waiting.
+Two passes at once: the second finds the lock held and skips; even without the lock every action
+re-checks its premise in Lua, so a repeated pass changes nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from celery import Celery
+
+from ..core.reconcile import GpuReport, GpuView, LeaseView, RunningJob, plan
+from ..store.leases import LeaseStore
+from .app import TASK_GPU_RUN, TASK_RECONCILE, app, glue_config, gpu_queue
+from .control import COMMAND
+
+log = logging.getLogger(__name__)
+
+LOCK_MS = 10_000
+RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def dead_since_key(store: LeaseStore) -> str:
+    """Hash host -> epoch ms when a pass first saw the host without a heartbeat."""
+    return f"{store.keys.prefix}:reconcile:dead_since"
+
+
+def collect_reports(celery_app: Celery, timeout_s: float) -> dict[str, GpuReport]:
+    """Ask every worker what its GPUs run; GPU id -> report, for the GPUs that answered."""
+    replies = celery_app.control.broadcast(COMMAND, reply=True, timeout=timeout_s) or []
+    reports: dict[str, GpuReport] = {}
+    for reply in replies:
+        for _node, answer in reply.items():
+            if not isinstance(answer, dict):
+                continue  # an "unknown command" error from a worker of another app
+            for gpu in answer.get("gpus") or []:
+                jobs = tuple(
+                    RunningJob(j["task_id"], int(j["token"]), j.get("holder", ""), j.get("since"))
+                    for j in gpu.get("running") or []
+                )
+                reports[gpu["gpu_id"]] = GpuReport(gpu["gpu_id"], jobs)
+    return reports
+
+
+def read_views(store: LeaseStore, now_ms: int) -> list[GpuView]:
+    """The lease table as the pure rules want it, with how long each dead host has been silent."""
+    rows = store.table()
+    key = dead_since_key(store)
+    with store.guard():
+        dead_since = {k: int(v) for k, v in store.client.hgetall(key).items()}
+        pipe = store.client.pipeline(transaction=False)
+        for host in {r.host for r in rows if not r.host_live and r.host not in dead_since}:
+            pipe.hsetnx(key, host, now_ms)
+            dead_since[host] = now_ms
+        for host in {r.host for r in rows if r.host_live and r.host in dead_since}:
+            pipe.hdel(key, host)  # the host came back
+        pipe.execute()
+    ttls = {pool: store.pool_ttl(pool) for pool in {r.pool for r in rows}}
+    views = []
+    for r in rows:
+        lease = None
+        if r.token is not None:
+            since = None if r.since_ms is None else r.since_ms / 1000
+            lease = LeaseView(r.holder or "", r.token, since, r.ttl_left_ms)
+        silent = None
+        if not r.host_live and r.host in dead_since:
+            silent = max(0.0, (now_ms - dead_since[r.host]) / 1000)
+        views.append(GpuView(r.gpu_id, r.pool, r.host, r.host_live, silent, ttls[r.pool], lease))
+    return views
+
+
+def rescue_stranded(celery_app: Celery, store: LeaseStore, views: list[GpuView]) -> list[str]:
+    """Send requests queued for GPUs of dead hosts back to waiting; returns their task ids.
+
+    A GPU worker that died whole leaves its unacknowledged job in the broker until the
+    visibility timeout, after which the broker puts it back on that GPU's queue, where nobody
+    listens while the host is down. Reads kombu's Redis list layout (JSON messages).
+    """
+    from .pool import pooled_infer
+
+    prefix = glue_config(celery_app).broker_prefix
+    rescued = []
+    for view in views:
+        if view.host_live:
+            continue
+        queue = prefix + gpu_queue(view.gpu_id)
+        while True:
+            with store.guard():
+                raw = store.client.rpop(queue)
+            if raw is None:
+                break
+            try:
+                message = json.loads(raw)
+                headers = message["headers"]
+                args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+                if headers.get("task") != TASK_GPU_RUN:
+                    raise ValueError(f"unexpected task {headers.get('task')!r}")
+                request, lease = (list(args) + [None, None])[:2]
+                lease = kwargs.get("lease", lease) or {}
+                pooled_infer.apply_async(
+                    args=(kwargs.get("request", request),),
+                    kwargs={
+                        "pool": lease.get("pool") or view.pool,
+                        "attempt": int(kwargs.get("attempt") or 0) + 1,
+                        "labels": kwargs.get("labels"),
+                    },
+                    task_id=headers["id"],
+                )
+                rescued.append(headers["id"])
+            except (ValueError, KeyError, TypeError) as e:
+                # Not ours to understand: put it back where it was and say so.
+                with store.guard():
+                    store.client.rpush(queue, raw)
+                log.error("left an unreadable message on %s: %s", queue, e)
+                break
+    return rescued
+
+
+def reconcile_once(
+    celery_app: Celery | None = None,
+    store: LeaseStore | None = None,
+    *,
+    timeout_s: float | None = None,
+    grace_s: float | None = None,
+) -> dict[str, Any]:
+    """One reconcile pass; returns what it saw and did (JSON-serialisable)."""
+    from .gpu import lease_store
+
+    celery_app = celery_app or app
+    config = glue_config(celery_app)
+    store = store or lease_store()
+    timeout_s = config.control_timeout_s if timeout_s is None else timeout_s
+    grace_s = config.reconcile_grace_s if grace_s is None else grace_s
+    lock_key, lock_token = store.keys.reconcile_lock(), uuid.uuid4().hex
+    lock_ms = max(LOCK_MS, int(timeout_s * 3000))
+    with store.guard():
+        if not store.client.set(lock_key, lock_token, nx=True, px=lock_ms):
+            return {"skipped": "another reconcile pass holds the lock"}
+    try:
+        reports = collect_reports(celery_app, timeout_s)
+        now = time.time()
+        views = read_views(store, int(now * 1000))
+        actions = plan(views, reports, now=now, grace_s=grace_s)
+        done = []
+        for action in actions:
+            if action.kind == "free":
+                applied = store.force_release(action.gpu_id, action.token)
+            elif action.kind == "restore":
+                applied = store.restore(action.gpu_id, action.holder, action.token)
+            else:
+                applied = False
+                log.warning("reconcile: GPU %s: %s", action.gpu_id, action.reason)
+            done.append(
+                {
+                    "kind": action.kind,
+                    "gpu_id": action.gpu_id,
+                    "token": action.token,
+                    "holder": action.holder,
+                    "reason": action.reason,
+                    "applied": applied,
+                }
+            )
+            if applied:
+                log.info(
+                    "reconcile: %s GPU %s token %s (%s)",
+                    action.kind,
+                    action.gpu_id,
+                    action.token,
+                    action.reason,
+                )
+        rescued = rescue_stranded(celery_app, store, views)
+        return {
+            "gpus": len(views),
+            "answered": sorted(reports),
+            "actions": done,
+            "rescued": rescued,
+        }
+    finally:
+        with store.guard():
+            store.client.eval(RELEASE_LOCK, 1, lock_key, lock_token)
+
+
+@app.task(name=TASK_RECONCILE, ignore_result=False)
+def reconcile() -> dict[str, Any]:
+    """Beat task: one reconcile pass (see :func:`reconcile_once`)."""
+    return reconcile_once()
