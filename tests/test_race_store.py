@@ -1,0 +1,299 @@
+"""The race store on a real redis-server: versioned saves, one winner, janitor index, receipts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from gpuhedge_celery.core.clock import VirtualClock
+from gpuhedge_celery.errors import LeaseError, StoreError
+from gpuhedge_celery.store.race_keys import race_keys
+from gpuhedge_celery.store.races import OwnershipLost, RaceStore, VersionConflict
+
+pytestmark = pytest.mark.timeout(90)
+
+ctx = multiprocessing.get_context("fork")
+
+
+@pytest.fixture
+def races(redis_client, prefix):
+    return RaceStore(redis_client, prefix)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- versioned state -----------------------------------------------------------------------------
+
+
+def test_create_load_save_and_conflicts(races):
+    assert races.load("r1") is None
+    assert races.create("r1", {"phase": "primary"}) == 1
+    with pytest.raises(VersionConflict, match="already exists") as info:
+        races.create("r1", {"phase": "other"})
+    assert (info.value.expected, info.value.current) == (0, 1)
+
+    record = races.load("r1")
+    assert (record.version, record.state) == (1, {"phase": "primary"})
+    assert races.save("r1", {"phase": "hedged"}, record.version) == 2
+    # A second coordinator that read version 1 must not advance the race again.
+    with pytest.raises(VersionConflict, match="at version 2, not 1"):
+        races.save("r1", {"phase": "cut over"}, record.version)
+    assert races.load("r1").state == {"phase": "hedged"}
+    with pytest.raises(VersionConflict, match="does not exist"):
+        races.save("nope", {}, 3)
+    assert isinstance(VersionConflict("r", 1, 2), StoreError)
+
+
+def test_state_keys_expire_eventually(redis_client, prefix):
+    store = RaceStore(redis_client, prefix, state_ttl_s=120)
+    store.create("r1", {})
+    assert 100_000 < redis_client.pttl(race_keys(prefix, "r1").state) <= 120_000
+
+
+def _increment(url: str, prefix: str, race_id: str, times: int, barrier) -> None:
+    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    barrier.wait(10)
+    for _ in range(times):
+        store.update(race_id, lambda s: {"n": s["n"] + 1}, attempts=1000)
+
+
+def test_concurrent_processes_never_lose_an_update(redis_url, races, prefix):
+    races.create("counter", {"n": 0})
+    barrier = ctx.Barrier(4)
+    procs = [
+        ctx.Process(target=_increment, args=(redis_url, prefix, "counter", 50, barrier))
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    record = races.load("counter")
+    assert record.state == {"n": 200}
+    assert record.version == 201  # every save advanced exactly one version
+
+
+def test_update_gives_up_after_its_attempts(races):
+    races.create("r", {"n": 0})
+
+    def meddle(state):
+        # Someone else saves between our load and our save, every time.
+        current = races.load("r")
+        races.save("r", {"n": current.state["n"] + 100}, current.version)
+        return {"n": state["n"] + 1}
+
+    with pytest.raises(StoreError, match="gave up after 3"):
+        races.update("r", meddle, attempts=3)
+
+
+# -- the winner ----------------------------------------------------------------------------------
+
+
+def _claim(url: str, prefix: str, race_ids: list[str], attempt: str, barrier, out) -> None:
+    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    barrier.wait(10)
+    for race_id in race_ids:
+        claim = store.claim_winner(race_id, attempt)
+        again = store.claim_winner(race_id, attempt)  # a redelivered claim
+        out.put((race_id, attempt, claim.won, claim.first, claim.winner, again.won))
+
+
+def test_exactly_one_winner_among_concurrent_processes(redis_url, races, prefix):
+    race_ids = [f"race{i}" for i in range(25)]
+    barrier = ctx.Barrier(6)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_claim, args=(redis_url, prefix, race_ids, f"att{k}", barrier, out))
+        for k in range(6)
+    ]
+    for p in procs:
+        p.start()
+    rows = [out.get(timeout=60) for _ in range(6 * len(race_ids))]
+    for p in procs:
+        p.join(10)
+    for race_id in race_ids:
+        mine = [r for r in rows if r[0] == race_id]
+        winners = [r for r in mine if r[2]]
+        assert len(winners) == 1, mine
+        (_, attempt, _, first, _, again) = winners[0]
+        assert first and again
+        assert {r[4] for r in mine} == {attempt}  # everyone is told the same winner
+        assert races.winner(race_id) == attempt
+        assert not any(r[5] for r in mine if r[1] != attempt)
+
+
+def test_winner_claim_is_idempotent_and_final(races):
+    assert races.winner("r") is None
+    first = races.claim_winner("r", "runpod-1")
+    assert (first.won, first.first, first.winner) == (True, True, "runpod-1")
+    again = races.claim_winner("r", "runpod-1")
+    assert (again.won, again.first) == (True, False)
+    other = races.claim_winner("r", "modal-2")
+    assert (other.won, other.winner) == (False, "runpod-1")
+    with pytest.raises(ValueError, match="attempt id"):
+        races.claim_winner("r", "")
+
+
+# -- ownership, heartbeats and the janitor index -------------------------------------------------
+
+
+def test_ownership_lease_with_fencing_tokens(races):
+    coordinator = races.claim_owner("r", "coord-a", lease_ms=200)
+    assert coordinator.token == 1
+    assert races.claim_owner("r", "janitor", lease_ms=5000) is None
+    assert races.claim_owner("r", "coord-a", lease_ms=200).token == 1  # re-entrant
+    races.renew_owner(coordinator, lease_ms=200)
+    wait_for(lambda: races.owner("r") is None, 5, "the lease to lapse")
+    janitor = races.claim_owner("r", "janitor", lease_ms=5000)
+    assert janitor.token > coordinator.token
+    with pytest.raises(OwnershipLost) as info:
+        races.renew_owner(coordinator, lease_ms=200)
+    assert isinstance(info.value, LeaseError)
+    assert races.release_owner(coordinator) is False
+    assert races.owner("r") == janitor
+    assert races.release_owner(janitor) is True
+    assert races.owner("r") is None
+    with pytest.raises(ValueError, match="owner name"):
+        races.claim_owner("r", "a|b", 100)
+
+
+def test_stale_races_are_found_and_owned_or_fresh_ones_are_not(redis_client, prefix):
+    now = time.time()
+    old = RaceStore(redis_client, prefix, clock=VirtualClock(now - 120))
+    fresh = RaceStore(redis_client, prefix)
+    old.add_job("dead", "a1", {"provider": "runpod", "job_id": "j-1"})
+    old.add_job("dead", "a2", {"provider": "modal", "job_id": "fc-2"})
+    old.add_job("owned", "a1", {"provider": "runpod", "job_id": "j-3"})
+    old.touch("quiet")
+    fresh.add_job("alive", "a1", {"provider": "runpod", "job_id": "j-4"})
+    lease = fresh.claim_owner("owned", "slow-coordinator", lease_ms=30_000)
+
+    stale = {s.race_id: s for s in fresh.stale_races(stale_ms=60_000)}
+    assert set(stale) == {"dead", "quiet"}
+    assert stale["dead"].live_jobs == {
+        "a1": {"provider": "runpod", "job_id": "j-1"},
+        "a2": {"provider": "modal", "job_id": "fc-2"},
+    }
+    assert stale["quiet"].live_jobs == {}
+    assert abs(stale["dead"].last_seen_ms - (now - 120) * 1000) < 1000
+
+    fresh.release_owner(lease)  # the slow coordinator is gone now
+    assert {s.race_id for s in fresh.stale_races(stale_ms=60_000)} == {"dead", "owned", "quiet"}
+    # A heartbeat never moves backwards (a host with a slow clock).
+    fresh.touch("dead")
+    old.touch("dead")
+    assert "dead" not in {s.race_id for s in fresh.stale_races(stale_ms=60_000)}
+    assert {s.race_id for s in fresh.stale_races(stale_ms=60_000, limit=1)} <= {"owned", "quiet"}
+
+
+def _coordinate(url: str, prefix: str, race_id: str, started) -> None:
+    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    lease = store.claim_owner(race_id, f"coord-{os.getpid()}", lease_ms=2000)
+    store.add_job(race_id, "primary", {"provider": "sim", "job_id": "sim-1"})
+    started.set()
+    while True:
+        store.renew_owner(lease, lease_ms=2000)
+        time.sleep(0.1)
+
+
+def test_janitor_finds_a_race_whose_coordinator_was_killed(redis_url, races, prefix):
+    started = ctx.Event()
+    proc = ctx.Process(target=_coordinate, args=(redis_url, prefix, "r9", started))
+    proc.start()
+    try:
+        assert started.wait(20)
+        time.sleep(1.0)
+        # Alive: its lease is renewed and its heartbeat is fresh, however slow it may be.
+        assert races.stale_races(stale_ms=1000) == []
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    wait_for(lambda: races.stale_races(stale_ms=1000), 15, "the janitor to see the dead race")
+    (stale,) = races.stale_races(stale_ms=1000)
+    assert stale.race_id == "r9"
+    assert stale.live_jobs == {"primary": {"provider": "sim", "job_id": "sim-1"}}
+    janitor = races.claim_owner("r9", "janitor-1", lease_ms=5000)
+    assert janitor is not None and janitor.token == 2
+
+
+# -- receipts ------------------------------------------------------------------------------------
+
+
+def test_finish_keeps_the_receipt_for_its_ttl_then_everything_expires(redis_client, races):
+    races.create("r", {"phase": "won"})
+    races.claim_winner("r", "a1")
+    races.add_job("r", "a2", {"provider": "sim", "job_id": "j"})
+    assert races.remove_job("r", "a2") is True
+    assert races.remove_job("r", "a2") is False
+    receipt = {"race_id": "r", "winner": "a1", "wasted_usd": 0.0012, "leaks": 0}
+    assert races.finish("r", receipt, ttl_s=0.6) == 0
+    assert races.receipt("r") == receipt
+    assert races.last_seen_ms("r") is None  # nothing live left: out of the janitor's index
+    keys = race_keys(races.prefix, "r")
+    assert 0 < redis_client.pttl(keys.receipt) <= 600
+    assert 0 < redis_client.pttl(keys.state) <= 600
+    wait_for(lambda: races.receipt("r") is None, 10, "the receipt to expire")
+    assert races.load("r") is None and races.winner("r") is None
+
+
+def test_finish_with_a_live_job_leaves_the_race_to_the_janitor(races):
+    races.create("r", {})
+    races.add_job("r", "a2", {"provider": "sim", "job_id": "j"})
+    assert races.finish("r", {"leaks": 1}) == 1
+    assert races.last_seen_ms("r") is not None
+
+
+def test_receipt_ttl_is_configurable(redis_client, prefix):
+    store = RaceStore(redis_client, prefix, receipt_ttl_s=300)
+    store.put_receipt("r", {"ok": True})
+    assert 290_000 < redis_client.pttl(race_keys(prefix, "r").receipt) <= 300_000
+    assert store.receipt("r") == {"ok": True}
+    assert store.receipt("missing") is None
+    with pytest.raises(ValueError, match="receipt_ttl_s"):
+        RaceStore(redis_client, prefix, receipt_ttl_s=0)
+
+
+# -- keys and input ------------------------------------------------------------------------------
+
+
+def test_all_keys_of_a_race_share_one_cluster_slot(prefix):
+    keys = race_keys(prefix, "abc-123")
+    assert all("{abc-123}" in key for key in keys.all())
+
+
+@pytest.mark.parametrize("race_id", ["", "a{b}", "with space", "x" * 201])
+def test_bad_race_ids_are_rejected(races, race_id):
+    with pytest.raises(ValueError, match="race id"):
+        races.create(race_id, {})
+
+
+def test_state_must_be_a_json_dict(races):
+    with pytest.raises(ValueError, match="must be a dict"):
+        races.create("r", ["not", "a", "dict"])
+    with pytest.raises(ValueError, match="JSON"):
+        races.create("r", {"x": {1, 2}})
+    assert races.load("r") is None
+
+
+def test_unreachable_redis_is_store_unavailable(private_redis):
+    from gpuhedge_celery.errors import StoreUnavailable
+
+    client = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    store = RaceStore(client, "p")
+    private_redis.stop()
+    with pytest.raises(StoreUnavailable):
+        store.load("r")
