@@ -110,7 +110,7 @@ def paused_holder(url: str, prefix: str, gpu: str, ttl_ms: int, out, go) -> None
     ).start()
     out.put(("claimed", lease.token, os.getpid()))
     go.wait(30)
-    report = {"keeper_lost": keeper.lost.wait(5), "on_lost": list(lost_calls)}
+    report = {"keeper_lost": keeper.lost.wait(5)}
     for name, call in (
         ("release", lambda: store.release(lease)),
         ("renew", lambda: store.renew(lease)),
