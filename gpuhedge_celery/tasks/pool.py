@@ -20,7 +20,7 @@ from typing import Any
 from celery import Task
 
 from ..errors import ConfigError, EmptyPool, LeaseLost, StaleToken, UnknownPool
-from .app import QUEUE_COORD, TASK_POOLED_INFER, app, glue_config, gpu_queue
+from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .gpu import gpu_run, lease_store
 
 
@@ -56,7 +56,6 @@ def _validate(pool: Any, labels: Any, timeout_s: Any) -> None:
 @app.task(
     bind=True,
     name=TASK_POOLED_INFER,
-    queue=QUEUE_COORD,
     acks_late=True,
     reject_on_worker_lost=True,
     acks_on_failure_or_timeout=True,

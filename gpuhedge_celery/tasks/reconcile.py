@@ -20,7 +20,15 @@ from celery import Celery
 
 from ..core.reconcile import GpuReport, GpuView, LeaseView, RunningJob, plan
 from ..store.leases import LeaseStore
-from .app import TASK_GPU_RUN, TASK_RECONCILE, app, glue_config, gpu_queue
+from .app import (
+    QUEUE_COORD,
+    TASK_GPU_RUN,
+    TASK_POOLED_INFER,
+    TASK_RECONCILE,
+    app,
+    glue_config,
+    gpu_queue,
+)
 from .control import COMMAND
 
 log = logging.getLogger(__name__)
@@ -88,8 +96,6 @@ def rescue_stranded(celery_app: Celery, store: LeaseStore, views: list[GpuView])
     visibility timeout, after which the broker puts it back on that GPU's queue, where nobody
     listens while the host is down. Reads kombu's Redis list layout (JSON messages).
     """
-    from .pool import pooled_infer
-
     prefix = glue_config(celery_app).broker_prefix
     rescued = []
     for view in views:
@@ -109,7 +115,8 @@ def rescue_stranded(celery_app: Celery, store: LeaseStore, views: list[GpuView])
                     raise ValueError(f"unexpected task {headers.get('task')!r}")
                 request, lease = (list(args) + [None, None])[:2]
                 lease = kwargs.get("lease", lease) or {}
-                pooled_infer.apply_async(
+                celery_app.send_task(
+                    TASK_POOLED_INFER,
                     args=(kwargs.get("request", request),),
                     kwargs={
                         "pool": lease.get("pool") or view.pool,
@@ -117,6 +124,7 @@ def rescue_stranded(celery_app: Celery, store: LeaseStore, views: list[GpuView])
                         "labels": kwargs.get("labels"),
                     },
                     task_id=headers["id"],
+                    queue=QUEUE_COORD,
                 )
                 rescued.append(headers["id"])
             except (ValueError, KeyError, TypeError) as e:
