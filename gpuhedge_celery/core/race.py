@@ -211,6 +211,8 @@ class Race:
         if a.phase is not Phase.LAUNCHING:
             return
         self._end(a, JobState.FAILED, False, [event.error or "submit failed"], "submit_failed")
+        if self.winner is None:
+            self.policy.on_failed(self, a)
 
     def _on_status(self, a: Attempt, event: StatusObserved) -> None:
         if not a.live:

@@ -9,7 +9,7 @@ is exactly the one live races use; nothing here decides who wins.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -71,11 +71,13 @@ def run_race(
     cap_s: float | None = None,
     max_live: int = MAX_LIVE_JOBS,
     trace: list[tuple[float, Action]] | None = None,
+    after_event: Callable[[Race], None] | None = None,
 ) -> Race:
     """Run ``policy`` against ``arms`` to the end; returns the finished race.
 
     ``cap_s`` right-censors each attempt like a provider adapter does: a result later than the
-    cap arrives at the cap as TIMEOUT. ``trace`` (when given) receives every (time, action).
+    cap arrives at the cap as TIMEOUT. ``trace`` (when given) receives every (time, action);
+    ``after_event`` is called with the race after every event (for invariant checks).
     """
     clock = VirtualClock()
     race = Race(policy, clock, race_id=race_id, max_live=max_live)
@@ -129,6 +131,8 @@ def run_race(
         t, _, _, event = heapq.heappop(queue)
         clock.set(t)
         perform(race.handle(event), t)
+        if after_event is not None:
+            after_event(race)
     if not race.finished:
         raise RuntimeError(f"race {race_id!r} ran out of events before finishing")  # engine bug
     return race
