@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from ..errors import StoreUnavailable
+from ..errors import NotificationsUnavailable, StoreUnavailable
 from .keys import Keys
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,24 @@ def enable_notifications(client: redis.Redis) -> bool:
                 str(e).splitlines()[0],
             )
         return False
+
+
+def require_notifications(client: redis.Redis) -> None:
+    """Like :func:`enable_notifications`, but raise NotificationsUnavailable (one line, with the
+    fix) when CONFIG is forbidden: for commands whose whole job is to switch events on."""
+    try:
+        current = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+        wanted = merged_flags(_text(current))
+        if wanted is not None:
+            client.config_set("notify-keyspace-events", wanted)
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise StoreUnavailable(f"Redis at {_where(client)} is unreachable ({e})") from e
+    except redis.ResponseError as e:
+        raise NotificationsUnavailable(
+            f"cannot enable keyspace notifications on {_where(client)}: CONFIG refused "
+            f"({str(e).splitlines()[0][:60]}); set notify-keyspace-events to include 'Egx' "
+            "(ElastiCache: in the parameter group)"
+        ) from e
 
 
 class Watch:
