@@ -220,6 +220,7 @@ def gpu_run(
         "pool": pool,
         "token": held.token,
         "attempt": attempt,
+        "started_at": started,
         "dispatch_s": None if leased_at is None else max(0.0, started - leased_at),
         "run_s": run_s,
     }

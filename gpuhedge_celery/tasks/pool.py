@@ -6,10 +6,10 @@ thread, woken by keyspace events, in the pool's FIFO queue. With the lease in ha
 token). ``replace`` keeps the task id, so the caller's ``AsyncResult`` gets ``gpu_run``'s result,
 and nothing ever blocks on ``result.get()`` inside a task.
 
-Result: ``{"output": <runner result>, "gpu_id", "pool", "token", "attempt", "dispatch_s",
-"run_s"}``. Failures: :class:`UnknownPool`, :class:`EmptyPool`, :class:`AcquireTimeout`, the
-runner's own error, or :class:`LeaseLost` once ``GPUHEDGE_MAX_ATTEMPTS`` attempts were refused
-or lost.
+Result: ``{"output": <runner result>, "gpu_id", "pool", "token", "attempt", "started_at",
+"dispatch_s", "run_s"}``. Failures: :class:`UnknownPool`, :class:`EmptyPool`,
+:class:`AcquireTimeout`, the runner's own error, or :class:`LeaseLost` once
+``GPUHEDGE_MAX_ATTEMPTS`` attempts were refused or lost.
 """
 
 from __future__ import annotations
