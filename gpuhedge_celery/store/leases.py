@@ -66,7 +66,7 @@ def _check_name(value: str, what: str) -> str:
 
 def _ttl(ttl_ms: Any, what: str) -> int:
     try:
-        return validate_ttl_ms(ttl_ms, what=what)
+        return validate_ttl_ms(ttl_ms, what="the TTL")
     except ValueError as e:
         raise ConfigError(str(e), key=what) from None
 
