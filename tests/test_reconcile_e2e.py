@@ -1,0 +1,148 @@
+"""Reconcile with REAL GPU worker processes: each drift case is corrected by one pass."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gpuhedge_celery.store.leases import LeaseKeeper
+from gpuhedge_celery.tasks.app import TASK_POOLED_INFER, TASK_RECONCILE
+from gpuhedge_celery.tasks.reconcile import reconcile_once
+
+pytestmark = [pytest.mark.redis, pytest.mark.celery]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def applied(summary, kind):
+    return [a for a in summary["actions"] if a["kind"] == kind and a["applied"]]
+
+
+def test_lease_held_on_an_idle_gpu_is_freed_once(celery_cluster):
+    c = celery_cluster
+    c.start_gpu(0)
+    gpu = c.gpu_id(0)
+    lease = c.store.try_claim(gpu, "holder-that-crashed")
+    assert lease is not None
+    summary = reconcile_once(c.app, c.store, grace_s=0)
+    assert gpu in summary["answered"]
+    assert [(a["gpu_id"], a["token"]) for a in applied(summary, "free")] == [(gpu, lease.token)]
+    assert c.store.current(gpu) is None
+    again = reconcile_once(c.app, c.store, grace_s=0)
+    assert again["actions"] == [], "a second pass finds nothing to do"
+
+
+def test_a_young_lease_on_an_idle_gpu_is_left_alone(celery_cluster):
+    """The grace covers a job between the waiter's claim and the GPU worker's start."""
+    c = celery_cluster
+    c.start_gpu(0)
+    gpu = c.gpu_id(0)
+    lease = c.store.try_claim(gpu, "just-dispatched")
+    assert reconcile_once(c.app, c.store, grace_s=30)["actions"] == []
+    assert c.store.current(gpu).token == lease.token
+
+
+def test_busy_gpu_without_a_lease_gets_it_restored(celery_cluster):
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    result = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 4, "id": "busy"},))
+    lease = wait_for(
+        lambda: c.client.exists(c.store.keys.running(gpu)) and c.store.current(gpu),
+        20,
+        "the job to start",
+    )
+    c.client.delete(c.store.keys.lease(gpu))  # Redis lost the lease (failover, restart, flush)
+    summary = reconcile_once(c.app, c.store)
+    restored = applied(summary, "restore")
+    assert [(a["gpu_id"], a["token"], a["holder"]) for a in restored] == [
+        (gpu, lease.token, result.id)
+    ]
+    now = c.store.current(gpu)
+    assert (now.token, now.holder) == (lease.token, result.id)
+    assert reconcile_once(c.app, c.store)["actions"] == []
+    out = result.get(timeout=30)  # the job kept its lease: it renews and releases normally
+    assert out["token"] == lease.token and out["attempt"] == 0
+    assert c.store.current(gpu) is None
+
+
+def test_dead_host_leaves_the_pool_and_its_lease_is_freed_after_the_ttl(celery_cluster):
+    c = celery_cluster
+    ttl_ms = 2000
+    live = c.start_gpu(0, wait=False, GPUHEDGE_POOL_TTL_MS=str(ttl_ms))
+    doomed = c.start_gpu(1, wait=False, GPUHEDGE_HOST_TTL_MS="1000")
+    c.wait_ready(live, doomed)
+    gpu = c.gpu_id(1)
+    # A holder that keeps renewing although the host is gone (a partitioned or orphaned job).
+    zombie = LeaseKeeper(c.store, c.store.try_claim(gpu, "orphan"), interval_s=0.2).start()
+    try:
+        os.killpg(doomed.pid, signal.SIGKILL)
+        wait_for(lambda: gpu not in [g.gpu_id for g in c.store.gpus()], 5, "GPU 1 to leave")
+        assert c.store.gpus(live_only=False), "still registered, just not live"
+        first = reconcile_once(c.app, c.store)
+        assert applied(first, "free") == [], "not before a whole TTL of silence"
+        time.sleep(ttl_ms / 1000 + 0.2)
+        second = reconcile_once(c.app, c.store)
+        assert [(a["gpu_id"], a["reason"]) for a in applied(second, "free")] == [
+            (gpu, "host stopped heartbeating")
+        ]
+        wait_for(zombie.lost.is_set, 5, "the orphan's keeper to learn its lease is lost")
+        assert c.store.current(gpu) is None
+    finally:
+        zombie.stop()
+
+
+def test_two_passes_at_once_do_no_harm(celery_cluster):
+    c = celery_cluster
+    c.start_gpu(0)
+    gpu = c.gpu_id(0)
+    lease = c.store.try_claim(gpu, "crashed")
+    summaries = []
+    barrier = threading.Barrier(2)
+
+    def one_pass():
+        barrier.wait()
+        summaries.append(reconcile_once(c.app, c.store, grace_s=0))
+
+    threads = [threading.Thread(target=one_pass) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(summaries) == 2
+    frees = (
+        [a for s in summaries for a in applied(s, "free")]
+        if all("actions" in s for s in summaries)
+        else [a for s in summaries if "actions" in s for a in applied(s, "free")]
+    )
+    assert [(a["gpu_id"], a["token"]) for a in frees] == [(gpu, lease.token)], "freed once"
+    assert any("skipped" in s for s in summaries) or len(frees) == 1
+    assert c.store.current(gpu) is None
+    new = c.store.try_claim(gpu, "next")
+    assert new is not None and new.token > lease.token
+
+
+def test_beat_task_runs_a_pass_on_a_worker(celery_cluster):
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    c.store.try_claim(gpu, "crashed")
+    c.client.set(c.store.keys.reconcile_lock(), "x", px=1)  # an expired lock does not block
+    time.sleep(0.01)
+    summary = c.app.send_task(TASK_RECONCILE, kwargs={}).get(timeout=30)
+    assert gpu in summary["answered"]
+    assert c.store.current(gpu) is not None, "the default grace (10 s) protects a new lease"
