@@ -123,13 +123,8 @@ def test_two_passes_at_once_do_no_harm(celery_cluster):
     for t in threads:
         t.join(30)
     assert len(summaries) == 2
-    frees = (
-        [a for s in summaries for a in applied(s, "free")]
-        if all("actions" in s for s in summaries)
-        else [a for s in summaries if "actions" in s for a in applied(s, "free")]
-    )
+    frees = [a for s in summaries if "actions" in s for a in applied(s, "free")]
     assert [(a["gpu_id"], a["token"]) for a in frees] == [(gpu, lease.token)], "freed once"
-    assert any("skipped" in s for s in summaries) or len(frees) == 1
     assert c.store.current(gpu) is None
     new = c.store.try_claim(gpu, "next")
     assert new is not None and new.token > lease.token
