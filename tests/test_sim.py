@@ -299,3 +299,14 @@ def test_another_process_rebuilds_the_job_from_handle_json_and_sees_the_cancel(r
     seen = json.loads(out)
     assert seen["state"] == "COMPLETED" and seen["wall_ms"] == pytest.approx(300.0)
     assert parent.result(h2, cap_s=5.0).wall_ms == seen["wall_ms"]
+
+
+def test_per_job_slow_cancel_lets_the_job_finish_first():
+    clock = VirtualClock(0.0)
+    p = sim(clock=clock)
+    h = p.submit({"sim": {"sim-a": {"queue_s": 0, "run_s": 5, "cancel_terminal_s": 10}}})
+    clock.advance(1)
+    receipt = p.cancel(h)  # the job completes at 5 s, before the cancel would land at 11 s
+    assert receipt.terminal_status is JobState.COMPLETED and clock.now() == pytest.approx(5.0)
+    with pytest.raises(SubmitError, match="cancel_terminal_s must be seconds >= 0"):
+        p.submit({"sim": {"sim-a": {"cancel_terminal_s": -1}}})

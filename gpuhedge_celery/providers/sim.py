@@ -12,7 +12,8 @@ real time. Costs and provider metrics stay in provider time.
 
 Tests and demos may force a job's fate per provider with ``request["sim"][<provider name>]``,
 e.g. ``{"queue_s": 20, "run_s": 5, "outcome": "invalid"}`` (outcome ``submit_error`` makes
-``submit`` raise).
+``submit`` raise; ``cancel_ack_s`` / ``cancel_terminal_s`` make this job's cancel slow, so it
+can still complete, and win, while its cancel is unconfirmed).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from ..config import ProviderConfig
 
 OUTCOMES = ("ok", "invalid", "failed", "submit_error")
+# per-request overrides of a job's fate (tests, demos): request["sim"][provider] = {...}
+_OVERRIDES = ("queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_terminal_s")
 
 __all__ = [
     "OUTCOMES",
@@ -185,9 +188,13 @@ class SimProvider(Provider):
         forced = (request.get("sim") or {}).get(self.name) or {}
         if not isinstance(forced, dict):
             raise SubmitError(self.name, "request['sim'][provider] must be a mapping")
-        for field in forced:
-            if field not in ("queue_s", "run_s", "outcome", "slow"):
+        for field, value in forced.items():
+            if field not in _OVERRIDES:
                 raise SubmitError(self.name, f"unknown sim override {field!r}")
+            if field.endswith("_s") and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            ):
+                raise SubmitError(self.name, f"sim override {field} must be seconds >= 0")
         fate.update(forced)
         if fate["outcome"] not in OUTCOMES:
             raise SubmitError(self.name, f"sim outcome must be one of {OUTCOMES}")
@@ -238,18 +245,21 @@ class SimProvider(Provider):
             receipt.billing_stop_confirmed = True
             receipt.note = f"already {before.state} before the cancel; nothing to stop"
             return receipt
-        record = {"sent": now, "terminal": now + self.spec.cancel_terminal_s * scale}
+        own = handle.extra["sim"]
+        ack_s = float(own.get("cancel_ack_s", self.spec.cancel_ack_s))
+        terminal_s = max(ack_s, float(own.get("cancel_terminal_s", self.spec.cancel_terminal_s)))
+        record = {"sent": now, "terminal": now + terminal_s * scale}
         stored = self.ledger.set_if_absent(
             cancel_key(self.name, handle.job_id), json.dumps(record), LEDGER_TTL_S
         )
         record = self._cancel_record(handle) if not stored else record
-        ack_at = min(record["sent"] + self.spec.cancel_ack_s * scale, record["terminal"])
+        ack_at = min(record["sent"] + ack_s * scale, record["terminal"])
         self.sleep(max(0.0, ack_at - now))
         receipt.cancel_ack_ms = max(ack_at, now) * 1000.0
         receipt.upgrade(Evidence.PROVIDER_ACK)
         view = self._view(handle, self.clock.now())
         while not view.state.terminal:  # the sim always reaches terminal: confirm it
-            self.sleep(max(0.0, min(self._next_change(handle, view), 1e18) - self.clock.now()))
+            self.sleep(max(0.0, self._next_change(handle, view) - self.clock.now()))
             view = self._view(handle, self.clock.now())
         queued = not self._view(handle, record["sent"]).started
         receipt.was_running = None if not self.spec.reports_queue_state else not queued
