@@ -17,6 +17,7 @@ from ..core.replay import (
     default_policies,
     load_rounds,
     provider_table,
+    queue_signal_providers,
     replay_policy,
     select,
     sweep,
@@ -129,16 +130,26 @@ def write_plot(
     import matplotlib.pyplot as plt
 
     chosen = select(rounds, subset)
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for policy in policies:
+    styles = {"single": ":", "race": "-.", "fixed": "--", "cutover": "-", "cascade": "-"}
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for i, policy in enumerate(policies):
         latencies = sorted(r.latency_s for r in replay_policy(policy, chosen, rates))
         n = len(latencies)
         finite = [v for v in latencies if not math.isinf(v)]
-        ys = [(i + 1) / n for i in range(len(finite))]
-        ax.step(finite, ys, where="post", label=policy.name)
+        ys = [(k + 1) / n for k in range(len(finite))]
+        ax.step(
+            finite,
+            ys,
+            where="post",
+            label=policy.name,
+            linestyle=styles.get(_family(policy), "-"),
+            color=colours[i % len(colours)],
+            linewidth=1.6,
+        )
     for d in deadlines:
         ax.axvline(d, color="black", linestyle="--", linewidth=1)
-        ax.text(d, 0.02, f" SLO {d:g} s", rotation=90, va="bottom")
+        ax.annotate(f"SLO {d:g} s", (d, 1.0), xytext=(3, -12), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("end-to-end latency (s, log scale)")
     ax.set_ylabel("fraction of requests answered")
@@ -153,6 +164,21 @@ def write_plot(
         raise BadInput(f"cannot write plot {path!r}: {e.strerror}") from None
     finally:
         plt.close(fig)
+
+
+def _plot_selection(rounds: Sequence[Round], policies: Sequence[Policy]) -> list[Policy]:
+    """Without --policy, plot a readable subset: singles, and from each queue-signal primary
+    its immediate races, 10 s hedges, cutovers and cascades."""
+    lead = set(queue_signal_providers(rounds)) or {policies[0].providers()[0]}
+    keep = []
+    for p in policies:
+        family = _family(p)
+        from_lead = p.providers()[0] in lead
+        if family == "single" or (from_lead and family != "fixed"):
+            keep.append(p)
+        elif from_lead and p.params().get("hedge_after_ms") == 10_000:
+            keep.append(p)
+    return keep
 
 
 @click.command("replay")
@@ -211,15 +237,7 @@ def command(
     except ConfigError as e:
         raise BadInput(str(e)) from None
     if plot_path:
-        plotted = (
-            policies
-            if policy_names
-            else [
-                p
-                for p in policies
-                if _family(p) != "fixed" or p.params()["hedge_after_ms"] == 10_000
-            ]
-        )
+        plotted = policies if policy_names else _plot_selection(rounds, policies)
         write_plot(plot_path, rounds, plotted, rates, subset or "all", deadline_list)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
