@@ -1,4 +1,4 @@
-"""Pure lease rules: how to read a lease row, and how long a pool's lease TTL should be.
+"""Pure lease rules and data: lease types, how to read a lease row, how long a TTL should be.
 
 No I/O here: the store passes in what it read, the CLI prints what comes out.
 """
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 FREE = "free"
 HELD = "held"
@@ -116,3 +117,72 @@ def suggest_ttl(
         max_s=max(values),
         reason=reason,
     )
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A registered GPU: its id, pool, owning host and the labels a router may match on."""
+
+    gpu_id: str
+    pool: str
+    host: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GpuInfo:
+        return cls(data["gpu_id"], data["pool"], data["host"], dict(data.get("labels") or {}))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held GPU lease; travels inside Celery messages via ``to_dict``/``from_dict``."""
+
+    gpu_id: str
+    pool: str
+    token: int
+    holder: str
+    ttl_ms: int
+    since_ms: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Lease:
+        return cls(
+            gpu_id=str(data["gpu_id"]),
+            pool=str(data["pool"]),
+            token=int(data["token"]),
+            holder=str(data["holder"]),
+            ttl_ms=int(data["ttl_ms"]),
+            since_ms=int(data.get("since_ms") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    """One line of the lease table (CLI and reconcile)."""
+
+    gpu_id: str
+    pool: str
+    host: str
+    host_live: bool
+    state: str  # free / held / stale (core.lease_rules.classify)
+    holder: str | None
+    token: int | None
+    ttl_left_ms: int | None
+    since_ms: int | None
+    accepted_token: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_lease_value(value: str) -> tuple[int, int, str]:
+    """Split a lease value ``token|since_ms|holder`` (the holder may itself contain ``|``)."""
+    token, since, holder = value.split("|", 2)
+    return int(token), int(since), holder

@@ -18,7 +18,8 @@ Deviations from / additions to the agreed API (for the Celery-glue engineer):
   ``record_duration(pool, seconds)`` / ``durations(pool)`` (runners record job lengths here;
   ``gpuhedge-celery leases suggest-ttl --pool P`` reads them), ``queue(pool)`` (waiting holders
   in FIFO order), ``live_gpus(pool)``.
-* ``LeaseKeeper`` lives in ``store/keeper.py`` and is re-exported here.
+* ``LeaseKeeper`` lives in ``store/keeper.py``; ``GpuInfo``, ``Lease`` and ``LeaseRow`` are plain
+  data in ``core/lease_rules.py``. All are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,10 +28,18 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.lease_rules import DEFAULT_POOL_TTL_MS, classify, validate_ttl_ms
+from ..core.lease_rules import (
+    DEFAULT_POOL_TTL_MS,
+    GpuInfo,
+    Lease,
+    LeaseRow,
+    classify,
+    parse_lease_value,
+    validate_ttl_ms,
+)
 from ..errors import ConfigError, EmptyPool, UnknownPool
 from .connection import client_for, translate_errors
 from .keeper import LeaseKeeper
@@ -69,75 +78,6 @@ def _ttl(ttl_ms: Any, what: str) -> int:
         return validate_ttl_ms(ttl_ms, what="the TTL")
     except ValueError as e:
         raise ConfigError(str(e), key=what) from None
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """A registered GPU: its id, pool, owning host and the labels a router may match on."""
-
-    gpu_id: str
-    pool: str
-    host: str
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GpuInfo:
-        return cls(data["gpu_id"], data["pool"], data["host"], dict(data.get("labels") or {}))
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A held GPU lease; travels inside Celery messages via ``to_dict``/``from_dict``."""
-
-    gpu_id: str
-    pool: str
-    token: int
-    holder: str
-    ttl_ms: int
-    since_ms: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Lease:
-        return cls(
-            gpu_id=str(data["gpu_id"]),
-            pool=str(data["pool"]),
-            token=int(data["token"]),
-            holder=str(data["holder"]),
-            ttl_ms=int(data["ttl_ms"]),
-            since_ms=int(data.get("since_ms") or 0),
-        )
-
-
-@dataclass(frozen=True)
-class LeaseRow:
-    """One line of the lease table (CLI and reconcile)."""
-
-    gpu_id: str
-    pool: str
-    host: str
-    host_live: bool
-    state: str  # free / held / stale (core.lease_rules.classify)
-    holder: str | None
-    token: int | None
-    ttl_left_ms: int | None
-    since_ms: int | None
-    accepted_token: int
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def parse_lease_value(value: str) -> tuple[int, int, str]:
-    """Split a lease value ``token|since_ms|holder`` (the holder may itself contain ``|``)."""
-    token, since, holder = value.split("|", 2)
-    return int(token), int(since), holder
 
 
 class LeaseStore:
