@@ -238,3 +238,40 @@ def test_max_live_one_serialises_attempts():
         max_live=1,
     )
     assert race.winner_attempt.provider == "b" and race.latency() == pytest.approx(10)
+
+
+def test_adapter_confirmed_receipt_settles_the_cancel_and_outcome_is_json():
+    from gpuhedge_celery.core.outcome import ProviderRate, rates_from_mapping
+
+    clock = VirtualClock()
+    race = Race(parse_policy("hedge:a->b@0s"), clock, race_id="r9")
+    race.start()
+    race.handle(AttemptSubmitted("a1", "j1"))
+    race.handle(AttemptSubmitted("a2", "j2"))
+    clock.set(4.0)
+    race.handle(ResultArrived("a1"))
+    polled = CancelReceipt(provider="b", job_id="j2", was_running=True)
+    polled.confirm_terminal(JobState.CANCELLED, 4300.0)  # the adapter polled it to terminal
+    out = race.handle(CancelAcknowledged("a2", polled))
+    assert out == [RaceFinished("a1", "")]
+    receipt = race.attempt_for("hedge").receipt
+    assert receipt.terminal_ms == 4300.0 and receipt.evidence is Evidence.CONFIRMED_TERMINAL
+    rates = rates_from_mapping({"a": 0.001, "b": {"rate_per_s": 0.002, "idle_s": 10}})
+    assert rates["b"] == ProviderRate(0.002, 10.0)
+    outcome = race.outcome(rates).to_dict()
+    text = json.dumps(outcome)
+    assert json.loads(text)["winner_provider"] == "a"
+    assert outcome["active_usd"] == pytest.approx(4 * 0.001 + 4 * 0.002)
+    assert outcome["billed_usd"] == pytest.approx(outcome["active_usd"] + 10 * 0.002)
+    assert outcome["wasted_usd"] == pytest.approx(4 * 0.002)
+    assert [a["timeline"][0][1] for a in outcome["attempts"]] == ["launched", "launched"]
+    assert len(outcome["receipts"]) == 1
+
+
+@pytest.mark.parametrize("bad", [{"a": "cheap"}, {"a": {"idle_s": 3}}, {"a": -1.0}])
+def test_bad_rates_are_config_errors(bad):
+    from gpuhedge_celery.core.outcome import rates_from_mapping
+    from gpuhedge_celery.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        rates_from_mapping(bad)
