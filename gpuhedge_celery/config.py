@@ -13,11 +13,13 @@ this process does not need still loads. See docs/configuration.md for every key.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,18 +27,15 @@ from .errors import ConfigError
 from .providers.options import Block
 from .providers.registry import adapter_class, build_provider
 
+if TYPE_CHECKING:
+    from .core.policies import Policy
+
 ROLES = ("primary", "hedge", "fallback")
 DEFAULT_PATH = Path("config") / "gpuhedge.yaml"
 PACKAGED_DIR = Path(__file__).parent / "data"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
-#: parameters of the built-in policies (milliseconds after the primary's submit)
-BUILTIN_POLICIES: dict[str, tuple[str, ...]] = {
-    "single": (),
-    "fixed": ("hedge_after_ms",),
-    "state_aware": ("queue_cutover_ms", "safety_hedge_ms"),
-    "cascade": ("queue_cutover_ms", "safety_hedge_ms", "escalate_after_ms"),
-}
+ROLE_ARGS = ("primary", "hedge", "fallback")  # policy arguments filled from provider roles
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,9 @@ class ProviderConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The default race policy: a name (built-in or ``module:attr``) and its parameters."""
+    """The default race policy: a registered kind or alias (``fixed``, ``state_aware``,
+    ``cascade``, or ``package.module:kind`` for one registered on import) and its parameters,
+    in provider-time milliseconds; ``primary``/``hedge``/``fallback`` default to the roles."""
 
     name: str = "fixed"
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -121,12 +122,49 @@ class GpuHedgeConfig:
         own = self.provider(name).timeout_s
         return own if own is not None else self.attempt_cap_s
 
-    def scaled_policy_params(self) -> dict[str, Any]:
+    def scaled_policy_params(self) -> dict[str, Any]:  # kept for callers without make_policy
         """Policy parameters in real time: every ``*_ms`` value multiplied by ``time_scale``."""
         return {
             k: (v * self.time_scale if k.endswith("_ms") and isinstance(v, (int, float)) else v)
             for k, v in self.policy.params.items()
         }
+
+    def make_policy(self, spec: str | None = None) -> Policy:
+        """The race engine's policy for ``spec``.
+
+        None: the configured policy. A kind (``fixed``, ``cascade``...): that policy with the
+        providers of each role, and the configured parameters when it is the configured kind
+        (else the policy's defaults). A full name (``hedge:a->b@10s``): parsed as written.
+        Milliseconds from the config are scaled by ``time_scale``; full names are not.
+        """
+        from .core.policies import parse_policy, registered_policies
+
+        spec = spec or self.policy.name
+        if spec.split(":", 1)[0] in registered_policies() and ":" in spec:
+            return parse_policy(spec)
+        cls = _policy_class(spec, None)
+        params = self.policy.params if spec == self.policy.name else {}
+        args: dict[str, Any] = {}
+        for arg, parameter in _policy_args(cls).items():
+            if arg in params:
+                value = params[arg]
+            elif arg in ROLE_ARGS:
+                found = self.by_role(arg)
+                if not found:
+                    raise ConfigError(
+                        f"policy {spec!r} needs a deployed provider with role: {arg}",
+                        file=self.source,
+                        key="providers",
+                    )
+                value = found[0].name
+            elif parameter.default is not inspect.Parameter.empty:
+                value = parameter.default
+            else:
+                raise ConfigError(f"policy {spec!r} needs {arg}", file=self.source, key="policy")
+            if arg.endswith("_ms") and isinstance(value, (int, float)):
+                value = round(value * self.time_scale)
+            args[arg] = value
+        return cls(**args)
 
     def build(self, name: str, **kwargs: Any):
         """Build provider ``name`` (kwargs to the adapter: ``clock``, ``sleep``, ``env``...)."""
@@ -213,7 +251,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
         raise providers_block.error(None, "expected at least one provider with role: primary")
 
     policy_block = root.mapping("policy")
-    policy = _parse_policy(policy_block)
+    policy = _parse_policy(policy_block, providers)
 
     slo = root.mapping("slo")
     deadlines = slo.raw("deadlines_s", [60.0])
@@ -289,30 +327,64 @@ def _parse_provider(parent: Block, name: str, time_scale: float) -> ProviderConf
     return config
 
 
-def _parse_policy(block: Block) -> PolicyConfig:
-    name = block.string("name", "fixed")
+def _policy_class(name: str, block: Block | None) -> type[Policy]:
+    """The registered policy class for ``name`` (``kind`` or ``package.module:kind``)."""
+    from .core.policies import registered_policies
+
+    kind = name
+    if ":" in name:  # a module that registers the kind when imported
+        module, _, kind = name.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            message = f"cannot import policy module {module!r}: {e}"
+            raise (block.error("name", message) if block else ConfigError(message)) from None
+    cls = registered_policies().get(kind)
+    if cls is None:
+        known = ", ".join(sorted(registered_policies()))
+        message = f"expected one of {known}, or 'package.module:kind', got {name!r}"
+        raise block.error("name", message) if block else ConfigError(message, key="policy")
+    return cls
+
+
+def _policy_args(cls: type[Policy]) -> dict[str, inspect.Parameter]:
+    params = inspect.signature(cls.__init__).parameters
+    return {k: p for k, p in params.items() if k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def _parse_policy(block: Block, providers: Mapping[str, ProviderConfig]) -> PolicyConfig:
+    has_hedge = any(p.role == "hedge" and p.deployed for p in providers.values())
+    name = block.string("name", "fixed" if has_hedge or not providers else "single")
+    cls = _policy_class(name, block)
+    allowed = _policy_args(cls)
     params_block = block.mapping("params")
     params: dict[str, Any] = {}
-    builtin = BUILTIN_POLICIES.get(name)
-    if builtin is None and ":" not in name:
-        known = ", ".join(BUILTIN_POLICIES)
-        raise block.error("name", f"expected one of {known}, or 'module:attr', got {name!r}")
     for key in params_block.data:
-        if builtin is not None and key not in builtin:
+        if key not in allowed:
             continue  # reported by finish() below with the list of known parameters
         value = params_block.raw(key)
-        if key.endswith("_ms") and (
+        if key in ROLE_ARGS:
+            if not isinstance(value, str) or value not in providers:
+                known = ", ".join(providers) or "none"
+                raise params_block.error(key, f"expected a provider name ({known}), got {value!r}")
+        elif key.endswith("_ms") and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
         ):
             raise params_block.error(key, f"expected milliseconds >= 0, got {value!r}")
         params[key] = value
-    params_block.finish(extra_known=builtin or ())
+    params_block.finish(extra_known=allowed)
+    for role in ROLE_ARGS:
+        if providers and role in allowed and role not in params:
+            if not any(p.role == role and p.deployed for p in providers.values()):
+                raise block.error(
+                    "name", f"policy {name!r} needs a deployed provider with role: {role}"
+                )
     block.finish()
     return PolicyConfig(name=name, params=params)
 
 
 def _parse_validator(root: Block) -> ValidatorConfig:
-    from .core.validators import available_validators
+    from .core.validators import available_validators, get_validator
 
     value = root.raw("validator", "nonempty")
     if isinstance(value, str):
@@ -329,10 +401,6 @@ def _parse_validator(root: Block) -> ValidatorConfig:
             "validator",
             f"unknown validator {name!r} (known: {known}; register yours with @validator first)",
         )
-    import inspect
-
-    from .core.validators import get_validator
-
     try:
         inspect.signature(get_validator(name)).bind(None, **options)
     except TypeError as e:

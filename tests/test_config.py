@@ -121,7 +121,13 @@ BAD = [
      "providers.p.http.submit.url", "required key is missing"),
     ("providers:\n  p: [1, 2]\n", "providers.p", "expected a mapping"),
     (MINIMAL + "policy: {name: fastest}\n", "policy.name",
-     "expected one of single, fixed, state_aware, cascade"),
+     "expected one of cascade, cutover, fixed, hedge, single, state_aware"),
+    (MINIMAL + "policy: {name: fixed}\n", "policy.name",
+     "policy 'fixed' needs a deployed provider with role: hedge"),
+    (MINIMAL + "policy: {name: single, params: {primary: q}}\n", "policy.params.primary",
+     "expected a provider name (p), got 'q'"),
+    (MINIMAL + "policy: {name: 'no_such_pkg.mod:mine'}\n", "policy.name",
+     "cannot import policy module 'no_such_pkg.mod'"),
     (MINIMAL + "policy: {name: fixed, params: {hedge_after: 5}}\n", "policy.params.hedge_after",
      "unknown key; did you mean 'hedge_after_ms'?"),
     (MINIMAL + "policy: {name: fixed, params: {hedge_after_ms: -5}}\n",
@@ -205,3 +211,35 @@ def test_custom_adapters_plug_in_by_name_or_path():
 def test_build_provider_from_raw_mapping():
     p = build_provider("s", {"adapter": "sim", "sim": {"seed": 3}}, clock=VirtualClock(0.0))
     assert isinstance(p, SimProvider) and p.spec.seed == 3 and p.name == "s"
+
+
+def test_make_policy_builds_engine_policies_from_roles_and_scaled_params():
+    default = load_config(packaged_path("default.yaml"))
+    assert default.make_policy().name == "hedge:sim-cheap->sim-steady@10s"
+    assert default.make_policy("state_aware").name == ("cutover:sim-cheap->sim-steady@q2.5s+s8.5s")
+    assert default.make_policy("single").name == "single:sim-cheap"
+    assert default.make_policy("hedge:a->b@5s").name == "hedge:a->b@5s"
+    demo = load_config(packaged_path("demo.yaml"))
+    cascade = demo.make_policy()
+    assert cascade.params() == {
+        "primary": "sim-cheap",
+        "hedge": "sim-steady",
+        "fallback": "sim-reserve",
+        "queue_cutover_ms": 50,
+        "safety_hedge_ms": 170,
+        "escalate_after_ms": 500,
+    }
+    assert demo.make_policy("fixed").params()["hedge_after_ms"] == 200  # default, scaled
+    with pytest.raises(ConfigError, match="expected one of"):
+        demo.make_policy("fastest")
+
+
+def test_policy_params_may_pick_providers_and_default_policy_follows_roles():
+    cfg = parse_config_text(
+        "providers:\n  a: {adapter: sim}\n  b: {adapter: sim, role: hedge}\n"
+        "  c: {adapter: sim, role: hedge}\n"
+        "policy: {name: fixed, params: {hedge: c, hedge_after_ms: 3000}}\n"
+    )
+    assert cfg.make_policy().name == "hedge:a->c@3s"
+    assert parse_config_text(MINIMAL).policy.name == "single"
+    assert parse_config_text(MINIMAL + "  h: {adapter: sim, role: hedge}\n").policy.name == "fixed"
