@@ -213,6 +213,9 @@ class HttpProviderServer:
 class _Handler(BaseHTTPRequestHandler):
     server_state: HttpProviderServer
     protocol_version = "HTTP/1.1"
+    # headers and body go out as two writes: with Nagle on, each answer waits ~40 ms for the
+    # client's delayed ACK
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
         pass
