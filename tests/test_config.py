@@ -121,7 +121,7 @@ BAD = [
      "providers.p.http.submit.url", "required key is missing"),
     ("providers:\n  p: [1, 2]\n", "providers.p", "expected a mapping"),
     (MINIMAL + "policy: {name: fastest}\n", "policy.name",
-     "expected one of cascade, cutover, fixed, hedge, single, state_aware"),
+     "or 'package.module:kind', got 'fastest'"),
     (MINIMAL + "policy: {name: fixed}\n", "policy.name",
      "policy 'fixed' needs a deployed provider with role: hedge"),
     (MINIMAL + "policy: {name: single, params: {primary: q}}\n", "policy.params.primary",
