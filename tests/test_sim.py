@@ -16,7 +16,7 @@ from gpuhedge_celery.core.receipts import CancelScope, Evidence
 from gpuhedge_celery.core.validators import validate
 from gpuhedge_celery.errors import ConfigError, SubmitError
 from gpuhedge_celery.providers import build_provider
-from gpuhedge_celery.providers.sim import MemoryLedger, SimProvider, SimSpec
+from gpuhedge_celery.providers.sim import MemoryLedger, RedisLedger, SimProvider, SimSpec
 from gpuhedge_celery.providers.simspec import Dist, SimMode
 
 FIXED = SimSpec(
@@ -242,32 +242,19 @@ def test_sim_block_errors_name_the_key(block, key, fragment):
     assert message.startswith(f"x.yaml: {key}: ") and fragment in message and "\n" not in message
 
 
-class RedisLedger:
-    """The SimLedger interface over Redis: three commands (what the Celery layer will do)."""
+def redis_ledger(url: str, prefix: str) -> RedisLedger:
+    import redis
 
-    def __init__(self, url: str, prefix: str):
-        import redis
-
-        self.r = redis.Redis.from_url(url, decode_responses=True)
-        self.prefix = prefix
-
-    def get(self, key):
-        return self.r.get(f"{self.prefix}:{key}")
-
-    def set_if_absent(self, key, value, ttl_s=None):
-        return bool(self.r.set(f"{self.prefix}:{key}", value, nx=True, ex=int(ttl_s or 3600)))
-
-    def incr(self, key):
-        return int(self.r.incr(f"{self.prefix}:{key}"))
+    return RedisLedger(redis.Redis.from_url(url, decode_responses=True), prefix)
 
 
 CHILD = r"""
 import json, sys
 from gpuhedge_celery.config import parse_config
 from gpuhedge_celery.core.jobs import JobHandle
-from tests.test_sim import RedisLedger
+from tests.test_sim import redis_ledger
 cfg, handle, url, prefix = json.loads(sys.argv[1])
-ledger = RedisLedger(url, prefix)
+ledger = redis_ledger(url, prefix)
 provider = parse_config(cfg).build("p", ledger=ledger)
 h = JobHandle.from_json(handle)
 first = provider.status(h).value
@@ -278,7 +265,7 @@ print(json.dumps({"first": first, "state": result.state.value, "wall_ms": result
 
 def test_another_process_rebuilds_the_job_from_handle_json_and_sees_the_cancel(redis_url, prefix):
     cfg = {"providers": {"p": {"adapter": "sim", "sim": {"time_scale": 0.01}}}}
-    ledger = RedisLedger(redis_url, prefix)
+    ledger = redis_ledger(redis_url, prefix)
     parent = parse_config(cfg).build("p", clock=WallClock(), ledger=ledger)
     h = parent.submit({"sim": {"p": {"queue_s": 100, "run_s": 100}}})  # 2 s of real time
     args = json.dumps([cfg, h.to_json(), redis_url, prefix])
@@ -310,3 +297,13 @@ def test_per_job_slow_cancel_lets_the_job_finish_first():
     assert receipt.terminal_status is JobState.COMPLETED and clock.now() == pytest.approx(5.0)
     with pytest.raises(SubmitError, match="cancel_terminal_s must be seconds >= 0"):
         p.submit({"sim": {"sim-a": {"cancel_terminal_s": -1}}})
+
+
+def test_redis_ledger_semantics(redis_url, prefix, redis_client):
+    ledger = redis_ledger(redis_url, prefix)
+    assert ledger.get("k") is None
+    assert ledger.set_if_absent("k", '{"a": 1}', ttl_s=60) is True
+    assert ledger.set_if_absent("k", '{"a": 2}', ttl_s=60) is False
+    assert ledger.get("k") == '{"a": 1}'
+    assert 0 < redis_client.pttl(f"{prefix}:k") <= 60_000
+    assert [ledger.incr("n"), ledger.incr("n")] == [1, 2]

@@ -35,6 +35,7 @@ from .options import Block
 from .simledger import (
     LEDGER_TTL_S,
     MemoryLedger,
+    RedisLedger,
     SimLedger,
     cancel_key,
     done_key,
@@ -54,6 +55,7 @@ _OVERRIDES = ("queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_ter
 __all__ = [
     "OUTCOMES",
     "MemoryLedger",
+    "RedisLedger",
     "SimLedger",
     "SimProvider",
     "SimSpec",

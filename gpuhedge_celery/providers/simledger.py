@@ -4,13 +4,13 @@ A sim job's timeline is drawn at submit and carried in its handle; only events t
 later (a cancellation, an observed end) need shared memory. The interface is three Redis-shaped
 operations on string keys with small JSON values, so the Celery layer backs it with Redis in a
 few lines (``GET``, ``SET key value NX EX ttl``, ``INCR``); :class:`MemoryLedger` is the
-in-process default.
+in-process default and :class:`RedisLedger` the shared one.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class SimLedger(Protocol):
@@ -85,3 +85,29 @@ def done_key(provider: str, job_id: str) -> str:
 def seq_key(provider: str) -> str:
     """Ledger counter numbering a provider's submissions that carry no ``sim_key``."""
     return f"sim:seq:{provider}"
+
+
+class RedisLedger:
+    """A :class:`SimLedger` over Redis, shared by every process on the same server.
+
+    ``client`` is a redis-py client built with ``decode_responses=True`` (this module does not
+    import redis: building clients is the store layer's job, lazily per process). Keys are
+    ``<prefix>:<ledger key>``.
+    """
+
+    def __init__(self, client: Any, prefix: str = "gpuhedge"):
+        self.client = client
+        self.prefix = prefix
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}:{key}"
+
+    def get(self, key: str) -> str | None:
+        return self.client.get(self._key(key))
+
+    def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
+        ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        return bool(self.client.set(self._key(key), value, nx=True, px=ttl_ms))
+
+    def incr(self, key: str) -> int:
+        return int(self.client.incr(self._key(key)))
