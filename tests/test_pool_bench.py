@@ -1,0 +1,82 @@
+"""The pool benchmark's arithmetic (pure) and one tiny run of the command on the real Redis."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from click.testing import CliRunner
+
+from gpuhedge_celery.bench.pool import (
+    Record,
+    Workload,
+    ideal_fifo,
+    idle_while_waiting,
+    least_connections,
+    round_robin,
+    simulate_balancer,
+)
+from gpuhedge_celery.cli import cli
+
+
+def work(arrivals, jobs, k):
+    return Workload(list(arrivals), list(jobs), k, 0.9, statistics.fmean(jobs))
+
+
+def test_workload_is_seeded_poisson_with_the_requested_mean():
+    a = Workload.generate(k=8, rho=0.9, n=20_000, mean_job_s=0.5, sigma=1.0, seed=3)
+    assert a == Workload.generate(k=8, rho=0.9, n=20_000, mean_job_s=0.5, sigma=1.0, seed=3)
+    assert abs(statistics.fmean(a.jobs) - 0.5) < 0.03
+    rate = len(a.arrivals) / a.arrivals[-1]
+    assert abs(rate - 0.9 * 8 / 0.5) / (0.9 * 8 / 0.5) < 0.03
+
+
+def test_ideal_fifo_by_hand():
+    # two GPUs; the third request waits for the first to finish at t=2
+    records = ideal_fifo(work([0, 0, 1], [2, 3, 1], 2))
+    assert [(r.start, r.end) for r in records] == [(0, 2), (0, 3), (2, 3)]
+
+
+def test_round_robin_queues_behind_a_busy_gpu_while_another_idles():
+    w = work([0, 0.1, 0.2], [5, 0.1, 0.1], 2)
+    records = simulate_balancer(w, round_robin, stale_s=0)
+    assert records[2].gpu == 0 and records[2].start == 5  # behind the long job
+    assert idle_while_waiting(records, 2) > 4  # GPU 1 idled while request 2 waited
+    assert idle_while_waiting(ideal_fifo(w), 2) == 0
+
+
+def test_least_connections_with_a_stale_view_misses_completions():
+    # GPU 0 finishes its first job at t=1, but a balancer that last looked at t=0 still counts
+    # it as busy and alternates; a fresh view sends the t=2 request back to the idle GPU 0.
+    w = work([0, 2, 2.1, 2.2], [1, 1, 5, 1], 2)
+    assert [r.gpu for r in simulate_balancer(w, least_connections, stale_s=100)] == [0, 1, 0, 1]
+    assert [r.gpu for r in simulate_balancer(w, least_connections, stale_s=0)] == [0, 0, 1, 0]
+
+
+def test_idle_while_waiting_counts_min_of_idle_and_waiting():
+    records = [Record(0, 0, 10, 0), Record(0, 3, 4, 1)]  # GPU 1 idle for 3 s while one waits
+    assert idle_while_waiting(records, 2) == 3
+
+
+def test_command_prints_the_agreed_json(redis_url):
+    result = CliRunner().invoke(
+        cli,
+        ["--redis-url", redis_url, "bench", "pool", "--json", "--rho", "0.5",
+         "--requests", "12", "--mean-job-s", "0.2"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["bench"] == "pool" and report["k"] == 8 and report["compression"] == 50
+    assert "no Celery worker" in report["harness"]
+    rows = {r["scheduler"]: r for r in report["results"]}
+    assert set(rows) == {"lease", "round_robin", "least_connections", "ideal"}
+    for row in rows.values():
+        assert row["rho"] == 0.5 and row["n"] == 12
+        assert row["mean_wait_s"] >= 0 and row["p95_wait_s"] >= 0
+        assert row["idle_while_waiting_s"] >= 0
+    assert rows["lease"]["mode"] == "measured" and rows["ideal"]["mode"] == "computed"
+
+
+def test_command_rejects_bad_load(redis_url):
+    result = CliRunner().invoke(cli, ["--redis-url", redis_url, "bench", "pool", "--rho", "1"])
+    assert result.exit_code == 2 and "--rho" in result.output
