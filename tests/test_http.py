@@ -338,3 +338,15 @@ def test_runpod_preset_builds_both_endpoints_and_runs(server, monkeypatch):
     r = hedge.result(hedge.submit({"text": "x"}), cap_s=10)
     assert r.state is JobState.COMPLETED
     assert server.ops("run")[0].raw_path == "/v2/warm/run"
+
+
+def test_separate_result_call_with_list_index_path(server):
+    status = {**BLOCK["status"]}
+    del status["payload"]
+    p = make(server, status=status, result={"url": "/result/{job_id}", "payload": "data.0.audio"})
+    r = p.result(p.submit({}), cap_s=10)
+    assert r.state is JobState.COMPLETED and validate("wav", r.payload).ok
+    assert len(server.ops("result")) == 1
+    bad = make(server, status=status, result={"url": "/result/{job_id}", "payload": "data.1.audio"})
+    r = bad.result(bad.submit({}), cap_s=10)
+    assert r.state is JobState.FAILED and "no field 'data.1.audio' (payload)" in r.error

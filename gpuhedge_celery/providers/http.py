@@ -162,6 +162,7 @@ class HttpProvider(Provider):
             receipt.was_running = False
             receipt.cancel_sent_ms = self.now_ms()
             self._confirm(receipt, handle, before, data, queued=False)
+            receipt.scope = CancelScope.UNKNOWN  # nothing was stopped
             receipt.note = f"already {before} before the cancel; nothing to stop"
             return receipt
         if self.spec.reports_queue_state and before in (JobState.QUEUED, JobState.IN_PROGRESS):

@@ -4,6 +4,7 @@ Routes (any endpoint id; ids are percent-decoded per path segment)::
 
     POST /v2/<endpoint>/run            {"input": ...}  -> {"id", "status": "IN_QUEUE"}
     GET  /v2/<endpoint>/status/<id>    -> {"id", "status", "delayTime", "executionTime", "output"?}
+    GET  /v2/<endpoint>/result/<id>    -> {"data": [{"audio": ...}]}  (completed jobs only)
     POST /v2/<endpoint>/cancel/<id>    -> {"id", "status": "CANCELLED"}
 
 Every request must carry ``authorization: <api_key>`` (else 401). Jobs move IN_QUEUE ->
@@ -147,6 +148,8 @@ class HttpProviderServer:
             return self._status(job_id)
         if op == "cancel" and method == "POST" and job_id is not None:
             return self._cancel(job_id)
+        if op == "result" and method == "GET" and job_id is not None:
+            return self._result(job_id)
         return 404, json.dumps({"error": f"no route {method} {raw_path}"})
 
     def _answer(self, op: str, data: dict[str, Any]) -> tuple[int, str]:
@@ -191,6 +194,14 @@ class HttpProviderServer:
         elif status == "FAILED":
             data["error"] = "worker crashed"
         return self._answer("status", data)
+
+    def _result(self, job_id: str) -> tuple[int, str]:
+        """A separate result call, nesting the payload in a list (``data.0.audio``)."""
+        with self.lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.state(time.monotonic())[0] != "COMPLETED":
+                return 404, json.dumps({"error": f"no result for {job_id}"})
+        return self._answer("result", {"data": [{"audio": self.knobs.output["audio_base64"]}]})
 
     def _cancel(self, job_id: str) -> tuple[int, str]:
         k = self.knobs
