@@ -254,7 +254,8 @@ class SimProvider(Provider):
         stored = self.ledger.set_if_absent(
             cancel_key(self.name, handle.job_id), json.dumps(record), LEDGER_TTL_S
         )
-        record = self._cancel_record(handle) if not stored else record
+        if not stored:  # another process cancelled first: its record decides the timeline
+            record = self._cancel_record(handle) or record
         ack_at = min(record["sent"] + ack_s * scale, record["terminal"])
         self.sleep(max(0.0, ack_at - now))
         receipt.cancel_ack_ms = max(ack_at, now) * 1000.0
