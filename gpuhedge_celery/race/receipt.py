@@ -1,0 +1,157 @@
+"""A race's receipt and result: what the caller gets, what the audit keeps, how to read them.
+
+* :func:`winner_result` is the Celery result of ``hedged_infer``, built the moment a winner is
+  declared: winner provider, payload (or ``payload_ref`` for payloads over the inline limit),
+  end-to-end ms, whether it hedged, and the race id.
+* :func:`assemble_receipt` is the full audit written once every attempt is settled: every
+  attempt with its state timeline, provider metrics and job handle, every loser's cancel
+  receipt, cost ($ active, billed, wasted) and leaks.
+* :func:`read_receipt` reads it back by race id (or a provisional one while the race runs).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..core.race import Race
+from ..store.race_keys import race_keys
+from ..store.races import RaceStore
+from ..store.timers import _text, store_errors
+from .spec import RaceSpec
+
+RECEIPT_VERSION = 1
+
+
+def result_key(prefix: str, race_id: str, attempt_id: str) -> str:
+    """Redis key of an attempt's valid result (payload included), on the race's slot."""
+    base = race_keys(prefix, race_id).state.rsplit(":", 1)[0]
+    return f"{base}:result:{attempt_id}"
+
+
+def store_attempt_result(
+    client: Any, prefix: str, race_id: str, attempt_id: str, result: dict[str, Any], ttl_s: float
+) -> None:
+    """Keep a valid attempt result in Redis (before it is reported, so any process can serve it)."""
+    with store_errors(f"storing a result of race {race_id!r}"):
+        client.set(
+            result_key(prefix, race_id, attempt_id), json.dumps(result), px=int(ttl_s * 1000)
+        )
+
+
+def load_attempt_result(
+    client: Any, prefix: str, race_id: str, attempt_id: str
+) -> dict[str, Any] | None:
+    """An attempt's stored result, None when it was never stored or has expired."""
+    with store_errors(f"reading a result of race {race_id!r}"):
+        raw = client.get(result_key(prefix, race_id, attempt_id))
+    return None if raw is None else json.loads(_text(raw))
+
+
+def load_payload(result: dict[str, Any], client: Any) -> Any:
+    """The winner's payload of a ``hedged_infer`` result, fetched from Redis when referenced."""
+    if "payload_ref" not in result:
+        return result.get("payload")
+    with store_errors("reading a referenced payload"):
+        raw = client.get(result["payload_ref"])
+    if raw is None:
+        raise LookupError(f"payload {result['payload_ref']!r} has expired or never existed")
+    return json.loads(_text(raw)).get("payload")
+
+
+def winner_result(
+    race: Race,
+    state: dict[str, Any],
+    stored: dict[str, Any],
+    *,
+    now: float,
+    inline_max: int,
+    ref: str,
+) -> dict[str, Any]:
+    """The caller's result for the race's winner (``stored`` is its stored attempt result)."""
+    won = race.winner_attempt
+    assert won is not None
+    latency = race.latency()
+    result: dict[str, Any] = {
+        "race_id": race.race_id,
+        "winner": won.provider,
+        "attempt": won.id,
+        "role": won.role,
+        "policy": race.policy.name,
+        "hedged": any(a.role != "primary" for a in race.attempts),
+        "e2e_ms": round((now - float(state.get("created_at", now))) * 1000.0, 3),
+        "latency_ms": None if latency is None else round(latency * 1000.0, 3),
+        "provider_ms": stored.get("wall_ms"),
+        "job_id": won.job_id,
+    }
+    payload = stored.get("payload")
+    if inline_max >= 0 and len(json.dumps(payload)) > inline_max:
+        result["payload_ref"] = ref
+        result["payload_bytes"] = len(json.dumps(payload))
+    else:
+        result["payload"] = payload
+    return result
+
+
+def assemble_receipt(
+    race: Race, state: dict[str, Any], spec: RaceSpec, *, now: float
+) -> dict[str, Any]:
+    """The full audit of a race: the engine's outcome enriched with handles and metrics."""
+    outcome = race.outcome(spec.provider_rates()).to_dict()
+    results = state.get("results") or {}
+    by_id = {a.id: a for a in race.attempts}
+    for summary in outcome["attempts"]:
+        a = by_id[summary["id"]]
+        found = results.get(a.id) or {}
+        summary["handle"] = a.handle
+        summary["metrics"] = found.get("metrics", {})
+        summary["provider_events"] = found.get("events", [])
+        summary["error"] = found.get("error")
+        summary["launched_at_s"] = a.launched_at
+        summary["submitted_at_s"] = a.submitted_at
+        summary["result_at_s"] = a.result_at
+        summary["cancel_receipt"] = a.receipt.to_dict() if a.receipt else None
+    leaks = [
+        {"attempt": a.id, "provider": a.provider, "job_id": a.job_id}
+        for a in race.attempts
+        if a.receipt is not None and a.receipt.leaked
+    ]
+    outcome.update(
+        {
+            "version": RECEIPT_VERSION,
+            "kind": "race",
+            "leaks": leaks,
+            "leaked": bool(leaks),
+            "created_at": state.get("created_at"),
+            "won_at": _won_at(race),
+            "finished_at": now if race.finished else None,
+            "validator": spec.validator,
+            "time_scale": spec.time_scale,
+            "latency_ms": None if outcome["latency_s"] is None else outcome["latency_s"] * 1000.0,
+        }
+    )
+    return outcome
+
+
+def _won_at(race: Race) -> float | None:
+    won = race.winner_attempt
+    if won is None or won.result_at is None or race.started_at is None:
+        return None
+    return race.started_at + won.result_at
+
+
+def read_receipt(store: RaceStore, race_id: str) -> dict[str, Any] | None:
+    """The race's receipt; while it runs, a provisional one (``finished`` false); else None."""
+    found = store.receipt(race_id)
+    if found is not None:
+        return found
+    record = store.load(race_id)
+    if record is None:
+        return None
+    from ..core.clock import WallClock
+    from .driver import spec_from_state
+
+    race = Race.from_dict(record.state["race"], WallClock())
+    return assemble_receipt(
+        race, record.state, spec_from_state(record.state), now=WallClock().now()
+    )

@@ -1,0 +1,110 @@
+"""Settings of distributed races (``GPUHEDGE_*`` environment variables), read once, validated.
+
+=================================  ==========  ===============================================
+variable                           default     meaning
+=================================  ==========  ===============================================
+GPUHEDGE_RECEIPT_TTL_S             86400       how long a finished race's receipt (and its
+                                               keys) stay readable in Redis
+GPUHEDGE_PAYLOAD_INLINE_MAX        1000000     payloads larger than this many bytes (as JSON)
+                                               are kept in Redis and the result carries a
+                                               ``payload_ref`` instead
+GPUHEDGE_WATCH_INTERVAL_S          1.0         status-poll period for providers that cannot
+                                               tell when their job will next change state
+GPUHEDGE_RACE_EVENTS               1           send Celery task events (Flower) for races
+GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
+GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
+                                               at start (custom policies, validators,
+                                               provider adapters register themselves there)
+=================================  ==========  ===============================================
+
+Values are mirrored into the Celery configuration as ``gpuhedge_race_<name>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from ..errors import ConfigError
+
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"expected a number, got {raw!r}", key=name) from None
+    if value <= minimum:
+        raise ConfigError(f"expected a number > {minimum:g}, got {raw!r}", key=name)
+    return value
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}", key=name)
+
+
+@dataclass(frozen=True)
+class RaceSettings:
+    """Everything the race coordinator reads from the environment."""
+
+    receipt_ttl_s: float = 86400.0
+    payload_inline_max: int = 1_000_000
+    watch_interval_s: float = 1.0
+    events: bool = True
+    timer_namespace: str = "races"
+    plugins: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_celery_conf(self) -> dict[str, object]:
+        """The values as ``gpuhedge_race_*`` Celery settings (visible in ``inspect conf``)."""
+        return {f"gpuhedge_race_{k}": v for k, v in asdict(self).items()}
+
+    def import_plugins(self) -> None:
+        """Import every plugin module (each registers its policies/validators on import)."""
+        for module in self.plugins:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ConfigError(
+                    f"cannot import plugin {module!r}: {e}", key="GPUHEDGE_PLUGINS"
+                ) from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RaceSettings:
+        """Read and validate the variables of the table above."""
+        env = os.environ if environ is None else environ
+        namespace = (env.get("GPUHEDGE_TIMER_NAMESPACE") or "races").strip()
+        if not re.match(r"^[A-Za-z0-9_.\-]{1,100}$", namespace):
+            raise ConfigError(
+                f"expected letters, digits, '_', '-' or '.', got {namespace!r}",
+                key="GPUHEDGE_TIMER_NAMESPACE",
+            )
+        plugins = tuple(
+            p.strip() for p in (env.get("GPUHEDGE_PLUGINS") or "").split(",") if p.strip()
+        )
+        for module in plugins:
+            if not _MODULE_RE.match(module):
+                raise ConfigError(f"expected a module path, got {module!r}", key="GPUHEDGE_PLUGINS")
+        return cls(
+            receipt_ttl_s=_float(env, "GPUHEDGE_RECEIPT_TTL_S", 86400.0),
+            payload_inline_max=int(
+                _float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)
+            ),
+            watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
+            events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
+            timer_namespace=namespace,
+            plugins=plugins,
+        )
