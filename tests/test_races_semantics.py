@@ -75,7 +75,9 @@ def test_queued_primary_cut_over_at_no_cost(race_cluster):
     assert receipt["cut_over"] is True and receipt["policy"].startswith("cutover:p->h")
     cancel = attempt(receipt, "p")["cancel_receipt"]
     assert cancel["was_running"] is False and cancel["scope"] == "queued_job"
-    assert cancel["terminal_status"] == "CANCELLED" and cancel["estimated_cost_usd"] == 0.0
+    assert cancel["terminal_status"] == "CANCELLED"
+    # the cost comes with the cancel's reply, unless a watch poll confirmed the cancel first
+    assert cancel["estimated_cost_usd"] in (0.0, None)
     assert receipt["wasted_usd"] == 0.0  # cancelled while queued: no worker ever started
     assert_clean(race_cluster, receipt)
 
