@@ -314,8 +314,8 @@ class RaceDriver:
             inline_max=self.settings.payload_inline_max,
             ref=result_key(self.prefix, race_id, won.id),
         )
+        self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
         self.effects.won(race_id, result)
-        self._event(race_id, "won", race, won.id)
 
     def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         spec = spec_from_state(state)

@@ -60,6 +60,13 @@ def race_settings() -> RaceSettings:
 
 
 app.conf.update(race_settings().as_celery_conf())
+app.conf.task_routes = {
+    **(app.conf.task_routes or {}),
+    TASK_HEDGED_INFER: {"queue": QUEUE_COORD},
+    TASK_RACE_STEP: {"queue": QUEUE_COORD},
+    TASK_RACE_SUBMIT: {"queue": QUEUE_ATTEMPTS},
+    TASK_RACE_CANCEL: {"queue": QUEUE_ATTEMPTS},
+}
 race_settings().import_plugins()
 
 
@@ -179,7 +186,7 @@ _RETRY_STORE: dict[str, Any] = {
 }
 
 
-@app.task(bind=True, name=TASK_HEDGED_INFER, queue=QUEUE_COORD, **_TASK_OPTIONS)
+@app.task(bind=True, name=TASK_HEDGED_INFER, **_TASK_OPTIONS)
 def hedged_infer(
     self: Task,
     request: Any,
@@ -208,19 +215,19 @@ def hedged_infer(
     raise Ignore()  # the result is stored by whichever process declares the winner
 
 
-@app.task(name=TASK_RACE_SUBMIT, queue=QUEUE_ATTEMPTS, **_TASK_OPTIONS, **_RETRY_STORE)
+@app.task(name=TASK_RACE_SUBMIT, **_TASK_OPTIONS, **_RETRY_STORE)
 def race_submit(race_id: str, attempt_id: str, provider: str) -> None:
     """Submit one attempt's job to ``provider`` (idempotent) and start watching it."""
     runtime().driver.submit_attempt(race_id, attempt_id)
 
 
-@app.task(name=TASK_RACE_CANCEL, queue=QUEUE_ATTEMPTS, **_TASK_OPTIONS, **_RETRY_STORE)
+@app.task(name=TASK_RACE_CANCEL, **_TASK_OPTIONS, **_RETRY_STORE)
 def race_cancel(race_id: str, attempt_id: str, provider: str) -> None:
     """Cancel one attempt's job through ``provider``'s native cancel and report the receipt."""
     runtime().driver.cancel_attempt(race_id, attempt_id)
 
 
-@app.task(name=TASK_RACE_STEP, queue=QUEUE_COORD, **_TASK_OPTIONS, **_RETRY_STORE)
+@app.task(name=TASK_RACE_STEP, **_TASK_OPTIONS, **_RETRY_STORE)
 def race_step(race_id: str, event: dict[str, Any]) -> None:
     """Apply one engine event (``Event.to_dict()`` form) to a race."""
     runtime().driver.step(race_id, event_from_dict(event))

@@ -1,0 +1,160 @@
+"""The public face of races on real workers: bad input, payload references, receipts from Python
+and the CLI, and the task events Flower builds its view from.
+
+The module's workers keep payloads over 1,000 bytes in Redis (``GPUHEDGE_PAYLOAD_INLINE_MAX``),
+so the sim's ~43 kB WAV comes back as a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from gpuhedge_celery.cli import cli
+from gpuhedge_celery.core.validators import validate
+from gpuhedge_celery.errors import ConfigError
+from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
+
+
+@pytest.fixture(scope="module")
+def api_cluster(redis_url, tmp_path_factory):
+    import redis
+
+    from gpuhedge_celery.store.listener import enable_notifications
+
+    enable_notifications(redis.Redis.from_url(redis_url))
+    rc = start_race_cluster(
+        redis_url, tmp_path_factory.mktemp("races-api"), workers=1,
+        GPUHEDGE_PAYLOAD_INLINE_MAX="1000",
+    )  # fmt: skip
+    yield rc
+    stop_race_cluster(rc)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "fragment"),
+    [
+        (([1, 2],), {}, "request: expected a JSON object (dict), got list"),
+        (({},), {"policy": "nope"}, "policy: expected one of"),
+        (({},), {"policy": "hedge:p->nowhere@1s"}, "no provider 'nowhere'"),
+        (({},), {"policy": "fixed", "providers": ["p", "zzz"]}, "no provider 'zzz'"),
+        (({},), {"policy": "fixed", "providers": ["p"]}, "races 2 provider(s), got 1"),
+        (({},), {"validator": "nah"}, "unknown validator 'nah'"),
+        (({},), {"validator": {"name": "wav", "colour": 1}}, "bad options for validator 'wav'"),
+    ],
+)
+def test_bad_input_fails_at_once_with_a_one_line_config_error(api_cluster, args, kwargs, fragment):
+    res = api_cluster.app.send_task("gpuhedge.hedged_infer", args, kwargs, queue="gpuhedge.coord")
+    with pytest.raises(ConfigError) as info:
+        res.get(timeout=20)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message
+    assert api_cluster.store.load(res.id) is None  # no race was created
+
+
+def test_calling_the_task_in_process_is_refused_with_one_line():
+    from gpuhedge_celery import hedged_infer
+
+    with pytest.raises(ConfigError, match="runs on workers"):
+        hedged_infer({"text": "hi"})
+
+
+def test_large_payload_comes_back_as_a_reference(api_cluster):
+    from gpuhedge_celery.race import load_payload
+
+    res = api_cluster.send({"sim": {"p": {"queue_s": 0.5, "run_s": 1}}})
+    result = res.get(timeout=20)
+    assert "payload" not in result and result["payload_bytes"] > 1000
+    assert result["payload_ref"].startswith(f"{api_cluster.prefix}:race:{{{res.id}}}:")
+    payload = load_payload(result, redis_url=api_cluster.redis_url, prefix=api_cluster.prefix)
+    assert validate("wav", payload).ok
+
+
+def test_receipt_from_python_and_the_cli(api_cluster):
+    import gpuhedge_celery
+
+    res = api_cluster.send(HEDGE_RESCUE)
+    assert res.get(timeout=20)["winner"] == "h"
+    stored = api_cluster.receipt(res.id)
+    url, prefix = api_cluster.redis_url, api_cluster.prefix
+    assert gpuhedge_celery.receipt(res.id, redis_url=url, prefix=prefix) == stored
+
+    runner = CliRunner()
+    base = ["--redis-url", url, "--prefix", prefix, "receipt", res.id]
+    out = runner.invoke(cli, [*base, "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == stored
+    out = runner.invoke(cli, base)
+    assert out.exit_code == 0, out.output
+    assert "winner    h (a2)" in out.output and "hedged" in out.output
+    assert "cancel: evidence confirmed_terminal, terminal CANCELLED" in out.output
+
+
+def test_receipt_cli_errors_are_one_line_with_exit_codes(api_cluster):
+    script = shutil.which("gpuhedge-celery")
+    assert script, "the gpuhedge-celery entry point is not installed"
+    env_args = ["--redis-url", api_cluster.redis_url, "--prefix", api_cluster.prefix]
+    cases = [
+        (env_args + ["receipt", "no-such-race"], 1, "no race 'no-such-race'"),
+        (env_args + ["receipt", "bad id"], 2, "invalid race id"),
+        (["--redis-url", "redis://127.0.0.1:1/0", "receipt", "x"], 3, "unreachable"),
+    ]
+    for argv, code, fragment in cases:
+        done = subprocess.run([script, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == code, done.stderr
+        assert fragment in done.stderr and done.stderr.count("\n") == 1 and not done.stdout
+
+
+def test_task_events_show_the_race_lifecycle(api_cluster):
+    from celery.events.state import State
+
+    app = api_cluster.app
+    events: list[dict] = []
+    ready = threading.Event()
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            receiver = app.events.Receiver(conn, handlers={"*": events.append})
+            ready.set()
+            for _ in receiver.itercapture(limit=None, timeout=15, wakeup=False):
+                if stop.is_set():
+                    break
+
+    stop = threading.Event()
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert ready.wait(10)
+    time.sleep(0.5)  # the receiver's subscription is in place before the race starts
+    res = api_cluster.send(HEDGE_RESCUE)
+    res.get(timeout=20)
+    api_cluster.receipt(res.id)
+    deadline = time.monotonic() + 10
+    wanted = {"task-queued", "task-running", "task-hedge_launched", "task-won",
+              "task-loser_cancelled", "task-succeeded"}  # fmt: skip
+    while time.monotonic() < deadline:
+        seen = {e["type"] for e in events if e.get("uuid") == res.id}
+        if wanted <= seen:
+            break
+        time.sleep(0.05)
+    stop.set()
+    mine = [e for e in events if e.get("uuid") == res.id]
+    assert wanted <= {e["type"] for e in mine}, [e["type"] for e in mine]
+    won = next(e for e in mine if e["type"] == "task-won")
+    assert won["provider"] == "h" and won["race_id"] == res.id and won["role"] == "hedge"
+    # celery's own event state (what Flower keeps) turns custom events into task states
+    state = State()
+    states = []
+    for event in mine:
+        state.event(event)
+        states.append(state.tasks[res.id].state)
+    assert "WON" in states and "HEDGE_LAUNCHED" in states
