@@ -16,6 +16,8 @@ _LAZY = {
     "celery": ("gpuhedge_celery.tasks.app", "app"),
     "pooled_infer": ("gpuhedge_celery.tasks.pool", "pooled_infer"),
     "hedged_infer": ("gpuhedge_celery.tasks.races", "hedged_infer"),
+    "receipt": ("gpuhedge_celery.race", "receipt"),
+    "load_payload": ("gpuhedge_celery.race", "load_payload"),
 }
 
 __all__ = ["__version__", *_LAZY]
