@@ -73,10 +73,15 @@ class Effects(Protocol):
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
         """Cancel the attempt's job somewhere that may block (then call cancel_attempt)."""
 
-    def won(self, race_id: str, result: dict[str, Any]) -> None:
-        """Hand the caller its result (Celery: mark the task id done)."""
+    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
+        """Hand the caller its result (Celery: mark the task id done, run its callbacks).
 
-    def failed(self, race_id: str, message: str, receipt: dict[str, Any]) -> None:
+        ``caller`` is what :meth:`RaceDriver.create` was given about the caller (opaque here).
+        """
+
+    def failed(
+        self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
+    ) -> None:
         """Tell the caller the race produced no valid result (Celery: mark it failed)."""
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
@@ -129,8 +134,17 @@ class RaceDriver:
         return self.store.prefix
 
     # ------------------------------------------------------------------ starting
-    def create(self, race_id: str, request: dict[str, Any], spec: RaceSpec) -> bool:
-        """Create and start a race; False (and a resume) if it already exists (a redelivery)."""
+    def create(
+        self,
+        race_id: str,
+        request: dict[str, Any],
+        spec: RaceSpec,
+        caller: dict[str, Any] | None = None,
+    ) -> bool:
+        """Create and start a race; False (and a resume) if it already exists (a redelivery).
+
+        ``caller`` (JSON) is handed back to the effects with the result: who to notify.
+        """
         race = Race(spec.policy, self.clock, race_id=race_id)
         before: dict[str, Phase] = {}
         actions = race.start()
@@ -141,6 +155,7 @@ class RaceDriver:
             "created_at": race.started_at,
             "timer_ids": {},
             "results": {},
+            "caller": caller or {},
         }
         self._note_timers(race_id, race, state, actions, 1)
         try:
@@ -315,7 +330,7 @@ class RaceDriver:
             ref=result_key(self.prefix, race_id, won.id),
         )
         self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
-        self.effects.won(race_id, result)
+        self.effects.won(race_id, result, state.get("caller") or {})
 
     def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         spec = spec_from_state(state)
@@ -325,7 +340,8 @@ class RaceDriver:
                 self.store.remove_job(race_id, a.id)
         self.store.finish(race_id, receipt, self.settings.receipt_ttl_s)
         if race.winner is None:
-            self.effects.failed(race_id, f"race {race_id}: {race.note}", receipt)
+            message = f"race {race_id}: {race.note}"
+            self.effects.failed(race_id, message, receipt, state.get("caller") or {})
 
     # ------------------------------------------------------------------ attempt work
     def submit_attempt(self, race_id: str, attempt_id: str) -> None:

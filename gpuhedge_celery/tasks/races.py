@@ -83,11 +83,14 @@ class CeleryEffects:
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
         race_cancel.apply_async((race_id, attempt_id, provider), queue=QUEUE_ATTEMPTS)
 
-    def won(self, race_id: str, result: dict[str, Any]) -> None:
+    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         app.backend.mark_as_done(race_id, result)
         self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
+        _continue(race_id, result, caller)
 
-    def failed(self, race_id: str, message: str, receipt: dict[str, Any]) -> None:
+    def failed(
+        self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
+    ) -> None:
         error = RaceFailed(message, receipt)
         error.args = (message, receipt)  # Celery rebuilds exceptions as cls(*args)
         app.backend.mark_as_failure(race_id, error)
@@ -110,6 +113,32 @@ class CeleryEffects:
         except Exception:
             log.debug("race %s: event %s not sent", race_id, kind, exc_info=True)
             self._dispatcher = None
+
+
+def _caller(task: Task) -> dict[str, Any]:
+    """What the task's own message asked to happen after it (links, the rest of a chain)."""
+    request = task.request
+    return {
+        "callbacks": list(request.callbacks or []),
+        "chain": list(request.chain or []),
+        "root_id": request.root_id,
+    }
+
+
+def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
+    """Do what Celery's tracer would have done on success: run links and the next chain step.
+
+    ``hedged_infer`` ends with ``Ignore`` (its result comes later), so Celery itself does not.
+    """
+    from celery import signature
+
+    options = {"parent_id": race_id, "root_id": caller.get("root_id") or race_id}
+    for callback in caller.get("callbacks") or []:
+        signature(callback, app=app).apply_async((result,), **options)
+    chain = list(caller.get("chain") or [])
+    if chain:
+        following = signature(chain.pop(), app=app)
+        following.apply_async((result,), chain=chain or None, **options)
 
 
 def _short(result: dict[str, Any]) -> str:
@@ -211,7 +240,7 @@ def hedged_infer(
         spec = build_spec(rt.config, policy, providers, validator)
     except ConfigError as e:
         raise celery_safe(e) from None
-    rt.driver.create(race_id, request, spec)
+    rt.driver.create(race_id, request, spec, _caller(self))
     raise Ignore()  # the result is stored by whichever process declares the winner
 
 
