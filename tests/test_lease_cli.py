@@ -7,11 +7,14 @@ import os
 import shutil
 import subprocess
 
+import pytest
 from click.testing import CliRunner
 
 from gpuhedge_celery.cli import EXIT_FAILED, EXIT_REDIS, EXIT_USAGE, cli, main
 from tests.support.fixtures_leases import add_pool
 from tests.support.redis_server import free_port
+
+pytestmark = pytest.mark.usefixtures("listeners_closed")
 
 
 def run(redis_url, prefix, *args):

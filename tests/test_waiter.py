@@ -13,6 +13,8 @@ from gpuhedge_celery.errors import AcquireTimeout, ConfigError, EmptyPool, Unkno
 from gpuhedge_celery.store.waiter import LeaseWaiter, waiter_for
 from tests.support.fixtures_leases import SPAWN, add_pool, make_store, queued_waiter, wait_until
 
+pytestmark = pytest.mark.usefixtures("listeners_closed")
+
 
 def acquire_in_thread(waiter, *args, **kwargs):
     box = {}

@@ -139,6 +139,7 @@ class KeyspaceListener:
         self.reconnects = 0  # times the pub/sub connection came back (each wakes every waiter)
         self.messages = 0
         self._resubscribed = 0
+        self._connected = False
         self._by_key: dict[str, set[Watch]] = {}
         self._by_pool: dict[str, set[Watch]] = {}
         self._lock = threading.Lock()
@@ -236,6 +237,7 @@ class KeyspaceListener:
                 try:
                     if self._pubsub is None:
                         self._subscribe()
+                        self._connected = True
                         if self._ready.is_set():
                             self._reconnected()
                         self._ready.set()
@@ -263,7 +265,10 @@ class KeyspaceListener:
             except Exception:  # noqa: BLE001 - the connection is already broken
                 pass
         if error is not None:
-            log.warning("lease event connection lost (%s); reconnecting", error)
+            # One warning per outage, not one per reconnect attempt.
+            if self._connected:
+                log.warning("lease event connection lost (%s); reconnecting", error)
+            self._connected = False
             self.wake_all()
 
     def _reconnected(self) -> None:

@@ -70,6 +70,13 @@ def silent_redis():
     server.stop()
 
 
+@pytest.fixture
+def listeners_closed():
+    """Stop this process's lease listeners after the test (their servers may be gone)."""
+    yield
+    close_listeners()
+
+
 def wait_until(predicate, timeout_s: float = 10.0, every_s: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
