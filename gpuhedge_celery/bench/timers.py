@@ -65,6 +65,24 @@ def _serve(
     os.close(fd)
 
 
+def _redis_cpu_s(client: Any) -> float:
+    with translate_errors():
+        info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def _bytes_per_timer(client: Any, store: TimerStore) -> float | None:
+    """Redis memory of the due ZSET and the record hash, per waiting timer (all elements)."""
+    with translate_errors():
+        waiting = client.zcard(store.keys.due)
+        if not waiting:
+            return None
+        used = sum(
+            client.memory_usage(key, samples=0) or 0 for key in (store.keys.due, store.keys.data)
+        )
+    return round(used / waiting, 1)
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -105,12 +123,14 @@ def run_row(
     ]
     for p in procs:
         p.start()
+    cpu_before, wall_before = _redis_cpu_s(client), time.monotonic()
     try:
         t0 = time.time() * 1000 + 300
         plan = _schedule(n, window_s, random.Random(n * 31 + processes), t0)
         kill_at = t0 + 1000 + window_s * 500
         i = 0
         pending_peak = 0
+        bytes_per_timer = None
         killed = 0  # set once the victim, hung in its handler holding claims, is SIGKILLed
 
         def kill_if_hung() -> int:
@@ -134,6 +154,8 @@ def run_row(
                 i += 1
             if batch:
                 store.arm_many(batch)
+                if bytes_per_timer is None:  # after the first (largest) batch: near the peak
+                    bytes_per_timer = _bytes_per_timer(client, store)
             if now >= next_sample:
                 pending_peak = max(pending_peak, store.pending())
                 next_sample = now + 100
@@ -148,6 +170,8 @@ def run_row(
             time.sleep(0.05)
         time.sleep(0.3)
     finally:
+        redis_cpu = _redis_cpu_s(client) - cpu_before
+        wall = time.monotonic() - wall_before
         Path(stop).touch()
         for p in procs:
             p.join(10)
@@ -186,12 +210,16 @@ def run_row(
         "lost": n - len(first),
         "duplicates": firings - len(first),
         "pending_peak": pending_peak,
+        "redis_bytes_per_waiting_timer": bytes_per_timer,
         "redelivered": sum(1 for _, _, d in first.values() if d > 1),
         "lag_p50_ms": round(_percentile(lags, 0.50), 2),
         "lag_p99_ms": round(_percentile(lags, 0.99), 2),
         "lag_max_ms": round(max(lags, default=float("nan")), 2),
         "lag_p99_ms_first_delivery": round(_percentile(plain, 0.99), 2),
         "cpu_s_surviving_processes": round(cpu, 2),
+        # Server-wide: includes any other client of this Redis during the row.
+        "redis_cpu_pct": round(100 * redis_cpu / wall, 1),
+        "row_wall_s": round(wall, 1),
     }
 
 
