@@ -297,3 +297,21 @@ def test_unreachable_redis_is_store_unavailable(private_redis):
     private_redis.stop()
     with pytest.raises(StoreUnavailable):
         store.load("r")
+
+
+def test_store_scripts_also_run_on_fakeredis(fake_redis):
+    # The demo runs on an embedded fakeredis server: the same scripts must work there.
+    from gpuhedge_celery.store.timers import TimerStore
+
+    store = RaceStore(fake_redis, "demo")
+    assert store.create("r", {"n": 0}) == 1
+    assert store.save("r", {"n": 1}, 1) == 2
+    assert store.claim_winner("r", "a").first
+    assert not store.claim_winner("r", "b").won
+    assert store.claim_owner("r", "coord", 1000).token == 1
+    store.add_job("r", "a", {"job_id": "j"})
+    assert store.finish("r", {"ok": True}) == 1
+    timers = TimerStore(fake_redis, "demo")
+    timers.arm("r|hedge", 100, {"k": 1})
+    (timer,) = timers.claim_due(100, 10, 1000)
+    assert timers.ack(timer) and timers.claim_due(10_000, 10, 1000) == []
