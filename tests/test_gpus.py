@@ -76,3 +76,14 @@ def test_labels():
     with pytest.raises(ConfigError, match="GPUHEDGE_GPU_LABELS"):
         parse_labels("model")
     assert LocalGpu("0").labels == {}
+
+
+def test_a_gpu_worker_labels_its_gpu_from_nvidia_smi_then_config(monkeypatch, tmp_path):
+    from gpuhedge_celery.tasks import signals
+
+    _fake_smi(tmp_path, SMI)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    labels = signals.gpu_labels("1", {"model": "renamed", "zone": "b"})
+    assert labels == {"model": "renamed", "vram_mb": "81559", "zone": "b"}
+    assert signals.gpu_labels("7", {"zone": "b"}) == {"zone": "b"}
+    assert signals.gpu_labels("box:1", {}) == {}

@@ -8,7 +8,7 @@ import pytest
 
 from gpuhedge_celery.errors import EmptyPool, UnknownPool
 from gpuhedge_celery.store.leases import GpuInfo
-from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
+from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery]
 
@@ -96,3 +96,23 @@ def test_bad_arguments_fail_with_one_clear_line(celery_cluster):
     with pytest.raises(Exception, match="pool") as info:
         submit(c, {"x": 1}, pool="has space").get(timeout=30)
     assert "\n" not in str(info.value)
+
+
+def test_a_duplicate_delivery_of_a_finished_request_does_not_run_again(celery_cluster):
+    """What the broker does after a visibility timeout: the same message (same id, old lease)."""
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
+    c.wait_ready(*workers)
+    result = submit(c, {"duration_s": 0.2, "id": "dup"})
+    out = result.get(timeout=30)
+    gpu = out["gpu_id"]
+    lease = {"gpu_id": gpu, "pool": "default", "token": out["token"], "holder": result.id,
+             "ttl_ms": 60_000}  # fmt: skip
+    c.app.send_task(
+        TASK_GPU_RUN, ({"duration_s": 0.2, "id": "dup"}, lease), task_id=result.id,
+        queue=gpu_queue(gpu),
+    )  # fmt: skip
+    wait_for(lambda: "duplicate delivery ignored" in workers[0].log(), 20, "the duplicate")
+    assert c.app.AsyncResult(result.id).get(timeout=5) == out
+    assert c.store.last_token(gpu) == out["token"], "no new lease was taken"
+    assert len(c.store.durations("default")) == 1, "the job ran once"

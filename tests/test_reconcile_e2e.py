@@ -141,3 +141,15 @@ def test_beat_task_runs_a_pass_on_a_worker(celery_cluster):
     summary = c.app.send_task(TASK_RECONCILE, kwargs={}).get(timeout=30)
     assert gpu in summary["answered"]
     assert c.store.current(gpu) is not None, "the default grace (10 s) protects a new lease"
+
+
+def test_beat_schedules_reconcile_and_it_corrects_drift(celery_cluster):
+    """The full loop: celery beat -> gpuhedge.reconcile on a coordinator -> a stray lease freed."""
+    c = celery_cluster
+    fast = {"GPUHEDGE_RECONCILE_INTERVAL_S": "1", "GPUHEDGE_RECONCILE_GRACE_S": "0"}
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False, **fast)]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    assert c.store.try_claim(gpu, "crashed") is not None
+    c.start_beat(**fast)
+    wait_for(lambda: c.store.current(gpu) is None, 30, "beat's reconcile to free the lease")

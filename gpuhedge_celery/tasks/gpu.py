@@ -127,6 +127,20 @@ def back_to_waiting(
     return task.replace(pooled_infer.s(request, pool=pool, attempt=attempt + 1, labels=labels))
 
 
+def already_done(task: Task) -> tuple[bool, Any]:
+    """Whether this task id already has a stored success (a duplicate delivery), and its result.
+
+    The Redis broker re-delivers a message still unacknowledged after its visibility timeout even
+    when the first delivery is alive and finishing; the duplicate must not run the job again.
+    """
+    try:
+        meta = task.backend.get_task_meta(task.request.id)
+    except Exception as e:  # noqa: BLE001 - no answer means "not known to be done": run it
+        log.warning("could not read the result of %s: %s", task.request.id, e)
+        return False, None
+    return meta.get("status") == "SUCCESS", meta.get("result")
+
+
 def _claim_running(store: LeaseStore, lease: Lease, task_id: str) -> str | None:
     """Record the job as running on the GPU; returns the previous record's task id, if any."""
     key = running_key(lease.gpu_id)
@@ -175,6 +189,10 @@ def gpu_run(
         )
     store = lease_store()
     task_id = self.request.id
+    done, result = already_done(self)
+    if done:
+        log.warning("request %s already completed: duplicate delivery ignored", task_id)
+        return result
     try:
         store.check_fence(held.gpu_id, held.token)
     except (StaleToken, LeaseLost) as e:

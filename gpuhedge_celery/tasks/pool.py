@@ -21,7 +21,7 @@ from celery import Task
 
 from ..errors import ConfigError, EmptyPool, LeaseLost, StaleToken, UnknownPool
 from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
-from .gpu import gpu_run, lease_store
+from .gpu import already_done, gpu_run, lease_store
 
 
 def celery_safe(exc: BaseException) -> BaseException:
@@ -71,6 +71,9 @@ def pooled_infer(
     """Run ``request`` on the next free GPU of ``pool`` (FIFO among waiters); return its result."""
     from ..store.waiter import waiter_for
 
+    done, result = already_done(self)
+    if done:  # a duplicate delivery of a request that already completed
+        return result
     try:
         _validate(pool, labels, timeout_s)
         store = lease_store()

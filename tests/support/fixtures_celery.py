@@ -166,6 +166,21 @@ class CeleryCluster:
             self._wait_ready(worker)
         return worker
 
+    def start_beat(self, **extra: str) -> CeleryWorker:
+        """``celery -A gpuhedge_celery beat`` (its schedule file in the test's tmp dir)."""
+        self._count += 1
+        log_path = self.tmp_path / f"beat{self._count}.log"
+        argv = [sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "beat", "--loglevel",
+                "INFO", "--schedule", str(self.tmp_path / "beat-schedule")]  # fmt: skip
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                argv, env={**self.env, **extra}, stdout=log_file, stderr=subprocess.STDOUT,
+                cwd=str(self.tmp_path), start_new_session=True,
+            )  # fmt: skip
+        beat = CeleryWorker(f"beat{self._count}", process, log_path, extra)
+        self.workers.append(beat)
+        return beat
+
     def wait_ready(self, *workers: CeleryWorker) -> None:
         for worker in workers:
             self._wait_ready(worker)
