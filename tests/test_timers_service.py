@@ -254,3 +254,42 @@ def test_handler_that_always_fails_is_dropped_after_max_deliveries(redis_client,
         service.stop()
     assert calls == [1, 2, 3]
     assert store.pending() == 0
+
+
+def test_service_survives_a_redis_outage(private_redis):
+    import subprocess
+
+    client = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    store = TimerStore(client, "outage")
+    recorder = Recorder()
+    service = TimerService(store, recorder).start()
+    replacement = None
+    try:
+        store.arm("race|before", now_ms() + 100, {})
+        wait_for(lambda: recorder.fired, 10, "the first timer")
+        private_redis.process.kill()  # Redis dies (nothing persisted)
+        private_redis.process.wait(5)
+        time.sleep(0.5)
+        assert service.alive
+        replacement = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(private_redis.port),
+             "--save", "", "--appendonly", "no", "--dir", private_redis.workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for(lambda: _answers(client), 10, "the new redis-server")
+        store.arm("race|after", now_ms() + 100, {})
+        wait_for(lambda: len(recorder.fired) >= 2, 15, "a timer after the outage")
+    finally:
+        service.stop()
+        if replacement is not None:
+            replacement.kill()
+            replacement.wait(5)
+    assert [t.key for t, _ in recorder.fired] == ["race|before", "race|after"]
+    assert service.alive is False and service.last_error is not None
+
+
+def _answers(client) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
