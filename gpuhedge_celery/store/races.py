@@ -29,7 +29,7 @@ from typing import Any
 from ..core.clock import Clock, WallClock
 from ..errors import LeaseError, StoreError
 from .race_keys import live_races_key, lua_script, race_keys
-from .timers import _text, store_errors
+from .timers import as_text, store_errors
 
 DEFAULT_RECEIPT_TTL_S = 24 * 3600.0
 DEFAULT_STATE_TTL_S = 24 * 3600.0
@@ -176,7 +176,7 @@ class RaceStore:
             version, data = self.client.hmget(keys.state, ["v", "data"])
         if version is None:
             return None
-        return RaceRecord(race_id, int(version), json.loads(_text(data)))
+        return RaceRecord(race_id, int(version), json.loads(as_text(data)))
 
     def update(
         self,
@@ -213,13 +213,13 @@ class RaceStore:
             won, winner, first = self._claim_winner(
                 keys=[keys.winner], args=[attempt_id, _ms(self.state_ttl_s)]
             )
-        return WinnerClaim(won=bool(won), winner=_text(winner), first=bool(first))
+        return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
 
     def winner(self, race_id: str) -> str | None:
         """The attempt that won the race, None while nobody has."""
         with store_errors(f"reading the winner of race {race_id!r}"):
             found = self.client.get(race_keys(self.prefix, race_id).winner)
-        return None if found is None else _text(found)
+        return None if found is None else as_text(found)
 
     # -- live provider jobs and the heartbeat index ------------------------------------------
 
@@ -246,7 +246,7 @@ class RaceStore:
         """Attempt id -> job handle of every job of the race still registered as live."""
         with store_errors(f"reading the jobs of race {race_id!r}"):
             raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
-        return {_text(k): json.loads(_text(v)) for k, v in raw.items()}
+        return {as_text(k): json.loads(as_text(v)) for k, v in raw.items()}
 
     def touch(self, race_id: str) -> None:
         """Record that the race is being advanced (its heartbeat for the janitor)."""
@@ -279,7 +279,7 @@ class RaceStore:
             )
             pipe = self.client.pipeline(transaction=False)
             for race_id, _ in found:
-                keys = race_keys(self.prefix, _text(race_id))
+                keys = race_keys(self.prefix, as_text(race_id))
                 pipe.exists(keys.owner)
                 pipe.hgetall(keys.jobs)
             answers = pipe.execute()
@@ -288,8 +288,8 @@ class RaceStore:
             owned, jobs = answers[2 * i], answers[2 * i + 1]
             if owned:
                 continue
-            live = {_text(k): json.loads(_text(v)) for k, v in jobs.items()}
-            stale.append(StaleRace(_text(race_id), int(score), live))
+            live = {as_text(k): json.loads(as_text(v)) for k, v in jobs.items()}
+            stale.append(StaleRace(as_text(race_id), int(score), live))
         return stale
 
     # -- ownership ---------------------------------------------------------------------------
@@ -311,7 +311,7 @@ class RaceStore:
             held = self.client.get(race_keys(self.prefix, race_id).owner)
         if held is None:
             return None
-        token, _, owner = _text(held).partition("|")
+        token, _, owner = as_text(held).partition("|")
         return Ownership(race_id, owner, int(token))
 
     def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
@@ -367,7 +367,7 @@ class RaceStore:
         """The race's receipt, None if it was never written or has expired."""
         with store_errors(f"reading the receipt of race {race_id!r}"):
             found = self.client.get(race_keys(self.prefix, race_id).receipt)
-        return None if found is None else json.loads(_text(found))
+        return None if found is None else json.loads(as_text(found))
 
     def delete(self, race_id: str) -> None:
         """Remove every key of the race and its heartbeat (tests, manual clean-up)."""

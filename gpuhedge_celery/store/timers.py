@@ -51,7 +51,8 @@ def store_errors(what: str) -> Iterator[None]:
             raise StoreError(f"{what} failed in Redis: {e}") from e
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A Redis reply as ``str``, whether the client decodes responses or not."""
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
@@ -113,7 +114,7 @@ class TimerStore:
         keys, args = self._arm_args(key, due_ms, payload, timer_id)
         with store_errors("arming a timer"):
             found = self._arm(keys=keys, args=args)
-        return _text(found[0])
+        return as_text(found[0])
 
     def arm_many(self, items: Iterable[tuple[str, int, dict[str, Any]]]) -> list[str]:
         """Arm several ``(key, due_ms, payload)`` timers in one round trip; returns their ids."""
@@ -122,7 +123,7 @@ class TimerStore:
             for key, due_ms, payload in items:
                 keys, args = self._arm_args(key, due_ms, payload, None)
                 self._arm(keys=keys, args=args, client=pipe)
-            return [_text(found[0]) for found in pipe.execute()]
+            return [as_text(found[0]) for found in pipe.execute()]
 
     def cancel(self, timer_id: str) -> bool:
         """Remove a timer, waiting or in flight; False when it already fired or never existed."""
@@ -147,10 +148,10 @@ class TimerStore:
         deadline, next_ms = int(raw[0]), int(raw[1])
         timers = []
         for i in range(2, len(raw), 3):
-            record = json.loads(_text(raw[i + 1]))
+            record = json.loads(as_text(raw[i + 1]))
             timers.append(
                 Timer(
-                    id=_text(raw[i]),
+                    id=as_text(raw[i]),
                     key=record["key"],
                     due_ms=int(record["due"]),
                     payload=record["payload"],
