@@ -56,6 +56,9 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+_text = as_text  # the old name, still imported by gpuhedge_celery/race/receipt.py
+
+
 @dataclass(frozen=True)
 class Timer:
     """One claimed timer. ``lease_deadline_ms`` identifies the claim when acknowledging it."""
