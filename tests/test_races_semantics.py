@@ -65,7 +65,7 @@ def test_slow_primary_hedge_wins_primary_cancelled_with_confirmed_receipt(race_c
     assert cancel["terminal_status"] == "CANCELLED" and cancel["leaked"] is False
     assert cancel["was_running"] is True and cancel["note"] == "lost"
     assert cancel["cancel_sent_ms"] <= cancel["terminal_ms"]
-    assert receipt["wasted_usd"] > 0  # the primary ran ~10 s of provider time for nothing
+    assert receipt["wasted_usd"] > 0  # the primary ran ~30 s of provider time for nothing
     assert_clean(race_cluster, receipt)
 
 
@@ -90,9 +90,9 @@ def test_malformed_primary_rejected_by_validator_hedge_wins(race_cluster):
     primary = attempt(receipt, "p")
     assert primary["state"] == "COMPLETED" and primary["valid"] is False
     assert any("rms" in r.lower() or "silent" in r.lower() for r in primary["reasons"])
-    # an invalid primary launches the hedge at once, not at the 100 ms hedge time
+    # an invalid primary launches the hedge at once, not at the 300 ms hedge time
     hedge = attempt(receipt, "h")
-    assert hedge["launched_at_s"] - primary["result_at_s"] < 0.09
+    assert hedge["launched_at_s"] - primary["result_at_s"] < 0.2
     assert_clean(race_cluster, receipt)
 
 

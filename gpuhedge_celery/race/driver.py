@@ -456,6 +456,8 @@ class RaceDriver:
             a = _attempt(saved, attempt_id)
             if saved.finished and (a is None or not a.live):
                 return
+        else:
+            self.store.touch(race_id)  # a quiet race is alive: keep it off the janitor's list
         hint = getattr(provider, "next_change_at", None)
         at = None
         if callable(hint) and state is not None:

@@ -69,7 +69,7 @@ providers:
       fast: {queue_s: 0.2, run_s: 3}
 policy:
   name: fixed
-  params: {hedge_after_ms: 10000}
+  params: {hedge_after_ms: 30000}  # 300 ms real: room for a loaded machine's lag
 timeouts:
   attempt_cap_s: 180
 validator: wav
@@ -191,7 +191,10 @@ def start_race_cluster(redis_url: str, tmp: Path, workers: int = 2, **env: str) 
     cluster.env.update(extra)
     started = [cluster.start_coordinator(wait=False) for _ in range(workers)]
     cluster.wait_ready(*started)
-    return RaceCluster(cluster, config_path)
+    rc = RaceCluster(cluster, config_path)
+    for _ in range(workers):  # warm each worker (lazy imports, first config load) before timing
+        rc.send({"sim": {"p": {"queue_s": 0, "run_s": 0}}}).get(timeout=30)
+    return rc
 
 
 def stop_race_cluster(rc: RaceCluster) -> None:
