@@ -325,7 +325,6 @@ class RaceDriver:
             race,
             state,
             stored,
-            now=self.clock.now(),
             inline_max=self.settings.payload_inline_max,
             ref=result_key(self.prefix, race_id, won.id),
         )

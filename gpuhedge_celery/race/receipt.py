@@ -64,7 +64,6 @@ def winner_result(
     state: dict[str, Any],
     stored: dict[str, Any],
     *,
-    now: float,
     inline_max: int,
     ref: str,
 ) -> dict[str, Any]:
@@ -79,7 +78,8 @@ def winner_result(
         "role": won.role,
         "policy": race.policy.name,
         "hedged": any(a.role != "primary" for a in race.attempts),
-        "e2e_ms": round((now - float(state.get("created_at", now))) * 1000.0, 3),
+        # from the race's start to its winning result being known (the same on every re-mark)
+        "e2e_ms": None if won.result_at is None else round(won.result_at * 1000.0, 3),
         "latency_ms": None if latency is None else round(latency * 1000.0, 3),
         "provider_ms": stored.get("wall_ms"),
         "job_id": won.job_id,

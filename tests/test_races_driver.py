@@ -1,0 +1,139 @@
+"""The race driver on a real redis-server without Celery: duplicate deliveries are harmless.
+
+The driver's effects are recorded instead of sent as tasks, so each test can replay exactly the
+delivery a crash would cause (a second ``hedged_infer``, a second submit, a submit whose job was
+registered just before the worker died) and check that no provider job is submitted twice and
+the caller hears of the winner once per claim.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuhedge_celery.config import parse_config_text
+from gpuhedge_celery.core.jobs import JobHandle
+from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
+from gpuhedge_celery.race.driver import RaceDriver
+from gpuhedge_celery.race.settings import RaceSettings
+from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.store.races import RaceStore
+from gpuhedge_celery.store.timers import TimerStore
+from tests.support.fixtures_races import RACE_CONFIG
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = {"sim": {"p": {"queue_s": 0, "run_s": 0}}}
+SLOW = {"sim": {"p": {"queue_s": 5, "run_s": 100}}}
+
+
+class Recorder:
+    """Effects that record what would have been sent."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[str, str]] = []
+        self.cancelled: list[tuple[str, str]] = []
+        self.results: list[dict] = []
+        self.failures: list[str] = []
+        self.events: list[str] = []
+
+    def launch(self, race_id, attempt_id, provider):
+        self.launched.append((race_id, attempt_id))
+
+    def cancel(self, race_id, attempt_id, provider):
+        self.cancelled.append((race_id, attempt_id))
+
+    def won(self, race_id, result, caller):
+        self.results.append(result)
+
+    def failed(self, race_id, message, receipt, caller):
+        self.failures.append(message)
+
+    def event(self, race_id, name, fields):
+        self.events.append(name)
+
+
+@pytest.fixture
+def setup(redis_client, prefix):
+    cfg = parse_config_text(RACE_CONFIG)
+    ledger = RedisLedger(redis_client, prefix)
+    providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
+    effects = Recorder()
+    driver = RaceDriver(
+        RaceStore(redis_client, prefix),
+        TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__,
+        effects,
+        RaceSettings(),
+    )
+    return driver, effects, cfg, ledger, providers
+
+
+def submissions(ledger, provider="p") -> int:
+    return int(ledger.get(seq_key(provider)) or 0)  # the sim numbers requests without sim_key
+
+
+def test_a_redelivered_hedged_infer_resumes_instead_of_starting_again(setup):
+    driver, effects, cfg, _, _ = setup
+    assert driver.create("r1", SLOW, build_spec(cfg)) is True
+    version = driver.store.load("r1").version
+    assert driver.create("r1", SLOW, build_spec(cfg)) is False
+    assert driver.store.load("r1").version == version  # nothing re-applied
+    assert effects.launched == [("r1", "a1"), ("r1", "a1")]  # the launch is re-sent, once more
+
+
+def test_a_submit_is_never_repeated(setup):
+    driver, effects, cfg, ledger, _ = setup
+    driver.create("r2", SLOW, build_spec(cfg))
+    driver.submit_attempt("r2", "a1")
+    driver.submit_attempt("r2", "a1")  # a duplicate delivery
+    assert submissions(ledger) == 1
+    jobs = driver.store.live_jobs("r2")
+    assert list(jobs) == ["a1"]
+    state = driver.store.load("r2").state["race"]
+    assert state["attempts"][0]["job_id"] == jobs["a1"]["job_id"]
+    assert state["attempts"][0]["phase"] == "running"
+
+
+def test_a_job_registered_before_a_crash_is_reported_not_resubmitted(setup):
+    driver, _, cfg, ledger, providers = setup
+    driver.create("r3", SLOW, build_spec(cfg))
+    # the first delivery submitted and registered the job, then its worker died
+    handle = providers["p"].submit(SLOW)
+    driver.store.add_job("r3", "a1", handle.to_dict())
+    driver.submit_attempt("r3", "a1")  # the redelivery
+    assert submissions(ledger) == 1
+    attempt = driver.store.load("r3").state["race"]["attempts"][0]
+    assert attempt["job_id"] == handle.job_id
+    assert JobHandle.from_dict(attempt["handle"]) == handle
+
+
+def test_a_fast_job_wins_inline_and_a_duplicate_result_changes_nothing(setup):
+    driver, effects, cfg, _, providers = setup
+    driver.create("r4", FAST, build_spec(cfg))
+    driver.submit_attempt("r4", "a1")  # submits, polls at once: terminal, concluded inline
+    assert [r["winner"] for r in effects.results] == ["p"]
+    receipt = driver.store.receipt("r4")
+    assert receipt["winner"] == "a1" and receipt["finished"] is True
+    assert effects.events.count("won") == 1
+    handle = JobHandle.from_dict(receipt["attempts"][0]["handle"])
+    driver.conclude("r4", "a1", providers["p"], handle, 180.0)  # a second watch's answer
+    assert len(effects.results) == 1 and driver.store.receipt("r4") == receipt
+
+
+def test_resume_of_a_won_race_marks_the_same_result_again(setup):
+    driver, effects, cfg, _, _ = setup
+    driver.create("r5", FAST, build_spec(cfg))
+    driver.submit_attempt("r5", "a1")
+    driver.resume("r5")  # e.g. a redelivered hedged_infer after the race already won
+    assert len(effects.results) == 2 and effects.results[0] == effects.results[1]
+    assert driver.store.winner("r5") == "a1"
+
+
+def test_unknown_races_and_attempts_are_ignored(setup):
+    driver, effects, cfg, _, _ = setup
+    driver.submit_attempt("nope", "a1")
+    driver.cancel_attempt("nope", "a1")
+    assert driver.step("nope", lambda race: None) is None
+    driver.create("r6", SLOW, build_spec(cfg))
+    driver.submit_attempt("r6", "a9")  # no such attempt
+    assert effects.launched == [("r6", "a1")] and effects.results == []
