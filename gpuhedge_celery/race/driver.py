@@ -323,7 +323,6 @@ class RaceDriver:
         stored = load_attempt_result(client, self.prefix, race_id, won.id) or {}
         result = winner_result(
             race,
-            state,
             stored,
             inline_max=self.settings.payload_inline_max,
             ref=result_key(self.prefix, race_id, won.id),

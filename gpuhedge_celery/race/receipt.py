@@ -61,7 +61,6 @@ def load_payload(result: dict[str, Any], client: Any) -> Any:
 
 def winner_result(
     race: Race,
-    state: dict[str, Any],
     stored: dict[str, Any],
     *,
     inline_max: int,
