@@ -120,13 +120,28 @@ def test_a_fast_job_wins_inline_and_a_duplicate_result_changes_nothing(setup):
     assert len(effects.results) == 1 and driver.store.receipt("r4") == receipt
 
 
-def test_resume_of_a_won_race_marks_the_same_result_again(setup):
+def test_resume_of_a_finished_race_changes_nothing(setup):
     driver, effects, cfg, _, _ = setup
     driver.create("r5", FAST, build_spec(cfg))
     driver.submit_attempt("r5", "a1")
-    driver.resume("r5")  # e.g. a redelivered hedged_infer after the race already won
+    receipt = driver.store.receipt("r5")
+    driver.resume("r5")  # e.g. a redelivered hedged_infer after the race ended
+    assert len(effects.results) == 1 and driver.store.receipt("r5") == receipt
+
+
+def test_resume_of_a_won_race_still_cancelling_repeats_the_same_result_and_cancel(setup):
+    driver, effects, cfg, _, _ = setup
+    request = {"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0, "run_s": 0}}}
+    driver.create("r7", request, build_spec(cfg, policy="hedge:p->h@0s"))
+    assert effects.launched == [("r7", "a1"), ("r7", "a2")]  # an immediate race
+    driver.submit_attempt("r7", "a1")
+    driver.submit_attempt("r7", "a2")  # the hedge answers at once and wins
+    assert [r["winner"] for r in effects.results] == ["h"]
+    assert effects.cancelled == [("r7", "a1")] and driver.store.receipt("r7") is None
+    driver.resume("r7")  # as if the step's process died before its actions
     assert len(effects.results) == 2 and effects.results[0] == effects.results[1]
-    assert driver.store.winner("r5") == "a1"
+    assert effects.cancelled == [("r7", "a1"), ("r7", "a1")]
+    assert driver.store.winner("r7") == "a2"
 
 
 def test_unknown_races_and_attempts_are_ignored(setup):
@@ -137,3 +152,15 @@ def test_unknown_races_and_attempts_are_ignored(setup):
     driver.create("r6", SLOW, build_spec(cfg))
     driver.submit_attempt("r6", "a9")  # no such attempt
     assert effects.launched == [("r6", "a1")] and effects.results == []
+
+
+def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, redis_client):
+    driver, _, cfg, _, _ = setup
+    driver.create("r8", SLOW, build_spec(cfg))
+    driver.submit_attempt("r8", "a1")
+    assert driver.timers.pending() == 2  # the hedge timer and the job's next watch poll
+    # the worker died after saving AttemptSubmitted, before arming anything
+    redis_client.delete(driver.timers.keys.due, driver.timers.keys.data)
+    driver.submit_attempt("r8", "a1")  # the redelivery
+    assert driver.timers.pending() == 2
+    assert driver.store.live_jobs("r8").keys() == {"a1"}

@@ -353,7 +353,12 @@ class RaceDriver:
             return
         race = Race.from_dict(record.state["race"], self.clock)
         a = _attempt(race, attempt_id)
-        if a is None or a.phase is not Phase.LAUNCHING:
+        if a is None:
+            return
+        if a.phase is not Phase.LAUNCHING:
+            # Already reported: a redelivery, whose first run may have died between its step's
+            # save and the actions (timers, watch) that step asked for. Re-perform them.
+            self.resume(race_id)
             return
         known = self.store.live_jobs(race_id).get(attempt_id)
         if known is not None:
@@ -387,7 +392,10 @@ class RaceDriver:
             return
         race = Race.from_dict(record.state["race"], self.clock)
         a = _attempt(race, attempt_id)
-        if a is None or a.phase is not Phase.CANCELLING or not a.handle:
+        if a is None or not a.handle:
+            return
+        if a.phase is not Phase.CANCELLING:
+            self.resume(race_id)  # a redelivery after the cancel was reported: see submit
             return
         provider = self.providers(a.provider)
         handle = JobHandle.from_dict(a.handle)
@@ -544,6 +552,8 @@ class RaceDriver:
         kind = payload.get("kind")
         if kind == "policy":
             self.step(payload["race"], TimerDue(payload["key"]))
+            if timer.deliveries > 1:  # its first claimer died, perhaps after saving the step
+                self.resume(payload["race"])
         elif kind == "watch":
             self.watch(
                 payload["race"], payload["attempt"], payload["provider"], payload["handle"],
@@ -559,6 +569,8 @@ class RaceDriver:
             return
         state = record.state
         race = Race.from_dict(state["race"], self.clock)
+        if race.finished and self.store.receipt(race_id) is not None:
+            return  # fully done: its winner was marked and its receipt written
         caps = state["spec"].get("caps_s") or {}
         now = self.clock.now()
         for a in race.attempts:
