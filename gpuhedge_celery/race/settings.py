@@ -12,6 +12,8 @@ GPUHEDGE_WATCH_INTERVAL_S          1.0         status-poll period for providers 
                                                tell when their job will next change state
 GPUHEDGE_RACE_EVENTS               1           send Celery task events (Flower) for races
 GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
+GPUHEDGE_SUBMIT_PRIMARY_INLINE     1           hedged_infer submits the first attempt
+                                               itself instead of through a race_submit task
 GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
                                                at start (custom policies, validators,
                                                provider adapters register themselves there)
@@ -66,6 +68,7 @@ class RaceSettings:
     watch_interval_s: float = 1.0
     events: bool = True
     timer_namespace: str = "races"
+    submit_primary_inline: bool = True
     plugins: tuple[str, ...] = field(default_factory=tuple)
 
     def as_celery_conf(self) -> dict[str, object]:
@@ -106,5 +109,6 @@ class RaceSettings:
             watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
             events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
             timer_namespace=namespace,
+            submit_primary_inline=_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
             plugins=plugins,
         )

@@ -6,7 +6,8 @@ A race costs no process and no thread while it waits: it is state in Redis (see
 
 * ``gpuhedge.hedged_infer`` (queue ``gpuhedge.coord``): validates its arguments (one-line
   ``ConfigError``), creates the race under race id = the task id (a redelivery resumes it),
-  performs the engine's first actions and raises ``Ignore``: Celery stores nothing. The driver
+  performs the engine's first actions (submitting the primary itself unless
+  ``GPUHEDGE_SUBMIT_PRIMARY_INLINE=0``) and raises ``Ignore``: Celery stores nothing. The driver
   later marks the task id done the moment a winner is declared (``.get()`` returns then, before
   losers are cleaned up) or failed with :class:`~gpuhedge_celery.errors.RaceFailed` carrying
   the receipt.
@@ -240,7 +241,8 @@ def hedged_infer(
         spec = build_spec(rt.config, policy, providers, validator)
     except ConfigError as e:
         raise celery_safe(e) from None
-    rt.driver.create(race_id, request, spec, _caller(self))
+    inline = rt.settings.submit_primary_inline
+    rt.driver.create(race_id, request, spec, _caller(self), submit_first=inline)
     raise Ignore()  # the result is stored by whichever process declares the winner
 
 
