@@ -14,48 +14,39 @@ same under a Celery worker, a test or a benchmark.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
-from ..core.attempts import Attempt, Phase
+from ..core.attempts import Phase
 from ..core.clock import Clock, WallClock
-from ..core.jobs import AttemptResult, JobHandle, JobState
-from ..core.policies import policy_from_dict
+from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import (
     Action,
-    AttemptSubmitted,
     Cancel,
-    CancelAcknowledged,
-    CancelFailed,
     DeclareWinner,
     Event,
     Launch,
     PollStatus,
     RaceFinished,
-    ResultArrived,
     ScheduleTimer,
     StatusObserved,
-    SubmitFailed,
     TimerDue,
 )
-from ..core.receipts import Evidence
-from ..core.validators import validate
-from ..errors import ProviderError, StoreError
+from ..errors import StoreError
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
 from ..store.timers import Timer, TimerStore
+from .attempts import AttemptWork
+from .base import Effects, due_ms, find_attempt
 from .receipt import (
     assemble_receipt,
     load_attempt_result,
     result_key,
-    store_attempt_result,
     winner_result,
 )
 from .settings import RaceSettings
-from .spec import RaceSpec
+from .spec import RaceSpec, spec_from_state
 
 log = logging.getLogger(__name__)
 
@@ -64,53 +55,7 @@ StateUpdate = Callable[[dict[str, Any]], None]
 MAX_CONFLICTS = 50
 
 
-class Effects(Protocol):
-    """Work the driver hands to other processes, and what it tells the caller and Flower."""
-
-    def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
-        """Submit the attempt's job somewhere that may block (then call submit_attempt)."""
-
-    def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
-        """Cancel the attempt's job somewhere that may block (then call cancel_attempt)."""
-
-    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
-        """Hand the caller its result (Celery: mark the task id done, run its callbacks).
-
-        ``caller`` is what :meth:`RaceDriver.create` was given about the caller (opaque here).
-        """
-
-    def failed(
-        self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
-    ) -> None:
-        """Tell the caller the race produced no valid result (Celery: mark it failed)."""
-
-    def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
-        """A lifecycle moment (queued, running, hedge_launched, won...); must never raise."""
-
-
-def spec_from_state(state: dict[str, Any]) -> RaceSpec:
-    """The :class:`RaceSpec` a race was created with, rebuilt from its stored state."""
-    data = state["spec"]
-    return RaceSpec(
-        policy=policy_from_dict(state["race"]["policy"]),
-        validator=data["validator"],
-        validator_options=data.get("validator_options") or {},
-        caps_s=data.get("caps_s") or {},
-        rates=data.get("rates") or {},
-        time_scale=float(data.get("time_scale", 1.0)),
-    )
-
-
-def _attempt(race: Race, attempt_id: str) -> Attempt | None:
-    return next((a for a in race.attempts if a.id == attempt_id), None)
-
-
-def _due_ms(at: float) -> int:
-    # Round up, so a timer claimed at its due millisecond is never early for the engine.
-    return int(math.ceil(at * 1000.0))
-
-
-class RaceDriver:
+class RaceDriver(AttemptWork):
     """Advances races stored in Redis; one per process, shared by every thread."""
 
     def __init__(
@@ -128,10 +73,6 @@ class RaceDriver:
         self.effects = effects
         self.settings = settings or RaceSettings()
         self.clock = clock or WallClock()
-
-    @property
-    def prefix(self) -> str:
-        return self.store.prefix
 
     # ------------------------------------------------------------------ starting
     def create(
@@ -237,7 +178,7 @@ class RaceDriver:
             if isinstance(action, ScheduleTimer):
                 # The version makes every arming unique: a re-armed key never collides with
                 # the in-flight delivery that asked for it.
-                ids[action.key] = f"{race_id}|{action.key}|{_due_ms(action.at)}|{version}"
+                ids[action.key] = f"{race_id}|{action.key}|{due_ms(action.at)}|{version}"
         gone = [ids.pop(k) for k in list(ids) if k not in race.timers]
         state["timer_ids"] = ids
         return gone
@@ -265,12 +206,12 @@ class RaceDriver:
             elif isinstance(action, PollStatus):
                 follow.append(self._poll(race, action.attempt_id))
             elif isinstance(action, Cancel):
-                a = _attempt(race, action.attempt_id)
+                a = find_attempt(race, action.attempt_id)
                 self.effects.cancel(race_id, action.attempt_id, a.provider if a else "")
             elif isinstance(action, ScheduleTimer):
                 self.timers.arm(
                     f"{race_id}:{action.key}",
-                    _due_ms(action.at),
+                    due_ms(action.at),
                     {"race": race_id, "kind": "policy", "key": action.key},
                     timer_id=state["timer_ids"][action.key],
                 )
@@ -310,7 +251,7 @@ class RaceDriver:
         if not self.settings.events:
             return
         fields: dict[str, Any] = {"race_id": race_id, "policy": race.policy.name}
-        a = _attempt(race, attempt_id) if attempt_id else None
+        a = find_attempt(race, attempt_id) if attempt_id else None
         if a is not None:
             fields.update(attempt=a.id, provider=a.provider, role=a.role, job_id=a.job_id)
         try:
@@ -348,210 +289,6 @@ class RaceDriver:
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
             self.effects.failed(race_id, message, receipt, state.get("caller") or {})
-
-    # ------------------------------------------------------------------ attempt work
-    def submit_attempt(self, race_id: str, attempt_id: str) -> None:
-        """Submit a launched attempt's job once, register it, report it, start watching it.
-
-        Idempotent: a redelivered submit whose job was registered before a crash reports that
-        job instead of submitting another; a submit after the race stopped needing it is skipped.
-        """
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        race = Race.from_dict(record.state["race"], self.clock)
-        a = _attempt(race, attempt_id)
-        if a is None:
-            return
-        if a.phase is not Phase.LAUNCHING:
-            # Already reported: a redelivery, whose first run may have died between its step's
-            # save and the actions (timers, watch) that step asked for. Re-perform them.
-            self.resume(race_id)
-            return
-        known = self.store.live_jobs(race_id).get(attempt_id)
-        if known is not None:
-            handle = JobHandle.from_dict(known)
-        elif race.finished or race.has_winner or a.cancel_requested:
-            self.step(
-                race_id, SubmitFailed(attempt_id, "not submitted: the race no longer needs it")
-            )
-            return
-        else:
-            provider = self.providers(a.provider)
-            try:
-                handle = provider.submit(record.state.get("request") or {})
-            except ProviderError as e:
-                self.step(race_id, SubmitFailed(attempt_id, str(e)))
-                return
-            except Exception as e:  # an adapter bug must end the attempt, not hang the race
-                self.step(race_id, SubmitFailed(attempt_id, f"{type(e).__name__}: {e}"))
-                return
-            # Registered before it is reported: a crash now leaves the janitor a handle.
-            self.store.add_job(race_id, attempt_id, handle.to_dict())
-        saved = self.step(race_id, AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()))
-        if saved is not None:
-            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
-            self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap)
-
-    def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
-        """Cancel an attempt's job natively and report the receipt (never Celery's revoke)."""
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        race = Race.from_dict(record.state["race"], self.clock)
-        a = _attempt(race, attempt_id)
-        if a is None or not a.handle:
-            return
-        if a.phase is not Phase.CANCELLING:
-            self.resume(race_id)  # a redelivery after the cancel was reported: see submit
-            return
-        provider = self.providers(a.provider)
-        handle = JobHandle.from_dict(a.handle)
-        try:
-            receipt = provider.cancel(handle)
-        except Exception as e:
-            self.step(race_id, CancelFailed(attempt_id, f"{type(e).__name__}: {e}"))
-            return
-        if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
-            # It finished before the cancel took effect: its result may still win the race.
-            ack = replace(
-                receipt, confirmed_terminal=False, terminal_status=None, terminal_ms=None,
-                leaked=True, evidence=Evidence.PROVIDER_ACK,
-            )  # fmt: skip
-            self.step(race_id, CancelAcknowledged(attempt_id, ack))
-            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
-            self.conclude(race_id, attempt_id, provider, handle, cap)
-            return
-        self.step(race_id, CancelAcknowledged(attempt_id, receipt))
-        if not receipt.confirmed_terminal:
-            self.step(
-                race_id, CancelFailed(attempt_id, "no terminal state within the cancel window")
-            )
-
-    def _poll(self, race: Race, attempt_id: str) -> Event:
-        a = _attempt(race, attempt_id)
-        if a is None or not a.handle:
-            return StatusObserved(attempt_id, None, "no job handle to poll")
-        try:
-            return StatusObserved(
-                attempt_id, self.providers(a.provider).status(JobHandle.from_dict(a.handle))
-            )
-        except Exception as e:
-            return StatusObserved(attempt_id, None, f"{type(e).__name__}: {e}")
-
-    # ------------------------------------------------------------------ watching jobs
-    def watch(
-        self,
-        race_id: str,
-        attempt_id: str,
-        provider_name: str,
-        handle_data: dict[str, Any],
-        last: str | None,
-        cap_s: float,
-    ) -> None:
-        """Poll a job once: report a state change, conclude it when terminal, else re-arm."""
-        provider = self.providers(provider_name)
-        handle = JobHandle.from_dict(handle_data)
-        try:
-            state: JobState | None = provider.status(handle)
-            error = None
-        except Exception as e:
-            state, error = None, f"{type(e).__name__}: {e}"
-        now = self.clock.now()
-        deadline = handle.submitted_at + cap_s
-        if (state is not None and state.terminal) or now >= deadline:
-            self.conclude(race_id, attempt_id, provider, handle, cap_s)
-            return
-        label = state.value if state is not None else "poll_error"
-        if label != last:
-            saved = self.step(race_id, StatusObserved(attempt_id, state, error))
-            if saved is None:
-                return
-            a = _attempt(saved, attempt_id)
-            if saved.finished and (a is None or not a.live):
-                return
-        else:
-            self.store.touch(race_id)  # a quiet race is alive: keep it off the janitor's list
-        hint = getattr(provider, "next_change_at", None)
-        at = None
-        if callable(hint) and state is not None:
-            try:
-                at = hint(handle)
-            except Exception:
-                at = None
-        if at is None:
-            at = now + self.settings.watch_interval_s
-        self.arm_watch(
-            race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
-        )
-
-    def arm_watch(
-        self,
-        race_id: str,
-        attempt_id: str,
-        provider_name: str,
-        handle_data: dict[str, Any],
-        last: str | None,
-        cap_s: float,
-        at: float,
-    ) -> None:
-        """Arm the durable timer of the next watch poll of one job."""
-        payload = {
-            "race": race_id,
-            "kind": "watch",
-            "attempt": attempt_id,
-            "provider": provider_name,
-            "handle": handle_data,
-            "last": last,
-            "cap_s": cap_s,
-        }
-        self.timers.arm(f"{race_id}:w:{attempt_id}", _due_ms(at), payload)
-
-    def conclude(
-        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float
-    ) -> None:
-        """Fetch a terminal (or capped) job's result, validate it and report it to the race."""
-        try:
-            result = provider.result(handle, cap_s)  # returns at once: terminal or past the cap
-        except Exception as e:
-            result = AttemptResult(
-                provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
-                error=f"{type(e).__name__}: {e}",
-            )  # fmt: skip
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        spec = record.state["spec"]
-        valid, reasons = False, [result.error or f"ended {result.state}"]
-        if result.state is JobState.COMPLETED:
-            verdict = validate(
-                spec["validator"], result.payload, **(spec.get("validator_options") or {})
-            )
-            valid, reasons = verdict.ok, list(verdict.reasons)
-            if valid:
-                store_attempt_result(
-                    self.store.client, self.prefix, race_id, attempt_id,
-                    result.to_dict(), self.settings.receipt_ttl_s,
-                )  # fmt: skip
-        summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
-
-        def event(race: Race) -> Event | None:
-            a = _attempt(race, attempt_id)
-            if a is None or not a.live:
-                return None
-            if (
-                a.phase in (Phase.CANCELLING, Phase.LEAKED)
-                and result.state is not JobState.COMPLETED
-            ):
-                if result.state is JobState.TIMEOUT:
-                    return None  # right-censored, not observed terminal: the cancel decides
-                return StatusObserved(attempt_id, result.state)  # confirms the cancel
-            return ResultArrived(attempt_id, result.state, valid, tuple(reasons))
-
-        def remember(state: dict[str, Any]) -> None:
-            state["results"] = {**(state.get("results") or {}), attempt_id: summary}
-
-        self.step(race_id, event, remember)
 
     # ------------------------------------------------------------------ timers and recovery
     def on_timer(self, timer: Timer) -> None:
@@ -593,7 +330,7 @@ class RaceDriver:
         for key, at in race.timers.items():
             if key in ids:
                 payload = {"race": race_id, "kind": "policy", "key": key}
-                self.timers.arm(f"{race_id}:{key}", _due_ms(at), payload, timer_id=ids[key])
+                self.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
         if race.winner is not None:
             self._declare(race_id, race, state)
         if race.finished:

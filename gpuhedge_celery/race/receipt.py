@@ -148,7 +148,7 @@ def read_receipt(store: RaceStore, race_id: str) -> dict[str, Any] | None:
     if record is None:
         return None
     from ..core.clock import WallClock
-    from .driver import spec_from_state
+    from .spec import spec_from_state
 
     race = Race.from_dict(record.state["race"], WallClock())
     return assemble_receipt(

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import ROLE_ARGS, GpuHedgeConfig
 from ..core.outcome import ProviderRate
-from ..core.policies import Policy, registered_policies
+from ..core.policies import Policy, policy_from_dict, registered_policies
 from ..core.validators import available_validators, get_validator
 from ..errors import ConfigError
 
@@ -171,3 +171,16 @@ def build_spec(
             "idle_s": p.idle_billed_seconds * scale,
         }
     return RaceSpec(resolved, v_name, v_options, caps, rates, scale)
+
+
+def spec_from_state(state: dict[str, Any]) -> RaceSpec:
+    """The :class:`RaceSpec` a race was created with, rebuilt from its stored state."""
+    data = state["spec"]
+    return RaceSpec(
+        policy=policy_from_dict(state["race"]["policy"]),
+        validator=data["validator"],
+        validator_options=data.get("validator_options") or {},
+        caps_s=data.get("caps_s") or {},
+        rates=data.get("rates") or {},
+        time_scale=float(data.get("time_scale", 1.0)),
+    )

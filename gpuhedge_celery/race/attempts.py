@@ -1,0 +1,259 @@
+"""Attempt work of the race driver: submit once, watch, conclude, cancel natively.
+
+Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; every method reports what it saw
+to the race through ``step`` and never decides anything itself (the engine does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..core.attempts import Phase
+from ..core.jobs import AttemptResult, JobHandle, JobState
+from ..core.race import Race
+from ..core.race_events import (
+    AttemptSubmitted,
+    CancelAcknowledged,
+    CancelFailed,
+    Event,
+    ResultArrived,
+    StatusObserved,
+    SubmitFailed,
+)
+from ..core.receipts import Evidence
+from ..core.validators import validate
+from ..errors import ProviderError
+from ..providers.base import Provider
+from .base import due_ms, find_attempt
+from .receipt import store_attempt_result
+
+if TYPE_CHECKING:
+    from ..core.clock import Clock
+    from ..store.races import RaceStore
+    from ..store.timers import TimerStore
+    from .settings import RaceSettings
+
+
+class AttemptWork:
+    """Per-attempt work; needs the attributes and ``step``/``resume`` of the driver."""
+
+    store: RaceStore
+    timers: TimerStore
+    providers: Callable[[str], Provider]
+    settings: RaceSettings
+    clock: Clock
+
+    @property
+    def prefix(self) -> str:
+        return self.store.prefix
+
+    def step(self, race_id: str, event: Any, update: Any = None) -> Race | None:
+        raise NotImplementedError
+
+    def resume(self, race_id: str) -> None:
+        raise NotImplementedError
+
+    def submit_attempt(self, race_id: str, attempt_id: str) -> None:
+        """Submit a launched attempt's job once, register it, report it, start watching it.
+
+        Idempotent: a redelivered submit whose job was registered before a crash reports that
+        job instead of submitting another; a submit after the race stopped needing it is skipped.
+        """
+        record = self.store.load(race_id)
+        if record is None:
+            return
+        race = Race.from_dict(record.state["race"], self.clock)
+        a = find_attempt(race, attempt_id)
+        if a is None:
+            return
+        if a.phase is not Phase.LAUNCHING:
+            # Already reported: a redelivery, whose first run may have died between its step's
+            # save and the actions (timers, watch) that step asked for. Re-perform them.
+            self.resume(race_id)
+            return
+        known = self.store.live_jobs(race_id).get(attempt_id)
+        if known is not None:
+            handle = JobHandle.from_dict(known)
+        elif race.finished or race.has_winner or a.cancel_requested:
+            self.step(
+                race_id, SubmitFailed(attempt_id, "not submitted: the race no longer needs it")
+            )
+            return
+        else:
+            provider = self.providers(a.provider)
+            try:
+                handle = provider.submit(record.state.get("request") or {})
+            except ProviderError as e:
+                self.step(race_id, SubmitFailed(attempt_id, str(e)))
+                return
+            except Exception as e:  # an adapter bug must end the attempt, not hang the race
+                self.step(race_id, SubmitFailed(attempt_id, f"{type(e).__name__}: {e}"))
+                return
+            # Registered before it is reported: a crash now leaves the janitor a handle.
+            self.store.add_job(race_id, attempt_id, handle.to_dict())
+        saved = self.step(race_id, AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()))
+        if saved is not None:
+            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
+            self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap)
+
+    def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
+        """Cancel an attempt's job natively and report the receipt (never Celery's revoke)."""
+        record = self.store.load(race_id)
+        if record is None:
+            return
+        race = Race.from_dict(record.state["race"], self.clock)
+        a = find_attempt(race, attempt_id)
+        if a is None or not a.handle:
+            return
+        if a.phase is not Phase.CANCELLING:
+            self.resume(race_id)  # a redelivery after the cancel was reported: see submit
+            return
+        provider = self.providers(a.provider)
+        handle = JobHandle.from_dict(a.handle)
+        try:
+            receipt = provider.cancel(handle)
+        except Exception as e:
+            self.step(race_id, CancelFailed(attempt_id, f"{type(e).__name__}: {e}"))
+            return
+        if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
+            # It finished before the cancel took effect: its result may still win the race.
+            ack = replace(
+                receipt, confirmed_terminal=False, terminal_status=None, terminal_ms=None,
+                leaked=True, evidence=Evidence.PROVIDER_ACK,
+            )  # fmt: skip
+            self.step(race_id, CancelAcknowledged(attempt_id, ack))
+            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
+            self.conclude(race_id, attempt_id, provider, handle, cap)
+            return
+        self.step(race_id, CancelAcknowledged(attempt_id, receipt))
+        if not receipt.confirmed_terminal:
+            self.step(
+                race_id, CancelFailed(attempt_id, "no terminal state within the cancel window")
+            )
+
+    def _poll(self, race: Race, attempt_id: str) -> Event:
+        a = find_attempt(race, attempt_id)
+        if a is None or not a.handle:
+            return StatusObserved(attempt_id, None, "no job handle to poll")
+        try:
+            return StatusObserved(
+                attempt_id, self.providers(a.provider).status(JobHandle.from_dict(a.handle))
+            )
+        except Exception as e:
+            return StatusObserved(attempt_id, None, f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ watching jobs
+    def watch(
+        self,
+        race_id: str,
+        attempt_id: str,
+        provider_name: str,
+        handle_data: dict[str, Any],
+        last: str | None,
+        cap_s: float,
+    ) -> None:
+        """Poll a job once: report a state change, conclude it when terminal, else re-arm."""
+        provider = self.providers(provider_name)
+        handle = JobHandle.from_dict(handle_data)
+        try:
+            state: JobState | None = provider.status(handle)
+            error = None
+        except Exception as e:
+            state, error = None, f"{type(e).__name__}: {e}"
+        now = self.clock.now()
+        deadline = handle.submitted_at + cap_s
+        if (state is not None and state.terminal) or now >= deadline:
+            self.conclude(race_id, attempt_id, provider, handle, cap_s)
+            return
+        label = state.value if state is not None else "poll_error"
+        if label != last:
+            saved = self.step(race_id, StatusObserved(attempt_id, state, error))
+            if saved is None:
+                return
+            a = find_attempt(saved, attempt_id)
+            if saved.finished and (a is None or not a.live):
+                return
+        else:
+            self.store.touch(race_id)  # a quiet race is alive: keep it off the janitor's list
+        hint = getattr(provider, "next_change_at", None)
+        at = None
+        if callable(hint) and state is not None:
+            try:
+                at = hint(handle)
+            except Exception:
+                at = None
+        if at is None:
+            at = now + self.settings.watch_interval_s
+        self.arm_watch(
+            race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
+        )
+
+    def arm_watch(
+        self,
+        race_id: str,
+        attempt_id: str,
+        provider_name: str,
+        handle_data: dict[str, Any],
+        last: str | None,
+        cap_s: float,
+        at: float,
+    ) -> None:
+        """Arm the durable timer of the next watch poll of one job."""
+        payload = {
+            "race": race_id,
+            "kind": "watch",
+            "attempt": attempt_id,
+            "provider": provider_name,
+            "handle": handle_data,
+            "last": last,
+            "cap_s": cap_s,
+        }
+        self.timers.arm(f"{race_id}:w:{attempt_id}", due_ms(at), payload)
+
+    def conclude(
+        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float
+    ) -> None:
+        """Fetch a terminal (or capped) job's result, validate it and report it to the race."""
+        try:
+            result = provider.result(handle, cap_s)  # returns at once: terminal or past the cap
+        except Exception as e:
+            result = AttemptResult(
+                provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
+                error=f"{type(e).__name__}: {e}",
+            )  # fmt: skip
+        record = self.store.load(race_id)
+        if record is None:
+            return
+        spec = record.state["spec"]
+        valid, reasons = False, [result.error or f"ended {result.state}"]
+        if result.state is JobState.COMPLETED:
+            verdict = validate(
+                spec["validator"], result.payload, **(spec.get("validator_options") or {})
+            )
+            valid, reasons = verdict.ok, list(verdict.reasons)
+            if valid:
+                store_attempt_result(
+                    self.store.client, self.prefix, race_id, attempt_id,
+                    result.to_dict(), self.settings.receipt_ttl_s,
+                )  # fmt: skip
+        summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
+
+        def event(race: Race) -> Event | None:
+            a = find_attempt(race, attempt_id)
+            if a is None or not a.live:
+                return None
+            if (
+                a.phase in (Phase.CANCELLING, Phase.LEAKED)
+                and result.state is not JobState.COMPLETED
+            ):
+                if result.state is JobState.TIMEOUT:
+                    return None  # right-censored, not observed terminal: the cancel decides
+                return StatusObserved(attempt_id, result.state)  # confirms the cancel
+            return ResultArrived(attempt_id, result.state, valid, tuple(reasons))
+
+        def remember(state: dict[str, Any]) -> None:
+            state["results"] = {**(state.get("results") or {}), attempt_id: summary}
+
+        self.step(race_id, event, remember)
