@@ -83,15 +83,18 @@ def test_kill_whole_worker_mid_job(celery_cluster):
     c.wait_ready(victim, coord)
     result = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 3, "id": "crash-worker"},))
     lease = wait_for(lambda: running_lease(c, victim_gpu), 20, "the job to start on GPU 0")
-    survivor = c.start_gpu(1, **short)
     os.killpg(victim.pid, signal.SIGKILL)  # main process and its child: the host is gone
     killed_at = time.monotonic()
+    # Started only now, so the job could not have gone there first.
+    survivor = c.start_gpu(1, wait=False, **short)
 
     def gpu_claimable():
         now = c.store.current(victim_gpu)
         return now is None or now.token != lease.token
 
     wait_for(gpu_claimable, TTL_MS / 1000 + 1, "the dead worker's lease to expire")
+    assert time.monotonic() - killed_at <= TTL_MS / 1000 + 1
+    c.wait_ready(survivor)
     wait_for(lambda: victim_gpu not in [g.gpu_id for g in c.store.gpus()], 5,
              "GPU 0 to leave the pool")  # fmt: skip
     assert not result.ready(), "the request is still in flight, not lost or failed"
