@@ -17,7 +17,8 @@ from gpuhedge_celery.store.races import OwnershipLost, RaceStore, VersionConflic
 
 pytestmark = pytest.mark.timeout(90)
 
-ctx = multiprocessing.get_context("fork")
+# spawn, not fork: earlier tests leave listener threads whose held locks a fork would copy
+ctx = multiprocessing.get_context("spawn")
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from gpuhedge_celery.store.timers import Timer, TimerService, TimerStore
 
 pytestmark = pytest.mark.timeout(90)
 
-ctx = multiprocessing.get_context("fork")
+# spawn, not fork: earlier tests leave listener threads whose held locks a fork would copy
+ctx = multiprocessing.get_context("spawn")
 
 
 def now_ms() -> int:
