@@ -36,6 +36,7 @@ GPU_QUEUE_PREFIX = "gpuhedge.gpu."
 TASK_POOLED_INFER = "gpuhedge.pooled_infer"
 TASK_GPU_RUN = "gpuhedge.gpu_run"
 TASK_RECONCILE = "gpuhedge.reconcile"
+TASK_JANITOR = "gpuhedge.janitor"
 
 # Task modules a worker must import to know every task; optional ones belong to other features.
 TASK_MODULES = [
@@ -45,7 +46,7 @@ TASK_MODULES = [
     "gpuhedge_celery.tasks.control",
     "gpuhedge_celery.tasks.signals",
 ]
-OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races"]
+OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races", "gpuhedge_celery.tasks.janitor"]
 
 
 def gpu_queue(gpu_id: str) -> str:
@@ -98,7 +99,13 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
                 "schedule": config.reconcile_interval_s,
                 # A pass older than one period is superseded by the next one.
                 "options": {"expires": config.reconcile_interval_s},
-            }
+            },
+            # The race janitor (tasks/janitor.py) shares the reconcile period.
+            "gpuhedge-janitor": {
+                "task": TASK_JANITOR,
+                "schedule": config.reconcile_interval_s,
+                "options": {"expires": config.reconcile_interval_s, "queue": QUEUE_COORD},
+            },
         },
     }
     conf.update(config.as_celery_conf())
