@@ -1,0 +1,341 @@
+"""The race janitor: finds races nobody advances any more and cancels their provider jobs.
+
+A race is state in Redis, advanced by short tasks and durable timers. If every process that
+could advance it dies (or its messages wait out the broker's visibility timeout), its submitted
+provider jobs would keep running and its caller would wait. The janitor is the backstop:
+
+1. :meth:`RaceStore.stale_races` lists races whose heartbeat is older than ``stale_ms`` and
+   that nobody owns;
+2. for each, the janitor takes the race's ownership lease (so two janitors never work on one
+   race), reloads it and checks that it is really dead: no timer of the race is still waiting
+   to fire (a coordinator that is alive would fire it) unless no coordinator is alive at all;
+3. it cancels every registered live job through the provider's *native* cancel, keeps each
+   :class:`~gpuhedge_celery.core.receipts.CancelReceipt` (evidence level, leak flag) in the
+   race's state, marks the race finished with a note, and saves with a version check (a race
+   that came back to life in the meantime wins and is left alone);
+4. it writes the receipt; a race without a winner is failed explicitly through
+   :meth:`Effects.failed` (``.get()`` raises ``RaceFailed``), a race whose winner was claimed
+   has its result marked again (idempotent) in case the process that claimed it died first.
+
+A job whose cancel could not be confirmed stays registered as live and is retried on the next
+pass (the receipt reports it as a leak until then). Everything is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.attempts import LIVE_PHASES, Phase
+from ..core.clock import Clock, WallClock
+from ..core.jobs import JobHandle, JobState
+from ..core.race import Race
+from ..core.receipts import CancelReceipt
+from ..providers.base import Provider
+from ..store.races import RaceStore, VersionConflict
+from ..store.timers import TimerStore, as_text, store_errors
+from .base import Effects
+from .receipt import assemble_receipt, load_attempt_result, result_key, winner_result
+from .spec import spec_from_state
+
+log = logging.getLogger(__name__)
+
+ABANDONED_NOTE = "abandoned: no coordinator advanced the race; the janitor ended it"
+DEFAULT_STALE_MS = 30_000
+DEFAULT_LEASE_MS = 30_000
+
+
+@dataclass
+class RaceCleanup:
+    """What the janitor did to one race."""
+
+    race_id: str
+    action: str  # "ended", "recancelled", "forgotten" or "skipped: <why>"
+    cancelled: list[str] = field(default_factory=list)  # attempt ids confirmed stopped
+    leaked: list[str] = field(default_factory=list)  # attempt ids not confirmed stopped
+    failed: bool = False  # the race was ended as an explicit failure
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "race_id": self.race_id,
+            "action": self.action,
+            "cancelled": list(self.cancelled),
+            "leaked": list(self.leaked),
+            "failed": self.failed,
+        }
+
+
+@dataclass
+class JanitorReport:
+    """One janitor pass: every race it looked at and what it did."""
+
+    races: list[RaceCleanup] = field(default_factory=list)
+
+    @property
+    def cancelled(self) -> int:
+        return sum(len(r.cancelled) for r in self.races)
+
+    @property
+    def leaked(self) -> int:
+        return sum(len(r.leaked) for r in self.races)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "races": [r.to_dict() for r in self.races],
+            "cancelled": self.cancelled,
+            "leaked": self.leaked,
+            "ended": sum(1 for r in self.races if r.action == "ended"),
+        }
+
+
+def default_owner() -> str:
+    """The janitor's ownership name on this host and process."""
+    return f"janitor-{socket.gethostname()}-{os.getpid()}"
+
+
+class Janitor:
+    """Ends dead races: native cancels with receipts, explicit failure when there was no winner.
+
+    ``coordinators_alive`` says whether some process is firing race timers right now (the
+    Celery task answers "yes, this worker"; a script run after a full outage answers no). A
+    race whose own timer is still waiting is only dead when nobody would ever fire it.
+    """
+
+    def __init__(
+        self,
+        store: RaceStore,
+        timers: TimerStore,
+        providers: Callable[[str], Provider],
+        effects: Effects,
+        *,
+        stale_ms: int = DEFAULT_STALE_MS,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        receipt_ttl_s: float | None = None,
+        coordinators_alive: Callable[[], bool] | None = None,
+        owner: str | None = None,
+        payload_inline_max: int = 1_000_000,
+        clock: Clock | None = None,
+    ):
+        if stale_ms < 1 or lease_ms < 1:
+            raise ValueError(f"stale_ms and lease_ms must be >= 1, got {stale_ms}, {lease_ms}")
+        self.store = store
+        self.timers = timers
+        self.providers = providers
+        self.effects = effects
+        self.stale_ms = stale_ms
+        self.lease_ms = lease_ms
+        self.receipt_ttl_s = receipt_ttl_s
+        self.coordinators_alive = coordinators_alive or (lambda: True)
+        self.owner = owner or default_owner()
+        self.payload_inline_max = payload_inline_max
+        self.clock = clock or WallClock()
+
+    # ------------------------------------------------------------------ a pass
+    def run_once(self, limit: int = 100) -> JanitorReport:
+        """Look at up to ``limit`` stale races and clean each one that is really dead."""
+        report = JanitorReport()
+        alive: bool | None = None  # asked once per pass, and only when a race needs it
+        for stale in self.store.stale_races(self.stale_ms, limit):
+            if alive is None and self._has_waiting_timer(stale.race_id):
+                alive = bool(self.coordinators_alive())
+            report.races.append(self.clean(stale.race_id, coordinators_alive=alive))
+        return report
+
+    def clean(self, race_id: str, *, coordinators_alive: bool | None = None) -> RaceCleanup:
+        """Clean one race under its ownership lease (see the module docstring)."""
+        ownership = self.store.claim_owner(race_id, self.owner, self.lease_ms)
+        if ownership is None:
+            return RaceCleanup(race_id, "skipped: owned by another process")
+        try:
+            return self._clean_owned(race_id, coordinators_alive)
+        finally:
+            try:
+                self.store.release_owner(ownership)
+            except Exception:  # the lease lapses on its own
+                log.debug("race %s: ownership not released", race_id, exc_info=True)
+
+    def _clean_owned(self, race_id: str, coordinators_alive: bool | None) -> RaceCleanup:
+        record = self.store.load(race_id)
+        jobs = self.store.live_jobs(race_id)
+        if record is None:
+            if not jobs:
+                self.store.forget(race_id)
+                return RaceCleanup(race_id, "forgotten")
+            return RaceCleanup(race_id, "skipped: live jobs but no state (expired)")
+        race = Race.from_dict(record.state["race"], self.clock)
+        had_receipt = self.store.receipt(race_id) is not None
+        live = {a.id for a in race.attempts if a.phase in LIVE_PHASES}
+        done = [
+            attempt_id for attempt_id in jobs if attempt_id not in live and _known(race, attempt_id)
+        ]
+        for attempt_id in done:  # ended or confirmed cancelled: nothing left to stop
+            self.store.remove_job(race_id, attempt_id)
+            jobs.pop(attempt_id)
+        if race.finished and not jobs and had_receipt:
+            self.store.forget(race_id)
+            return RaceCleanup(race_id, "forgotten")
+        last_seen = self.store.last_seen_ms(race_id)
+        if last_seen is not None and last_seen > self.store.now_ms() - self.stale_ms:
+            return RaceCleanup(race_id, "skipped: advanced since the scan")
+        if not race.finished and self._has_waiting_timer(race_id):
+            if coordinators_alive is None:
+                coordinators_alive = bool(self.coordinators_alive())
+            if coordinators_alive:
+                return RaceCleanup(race_id, "skipped: a timer of the race is still waiting")
+        receipts = self._cancel_jobs(race, jobs)
+        return self._end(race_id, receipts, was_finished=race.finished, tell=not had_receipt)
+
+    # ------------------------------------------------------------------ liveness
+    def _has_waiting_timer(self, race_id: str) -> bool:
+        """Whether a timer of the race is due in the future (or lately), or claimed and leased.
+
+        A timer overdue by more than ``stale_ms`` and never claimed shows that no timer service
+        is running: it does not keep the race alive.
+        """
+        now = self.store.now_ms()
+        keys = self.timers.keys
+        with store_errors(f"reading the timers of race {race_id!r}"):
+            for zset, floor in ((keys.due, now - self.stale_ms), (keys.inflight, now)):
+                for member, score in self.store.client.zscan_iter(
+                    zset, match=f"{race_id}[|:]*", count=500
+                ):
+                    if as_text(member).split("|")[0].split(":w:")[0] != race_id:
+                        continue  # another race whose id starts with this one
+                    if score > floor:
+                        return True
+        return False
+
+    # ------------------------------------------------------------------ cancelling
+    def _cancel_jobs(
+        self, race: Race, jobs: dict[str, dict[str, Any]]
+    ) -> dict[str, CancelReceipt | str]:
+        """Cancel every registered live job natively; attempt id -> receipt (or the error)."""
+        out: dict[str, CancelReceipt | str] = {}
+        for attempt_id, handle_data in jobs.items():
+            handle = JobHandle.from_dict(handle_data)
+            try:
+                receipt = self.providers(handle.provider).cancel(handle)
+            except Exception as e:  # the job stays registered; the next pass tries again
+                log.warning("race %s: cancel of %s failed: %s", race.race_id, handle.job_id, e)
+                out[attempt_id] = f"{type(e).__name__}: {e}"
+                continue
+            receipt.note = f"janitor: {receipt.note}" if receipt.note else "janitor cancel"
+            out[attempt_id] = receipt
+        return out
+
+    def _end(
+        self,
+        race_id: str,
+        receipts: dict[str, CancelReceipt | str],
+        *,
+        was_finished: bool,
+        tell: bool,
+    ) -> RaceCleanup:
+        now_ms = self.clock.now() * 1000.0
+
+        def change(state: dict[str, Any]) -> dict[str, Any]:
+            race = Race.from_dict(state["race"], self.clock)
+            apply_cleanup(race, receipts, now_ms)
+            new = dict(state)
+            new["race"] = race.to_dict()
+            new["janitor"] = {"owner": self.owner, "at_ms": now_ms}
+            return new
+
+        try:
+            record = self.store.update(race_id, change)
+        except VersionConflict:  # the race vanished while we worked (expired)
+            return RaceCleanup(race_id, "skipped: the race disappeared")
+        race = Race.from_dict(record.state["race"], self.clock)
+        cleanup = RaceCleanup(race_id, "finalised" if was_finished else "ended")
+        for attempt_id, found in receipts.items():
+            if isinstance(found, CancelReceipt) and found.confirmed_terminal:
+                self.store.remove_job(race_id, attempt_id)
+                cleanup.cancelled.append(attempt_id)
+            else:
+                cleanup.leaked.append(attempt_id)
+        spec = spec_from_state(record.state)
+        receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
+        receipt["janitor"] = record.state.get("janitor")
+        self.store.finish(race_id, receipt, self.receipt_ttl_s)
+        caller = record.state.get("caller") or {}
+        if race.winner is None:
+            cleanup.failed = True
+            if tell:
+                self.effects.failed(race_id, f"race {race_id}: {race.note}", receipt, caller)
+        elif tell:  # its claimer may have died before marking the result
+            self._mark_winner(race_id, race, caller)
+        return cleanup
+
+    def _mark_winner(self, race_id: str, race: Race, caller: dict[str, Any]) -> None:
+        """Mark the claimed winner's result (again: the effects skip a result already marked)."""
+        won = race.winner_attempt
+        if won is None or self.store.winner(race_id) != won.id:
+            return
+        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, won.id)
+        result = winner_result(
+            race,
+            stored or {},
+            inline_max=self.payload_inline_max,
+            ref=result_key(self.store.prefix, race_id, won.id),
+        )
+        self.effects.won(race_id, result, caller)
+
+
+def apply_cleanup(race: Race, receipts: dict[str, CancelReceipt | str], now_ms: float) -> None:
+    """End a dead race in its engine state: attach the janitor's receipts, mark it finished.
+
+    Pure: ``receipts`` maps attempt id to the provider's cancel receipt (or an error text).
+    A launched attempt that never got a job is ended as never submitted (a redelivered submit
+    then sees a finished race and submits nothing).
+    """
+    rel = now_ms / 1000.0 - (race.started_at or 0.0)
+    for a in race.attempts:
+        found = receipts.get(a.id)
+        if isinstance(found, CancelReceipt):
+            if a.receipt is not None:
+                found.cancel_sent_ms = a.receipt.cancel_sent_ms or found.cancel_sent_ms
+            a.receipt = found
+            a.job_id = a.job_id or found.job_id
+            a.cancel_requested = True
+            a.cancel_reason = a.cancel_reason or "abandoned"
+            if found.confirmed_terminal:
+                a.phase = Phase.CANCELLED
+                a.last_state = found.terminal_status.value if found.terminal_status else None
+                a.timeline.append([rel, "cancelled by the janitor"])
+            else:
+                a.phase = Phase.LEAKED
+                a.timeline.append([rel, "janitor cancel not confirmed"])
+        elif isinstance(found, str):
+            if a.receipt is None:
+                a.receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
+            a.receipt.leaked = True
+            a.receipt.note = f"janitor cancel failed: {found}"
+            a.phase = Phase.LEAKED
+            a.timeline.append([rel, "janitor cancel failed"])
+        elif a.phase is Phase.LAUNCHING:
+            a.phase = Phase.ENDED
+            a.cancel_requested = True
+            a.reasons = ["never submitted: the race was abandoned"]
+            a.timeline.append([rel, "abandoned before submit"])
+        elif a.id != race.winner and a.receipt is None and a.phase is Phase.ENDED:
+            # the receipt the engine gives a loser that ended by itself
+            a.receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
+            state = JobState(a.result_state) if a.result_state else JobState.FAILED
+            a.receipt.confirm_terminal(state, now_ms)
+            a.receipt.was_running = a.submitted_at is not None
+            a.receipt.note = f"ended on its own ({state}); no cancel needed"
+    if any(a.phase is Phase.LEAKED for a in race.attempts):
+        race.flag("leaked")
+    if not race.finished:
+        race.finished = True
+        race.timers.clear()
+        race.waiting.clear()
+        race.note = ABANDONED_NOTE if race.winner is None else race.note
+
+
+def _known(race: Race, attempt_id: str) -> bool:
+    return any(a.id == attempt_id for a in race.attempts)

@@ -1,0 +1,124 @@
+"""The beat task ``gpuhedge.janitor``: end races nobody advances and cancel their provider jobs.
+
+Glue only (the rules are in :mod:`gpuhedge_celery.race.janitor`): take a short lock so two passes
+never run at once (beat must run as one instance, but a redelivered or manually sent pass may
+overlap), build a :class:`~gpuhedge_celery.race.janitor.Janitor` over this worker's race
+runtime and run one pass. Even without the lock each race is cleaned under its own ownership
+lease and every step is idempotent.
+
+=============================  ========  ==================================================
+variable                       default   meaning
+=============================  ========  ==================================================
+GPUHEDGE_JANITOR_STALE_S       30        a race whose heartbeat is older than this, that
+                                         nobody owns and that has no timer waiting, is dead
+GPUHEDGE_JANITOR_LIMIT         100       most races looked at per pass
+=============================  ========  ==================================================
+
+Beat schedules it on the reconcile period (``GPUHEDGE_RECONCILE_INTERVAL_S``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..race.janitor import Janitor
+from .app import TASK_JANITOR, app
+from .races import CeleryEffects, runtime
+
+log = logging.getLogger(__name__)
+
+LOCK_MS = 20_000
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class JanitorSettings:
+    """The janitor's ``GPUHEDGE_JANITOR_*`` settings, validated."""
+
+    stale_s: float = 30.0
+    limit: int = 100
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> JanitorSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, attr, cast in (
+            ("GPUHEDGE_JANITOR_STALE_S", "stale_s", float),
+            ("GPUHEDGE_JANITOR_LIMIT", "limit", int),
+        ):
+            raw = (env.get(name) or "").strip()
+            if not raw:
+                continue
+            try:
+                value = cast(raw)
+            except ValueError:
+                raise ConfigError(f"expected a positive number, got {raw!r}", key=name) from None
+            if value <= 0:
+                raise ConfigError(f"expected a positive number, got {raw!r}", key=name)
+            values[attr] = value
+        return cls(**values)
+
+
+class JanitorEffects(CeleryEffects):
+    """Celery effects that never mark a result twice (links and chains would run twice)."""
+
+    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
+        if app.backend.get_task_meta(race_id).get("status") == "SUCCESS":
+            return
+        super().won(race_id, result, caller)
+
+
+def lock_key(prefix: str) -> str:
+    """The short lock that keeps two janitor passes from running at once."""
+    return f"{prefix}:janitor:lock"
+
+
+def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
+    """A janitor over this process's race runtime (its store, timers, providers)."""
+    settings = settings or JanitorSettings.from_env()
+    rt = runtime()
+
+    def alive() -> bool:
+        # This worker fires race timers itself while its timer thread runs.
+        return rt.service is not None and rt.service.alive
+
+    return Janitor(
+        rt.store,
+        rt.timers,
+        rt.provider,
+        JanitorEffects(),
+        stale_ms=int(settings.stale_s * 1000),
+        receipt_ttl_s=rt.settings.receipt_ttl_s,
+        payload_inline_max=rt.settings.payload_inline_max,
+        coordinators_alive=alive,
+    )
+
+
+@app.task(name=TASK_JANITOR, acks_late=True, reject_on_worker_lost=True)
+def janitor() -> dict[str, Any]:
+    """One janitor pass; returns what it did (``{"races": [...], "cancelled", ...}``)."""
+    settings = JanitorSettings.from_env()
+    rt = runtime()
+    token = uuid.uuid4().hex
+    key = lock_key(rt.prefix)
+    if not rt.client.set(key, token, nx=True, px=LOCK_MS):
+        return {"skipped": "another janitor pass holds the lock"}
+    try:
+        report = build_janitor(settings).run_once(settings.limit)
+    finally:
+        rt.client.eval(_RELEASE, 1, key, token)
+    if report.races:
+        log.info(
+            "janitor: %d races looked at, %d jobs cancelled, %d not confirmed",
+            len(report.races), report.cancelled, report.leaked,
+        )  # fmt: skip
+    return report.to_dict()
