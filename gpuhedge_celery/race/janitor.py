@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +94,8 @@ class JanitorReport:
 
 
 def default_owner() -> str:
-    """The janitor's ownership name on this host and process."""
-    return f"janitor-{socket.gethostname()}-{os.getpid()}"
+    """A fresh ownership name: host, process and a per-janitor suffix (threads never share)."""
+    return f"janitor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Janitor:
