@@ -126,9 +126,12 @@ def test_task_events_show_the_race_lifecycle(api_cluster):
         with app.connection_for_read() as conn:
             receiver = app.events.Receiver(conn, handlers={"*": events.append})
             ready.set()
-            for _ in receiver.itercapture(limit=None, timeout=15, wakeup=False):
-                if stop.is_set():
-                    break
+            try:
+                for _ in receiver.itercapture(limit=None, timeout=30, wakeup=False):
+                    if stop.is_set():
+                        break
+            except TimeoutError:  # no event for 30 s: the assertions below will say what
+                pass
 
     stop = threading.Event()
     listener = threading.Thread(target=listen, daemon=True)
@@ -147,6 +150,10 @@ def test_task_events_show_the_race_lifecycle(api_cluster):
             break
         time.sleep(0.05)
     stop.set()
+    with app.events.default_dispatcher() as dispatcher:  # wake the listener so it ends now
+        dispatcher.send("task-test-wakeup", uuid="wakeup")
+    listener.join(10)
+    assert not listener.is_alive()
     mine = [e for e in events if e.get("uuid") == res.id]
     assert wanted <= {e["type"] for e in mine}, [e["type"] for e in mine]
     won = next(e for e in mine if e["type"] == "task-won")

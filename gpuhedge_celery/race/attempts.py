@@ -29,6 +29,8 @@ from ..providers.base import Provider
 from .base import due_ms, find_attempt
 from .receipt import store_attempt_result
 
+MIN_WATCH_GAP_S = 0.002
+
 if TYPE_CHECKING:
     from ..core.clock import Clock
     from ..store.races import RaceStore
@@ -186,6 +188,7 @@ class AttemptWork:
                 at = None
         if at is None:
             at = now + self.settings.watch_interval_s
+        at = max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
         self.arm_watch(
             race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
         )
