@@ -8,6 +8,8 @@ assertions are about who won and what the receipts prove, not about milliseconds
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpuhedge_celery.errors import RaceFailed
@@ -178,3 +180,20 @@ def test_providers_argument_picks_the_racers(race_cluster):
     result, receipt = run(race_cluster, request, policy="single", providers=["f"])
     assert result["winner"] == "f" and receipt["policy"] == "single:f"
     assert_clean(race_cluster, receipt)
+
+
+def test_a_job_past_its_cap_ends_its_attempt_and_is_still_cancelled(race_cluster):
+    res = race_cluster.send({}, policy="single", providers=["c"])  # runs 1 s, capped at 200 ms
+    with pytest.raises(RaceFailed) as info:
+        res.get(timeout=20)
+    assert [a["state"] for a in info.value.receipt["attempts"]] == ["TIMEOUT"]
+    rc = race_cluster
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the capped job's own cancel refreshes the receipt
+        receipt = rc.receipt(res.id)
+        if (attempt(receipt, "c").get("cap_cancel") or {}).get("confirmed_terminal"):
+            break
+        time.sleep(0.05)
+    cap_cancel = attempt(receipt, "c")["cap_cancel"]
+    assert cap_cancel["terminal_status"] == "CANCELLED" and cap_cancel["leaked"] is False
+    assert_clean(rc, receipt)

@@ -35,7 +35,7 @@ def test_policy_resolution(policy, providers, name):
     [
         ("nope", None, "policy: expected one of"),
         (42, None, "policy: expected a policy name"),
-        ("hedge:p->x@1s", None, "policy: no provider 'x' (known: p, h, f)"),
+        ("hedge:p->x@1s", None, "policy: no provider 'x' (known: p, h, f, c)"),
         ("hedge:p->h", ["p", "h"], "providers: name the providers inside the policy spec"),
         ("fixed", ["p"], "providers: policy 'hedge' races 2 provider(s), got 1"),
         ("fixed", ["p", "p"], "providers: a provider appears twice"),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..core.attempts import Phase
+from ..core.attempts import Attempt, Phase
 from ..core.jobs import AttemptResult, JobHandle, JobState
 from ..core.race import Race
 from ..core.race_events import (
@@ -22,7 +22,7 @@ from ..core.race_events import (
     StatusObserved,
     SubmitFailed,
 )
-from ..core.receipts import Evidence
+from ..core.receipts import CancelReceipt, Evidence
 from ..core.validators import validate
 from ..errors import ProviderError
 from ..providers.base import Provider
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..core.clock import Clock
     from ..store.races import RaceStore
     from ..store.timers import TimerStore
+    from .base import Effects
     from .settings import RaceSettings
 
 
@@ -46,6 +47,7 @@ class AttemptWork:
     providers: Callable[[str], Provider]
     settings: RaceSettings
     clock: Clock
+    effects: Effects
 
     @property
     def prefix(self) -> str:
@@ -109,6 +111,9 @@ class AttemptWork:
         a = find_attempt(race, attempt_id)
         if a is None or not a.handle:
             return
+        if a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
+            self._cancel_capped(race_id, a)
+            return
         if a.phase is not Phase.CANCELLING:
             self.resume(race_id)  # a redelivery after the cancel was reported: see submit
             return
@@ -134,6 +139,35 @@ class AttemptWork:
             self.step(
                 race_id, CancelFailed(attempt_id, "no terminal state within the cancel window")
             )
+
+    def _cancel_capped(self, race_id: str, a: Attempt) -> None:
+        """Cancel a job that passed its cap, and record the receipt beside the race's own.
+
+        The engine ended the attempt as TIMEOUT (it cannot win any more), but a cap is ours,
+        not the provider's: without this the job would run on, unseen, until it ends by itself.
+        """
+        if a.id not in self.store.live_jobs(race_id):
+            return  # already stopped and unregistered (a duplicate delivery)
+        provider = self.providers(a.provider)
+        try:
+            receipt = provider.cancel(JobHandle.from_dict(a.handle or {}))
+        except Exception as e:
+            receipt = CancelReceipt(a.provider, a.job_id, note=f"cancel raised {type(e).__name__}")
+        receipt.note = receipt.note or "past its cap: cancelled"
+        data = receipt.to_dict()
+
+        def change(state: dict[str, Any]) -> dict[str, Any]:
+            results = dict(state.get("results") or {})
+            results[a.id] = {**(results.get(a.id) or {}), "cap_cancel": data}
+            return {**state, "results": results}
+
+        self.store.update(race_id, change)
+        if receipt.confirmed_terminal:
+            self.store.remove_job(race_id, a.id)
+        self.refresh_receipt(race_id)
+
+    def refresh_receipt(self, race_id: str) -> None:
+        raise NotImplementedError
 
     def _poll(self, race: Race, attempt_id: str) -> Event:
         a = find_attempt(race, attempt_id)
@@ -259,4 +293,8 @@ class AttemptWork:
         def remember(state: dict[str, Any]) -> None:
             state["results"] = {**(state.get("results") or {}), attempt_id: summary}
 
-        self.step(race_id, event, remember)
+        saved = self.step(race_id, event, remember)
+        a = find_attempt(saved, attempt_id) if saved is not None else None
+        if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
+            # Capped, not stopped: the job may still be running (and billing) at the provider.
+            self.effects.cancel(race_id, attempt_id, provider.name)

@@ -286,12 +286,28 @@ class RaceDriver(AttemptWork):
         spec = spec_from_state(state)
         receipt = assemble_receipt(race, state, spec, now=self.clock.now())
         for a in race.attempts:
-            if not a.live:
+            # a capped job stays registered until its own cancel confirms it stopped
+            if not a.live and a.result_state != JobState.TIMEOUT.value:
                 self.store.remove_job(race_id, a.id)
         self.store.finish(race_id, receipt, self.settings.receipt_ttl_s)
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
             self.effects.failed(race_id, message, receipt, state.get("caller") or {})
+
+    def refresh_receipt(self, race_id: str) -> None:
+        """Rewrite a finished race's receipt from its state (after a late cap cancel)."""
+        if self.store.receipt(race_id) is None:
+            return  # not finished: the receipt will be assembled from the state then
+        record = self.store.load(race_id)
+        if record is None:
+            return
+        race = Race.from_dict(record.state["race"], self.clock)
+        spec = spec_from_state(record.state)
+        receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
+        receipt["finished_at"] = (self.store.receipt(race_id) or {}).get("finished_at")
+        self.store.put_receipt(race_id, receipt, self.settings.receipt_ttl_s)
+        if not self.store.live_jobs(race_id):
+            self.store.forget(race_id)
 
     # ------------------------------------------------------------------ timers and recovery
     def on_timer(self, timer: Timer) -> None:
@@ -326,6 +342,8 @@ class RaceDriver(AttemptWork):
         for a in race.attempts:
             if a.phase is Phase.LAUNCHING:
                 self.effects.launch(race_id, a.id, a.provider)
+            elif a.result_state == JobState.TIMEOUT.value and a.handle:
+                self.effects.cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:
                 cap = float(caps.get(a.provider, 180.0))
                 self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)

@@ -110,10 +110,11 @@ def assemble_receipt(
         summary["submitted_at_s"] = a.submitted_at
         summary["result_at_s"] = a.result_at
         summary["cancel_receipt"] = a.receipt.to_dict() if a.receipt else None
+        summary["cap_cancel"] = found.get("cap_cancel")
     leaks = [
         {"attempt": a.id, "provider": a.provider, "job_id": a.job_id}
         for a in race.attempts
-        if a.receipt is not None and a.receipt.leaked
+        if (a.receipt is not None and a.receipt.leaked) or _capped_running(a, results)
     ]
     outcome.update(
         {
@@ -130,6 +131,14 @@ def assemble_receipt(
         }
     )
     return outcome
+
+
+def _capped_running(a: Any, results: dict[str, Any]) -> bool:
+    """A job that passed its cap and is not (yet) shown stopped by its own cancel."""
+    if a.result_state != "TIMEOUT" or not a.handle:
+        return False
+    cancel = (results.get(a.id) or {}).get("cap_cancel") or {}
+    return not cancel.get("confirmed_terminal")
 
 
 def _won_at(race: Race) -> float | None:

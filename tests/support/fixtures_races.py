@@ -67,6 +67,15 @@ providers:
       seed: 3
       slow_probability: 0
       fast: {queue_s: 0.2, run_s: 3}
+  c:                              # a provider with a short cap: 20 s (200 ms real)
+    role: hedge
+    adapter: sim
+    timeout_s: 20
+    billed_rate_per_s: 0.0005
+    sim:
+      seed: 4
+      slow_probability: 0
+      fast: {queue_s: 0, run_s: 100}
 policy:
   name: fixed
   params: {hedge_after_ms: 30000}  # 300 ms real: room for a loaded machine's lag
