@@ -336,7 +336,11 @@ class RaceDriver(AttemptWork):
         state = record.state
         race = Race.from_dict(state["race"], self.clock)
         if race.finished and self.store.receipt(race_id) is not None:
-            return  # fully done: its winner was marked and its receipt written
+            # Receipt written; but the step that declared the winner may have died before
+            # marking the result (another process finished the race): mark it again.
+            if race.winner is not None:
+                self._declare(race_id, race, state)
+            return
         caps = state["spec"].get("caps_s") or {}
         now = self.clock.now()
         for a in race.attempts:
