@@ -1,0 +1,183 @@
+"""``gpuhedge-celery watch [--once] [--json]``: a live terminal table of hedged races in flight.
+
+Reads what any coordinator writes to Redis, so it watches the whole deployment from anywhere:
+the heartbeat index (``<prefix>:{races}:live``) lists the races, each race's state gives its
+attempts (provider, phase, last provider state), pending policy timers and winner, and its live
+job index and cancel receipts give the leaks. ``--once`` prints one snapshot (for scripts and
+tests); without it the table is redrawn in place every ``--interval`` seconds until Ctrl-C.
+Exit codes: 0 ok, 2 bad option, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from ..store.timers import as_text
+
+
+def _store() -> Any:
+    """A race store with one quick connection attempt, so a dead Redis fails fast."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from ..store.races import RaceStore
+
+    settings = click.get_current_context().find_root().obj.settings
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_connect_timeout=3,
+        socket_timeout=10,
+        retry=Retry(NoBackoff(), 1),
+    )
+    return RaceStore(client, settings.prefix)
+
+
+def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: dict, now: float,
+         done: bool) -> dict[str, Any]:  # fmt: skip
+    """One race as the table (and ``--json``) shows it."""
+    if state is None:
+        return {"race_id": race_id, "status": "expired", "live_jobs": sorted(jobs)}
+    race = state["race"]
+    started = race.get("started_at") or now
+    attempts = []
+    for a in race.get("attempts", []):
+        receipt = a.get("receipt") or {}
+        attempts.append(
+            {
+                "id": a["id"],
+                "provider": a["provider"],
+                "role": a["role"],
+                "phase": a["phase"],
+                "state": a.get("last_state"),
+                "job_id": a.get("job_id") or None,
+                "live_job": a["id"] in jobs,
+                "cancel_evidence": receipt.get("evidence"),
+                "leaked": a["phase"] == "leaked" or bool(receipt.get("leaked") and done),
+            }
+        )
+    winner = race.get("winner")
+    won = next((a for a in attempts if a["id"] == winner), None)
+    if race.get("finished"):
+        status = "finished" if won else "failed"
+    else:
+        status = "won" if won else "racing"
+    return {
+        "race_id": race_id,
+        "status": status,
+        "policy": race["policy"].get("kind"),
+        "age_ms": round((now - started) * 1000.0, 1),
+        "heartbeat_ms_ago": max(0, round(now * 1000.0 - last_seen_ms)),
+        "attempts": attempts,
+        "timers": {k: round((float(at) - now) * 1000.0, 1) for k, at in race["timers"].items()},
+        "winner": won["provider"] if won else None,
+        "leaks": [a["id"] for a in attempts if a["leaked"]],
+        "flags": list(race.get("flags") or []),
+        "note": race.get("note") or "",
+    }
+
+
+def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) -> dict[str, Any]:
+    """The races of the heartbeat index (most recent first) as JSON-ready rows."""
+    from ..store.race_keys import race_keys
+    from ..store.timers import store_errors
+
+    now = time.time()
+    with store_errors("reading races in flight"):
+        found = store.client.zrevrange(store.live_key, 0, limit - 1, withscores=True)
+        pipe = store.client.pipeline(transaction=False)
+        for race_id, _ in found:
+            keys = race_keys(store.prefix, as_text(race_id))
+            pipe.hget(keys.state, "data")
+            pipe.hgetall(keys.jobs)
+            pipe.exists(keys.receipt)
+        answers = pipe.execute()
+    rows = []
+    for i, (race_id, score) in enumerate(found):
+        data, jobs, done = answers[3 * i : 3 * i + 3]
+        state = json.loads(as_text(data)) if data is not None else None
+        row = _row(as_text(race_id), int(score), state, jobs or {}, now, bool(done))
+        if row["status"] in ("finished", "failed") and not row["leaks"] and not include_finished:
+            continue  # lingering in the index with nothing left to watch
+        rows.append(row)
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    return {"at": now, "prefix": store.prefix, "races": rows, "counts": counts}
+
+
+def _attempt_cell(a: dict[str, Any]) -> str:
+    state = a["state"] or "-"
+    mark = " LEAK" if a["leaked"] else ""
+    return f"{a['provider']}:{a['phase']}/{state}{mark}"
+
+
+def render(snap: dict[str, Any]) -> str:
+    """The snapshot as a fixed-width table."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(snap["at"]))
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(snap["counts"].items())) or "none"
+    lines = [
+        f"gpuhedge races in flight  {stamp}  prefix {snap['prefix']}  ({counts})",
+        f"{'RACE':<12} {'STATUS':<8} {'POLICY':<10} {'AGE':>8}  {'ATTEMPTS':<46} "
+        f"{'TIMERS':<18} {'WINNER':<8} LEAKS",
+    ]
+    for r in snap["races"]:
+        if r["status"] == "expired":
+            lines.append(f"{r['race_id'][:12]:<12} expired  live jobs: {', '.join(r['live_jobs'])}")
+            continue
+        attempts = " ".join(_attempt_cell(a) for a in r["attempts"]) or "-"
+        timers = " ".join(f"{k}@{ms / 1000:+.2f}s" for k, ms in r["timers"].items()) or "-"
+        lines.append(
+            f"{r['race_id'][:12]:<12} {r['status']:<8} {r['policy'] or '-':<10} "
+            f"{r['age_ms'] / 1000:>7.2f}s  {attempts:<46} {timers:<18} "
+            f"{r['winner'] or '-':<8} {','.join(r['leaks']) or '-'}"
+        )
+    if not snap["races"]:
+        lines.append("(no race in flight)")
+    return "\n".join(lines)
+
+
+@click.command(name="watch")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print snapshots as JSON (one per line).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1, max=10_000),
+    default=50,
+    show_default=True,
+    help="Most races shown (the most recently active first).",
+)
+@click.option("--all", "include_finished", is_flag=True, help="Also show finished races.")
+def command(once: bool, as_json: bool, interval: float, limit: int, include_finished: bool) -> None:
+    """Watch hedged races in flight: provider states, timers, winner, leaks."""
+    from ..store.connection import translate_errors
+
+    store = _store()
+    while True:
+        with translate_errors():
+            snap = snapshot(store, limit, include_finished=include_finished)
+        if as_json:
+            click.echo(json.dumps(snap))
+        elif once:
+            click.echo(render(snap))
+        else:
+            # Redraw in place: cursor home, clear the screen.
+            click.echo("\x1b[H\x1b[2J" + render(snap), nl=True)
+        if once:
+            return
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return

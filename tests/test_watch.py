@@ -1,0 +1,105 @@
+"""``gpuhedge-celery watch`` against live races on a real worker (``--once``, JSON and text)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from gpuhedge_celery.cli import cli
+from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+# the primary runs ~1.5 s, the hedge (launched at 300 ms) ~1.2 s: both are in flight for a while
+SLOW = {"sim": {"p": {"queue_s": 0, "run_s": 150}, "h": {"queue_s": 0, "run_s": 120}}}
+
+
+@pytest.fixture(scope="module")
+def watch_cluster(redis_url, tmp_path_factory):
+    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("watch"), workers=1)
+    yield rc
+    stop_race_cluster(rc)
+
+
+def watch(rc, *args):
+    env = {"GPUHEDGE_REDIS_URL": rc.redis_url, "GPUHEDGE_PREFIX": rc.prefix}
+    result = CliRunner().invoke(cli, ["watch", *args], env=env, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        found = predicate()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_watch_once_shows_races_in_flight_then_forgets_them(watch_cluster):
+    rc = watch_cluster
+    res = rc.send(SLOW)
+
+    def both_running():
+        snap = json.loads(watch(rc, "--once", "--json"))
+        row = next((r for r in snap["races"] if r["race_id"] == res.id), None)
+        if row and [a["phase"] for a in row["attempts"]] == ["running", "running"]:
+            return snap, row
+        return None
+
+    snap, row = wait_for(both_running, 20, "two running attempts in the watch output")
+    assert snap["prefix"] == rc.prefix and snap["counts"].get("racing", 0) >= 1
+    assert row["status"] == "racing" and row["winner"] is None and row["leaks"] == []
+    assert [(a["provider"], a["role"]) for a in row["attempts"]] == [("p", "primary"),
+                                                                     ("h", "hedge")]  # fmt: skip
+    assert all(a["live_job"] and a["job_id"].startswith("sim-") for a in row["attempts"])
+    assert row["age_ms"] > 0 and row["heartbeat_ms_ago"] >= 0
+
+    text = watch(rc, "--once")
+    line = next(x for x in text.splitlines() if x.startswith(res.id[:12]))
+    assert "racing" in line and "p:running/" in line and "h:running/" in line
+    assert text.splitlines()[1].split()[:3] == ["RACE", "STATUS", "POLICY"]
+
+    # the installed entry point, as a script would run it
+    script = shutil.which("gpuhedge-celery")
+    assert script, "gpuhedge-celery is not installed (pip install -e .)"
+    done = subprocess.run(
+        [script, "--redis-url", rc.redis_url, "watch", "--once", "--json"],
+        capture_output=True, text=True, timeout=60, env={"GPUHEDGE_PREFIX": rc.prefix,
+                                                         "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["prefix"] == rc.prefix
+
+    result = res.get(timeout=20)
+    rc.receipt(res.id)
+    after = json.loads(watch(rc, "--once", "--json"))
+    assert res.id not in [r["race_id"] for r in after["races"]]  # finished, nothing to watch
+    finished = json.loads(watch(rc, "--once", "--json", "--all"))
+    row = next((r for r in finished["races"] if r["race_id"] == res.id), None)
+    if row is not None:  # it may already have left the heartbeat index
+        assert row["status"] == "finished" and row["winner"] == result["winner"]
+
+
+def test_watch_timers_column_and_bad_options(watch_cluster):
+    rc = watch_cluster
+    res = rc.send({"sim": {"p": {"queue_s": 0, "run_s": 100}}}, policy="hedge:p->h@5s")
+
+    def armed():
+        snap = json.loads(watch(rc, "--once", "--json"))
+        row = next((r for r in snap["races"] if r["race_id"] == res.id), None)
+        return row if row and "hedge" in row["timers"] else None
+
+    row = wait_for(armed, 20, "the hedge timer in the watch output")
+    assert 0 < row["timers"]["hedge"] <= 5100  # due about 5 s after the primary's submit
+    assert "hedge@+" in watch(rc, "--once")
+    res.get(timeout=20)
+    bad = CliRunner().invoke(cli, ["watch", "--interval", "0"])
+    assert bad.exit_code == 2 and "--interval" in bad.output
