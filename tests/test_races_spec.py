@@ -113,3 +113,21 @@ def test_settings_errors_name_the_variable(env, fragment):
 def test_a_missing_plugin_is_a_config_error():
     with pytest.raises(ConfigError, match="GPUHEDGE_PLUGINS: cannot import plugin 'no_such_mod'"):
         RaceSettings.from_env({"GPUHEDGE_PLUGINS": "no_such_mod"}).import_plugins()
+
+
+def test_hedged_infer_imports_first_in_a_fresh_process():
+    """``from gpuhedge_celery import hedged_infer`` loads tasks.races before tasks.app, whose
+    task modules (the janitor's) build on the race runtime: no import cycle may break that."""
+    import subprocess
+    import sys
+
+    code = (
+        "from gpuhedge_celery import hedged_infer\n"
+        "from gpuhedge_celery.tasks import app, race_runtime\n"
+        "assert race_runtime.QUEUE_ATTEMPTS == app.QUEUE_ATTEMPTS\n"
+        "assert set(app.app.tasks) >= {'gpuhedge.hedged_infer', 'gpuhedge.race_submit'}\n"
+        "print(hedged_infer.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "gpuhedge.hedged_infer"

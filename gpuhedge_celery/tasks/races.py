@@ -24,40 +24,48 @@ redelivered, and every task is idempotent.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-from functools import lru_cache
 from typing import Any
 
 from celery import Task, signals
 from celery.exceptions import Ignore
 
-from ..config import GpuHedgeConfig, load_config
 from ..core.race_events import event_from_dict
-from ..errors import ConfigError, RaceFailed, StoreError
-from ..providers.base import Provider
-from ..providers.redis_ledger import install_redis_ledger
-from ..race.driver import RaceDriver
-from ..race.settings import RaceSettings
+from ..errors import ConfigError, StoreError
 from ..race.spec import build_spec, check_request
-from ..store.connection import client_for
-from ..store.races import RaceStore
-from ..store.timers import TimerService, TimerStore
+from .race_runtime import (  # the runtime's names are re-exported: see __all__
+    TASK_HEDGED_INFER,
+    TASK_RACE_CANCEL,
+    TASK_RACE_STEP,
+    TASK_RACE_SUBMIT,
+    CeleryEffects,
+    RaceRuntime,
+    current_runtime,
+    race_settings,
+    runtime,
+)
+
+# isort: split
+# Bound above before tasks.app runs: it imports every task module, and the janitor's builds on
+# CeleryEffects/runtime from here, so these names must exist when it does.
 from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
 from .pool import celery_safe
 
 log = logging.getLogger(__name__)
 
-TASK_HEDGED_INFER = "gpuhedge.hedged_infer"
-TASK_RACE_SUBMIT = "gpuhedge.race_submit"
-TASK_RACE_CANCEL = "gpuhedge.race_cancel"
-TASK_RACE_STEP = "gpuhedge.race_step"
-
-
-@lru_cache(maxsize=1)
-def race_settings() -> RaceSettings:
-    """This process's race settings (read from the environment once)."""
-    return RaceSettings.from_env()
+__all__ = [
+    "TASK_HEDGED_INFER",
+    "TASK_RACE_CANCEL",
+    "TASK_RACE_STEP",
+    "TASK_RACE_SUBMIT",
+    "CeleryEffects",
+    "RaceRuntime",
+    "hedged_infer",
+    "race_cancel",
+    "race_settings",
+    "race_step",
+    "race_submit",
+    "runtime",
+]
 
 
 app.conf.update(race_settings().as_celery_conf())
@@ -71,51 +79,6 @@ app.conf.task_routes = {
 race_settings().import_plugins()
 
 
-class CeleryEffects:
-    """The driver's effects as Celery does them: tasks, result backend, task events."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._dispatcher: Any = None
-
-    def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
-        race_submit.apply_async((race_id, attempt_id, provider), queue=QUEUE_ATTEMPTS)
-
-    def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
-        race_cancel.apply_async((race_id, attempt_id, provider), queue=QUEUE_ATTEMPTS)
-
-    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
-        app.backend.mark_as_done(race_id, result)
-        self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
-        _continue(race_id, result, caller)
-
-    def failed(
-        self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
-    ) -> None:
-        error = RaceFailed(message, receipt)
-        error.args = (message, receipt)  # Celery rebuilds exceptions as cls(*args)
-        app.backend.mark_as_failure(race_id, error)
-        self.send(race_id, "task-failed", {"exception": message, "traceback": ""})
-
-    def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
-        self.send(race_id, f"task-{name}", fields)
-
-    def send(self, race_id: str, kind: str, fields: dict[str, Any]) -> None:
-        """Publish one task event for Flower / ``celery events``; failures are only logged."""
-        if not race_settings().events:
-            return
-        try:
-            with self._lock:
-                if self._dispatcher is None:
-                    self._dispatcher = app.events.Dispatcher(
-                        app.connection_for_write(), enabled=True
-                    )
-                self._dispatcher.send(kind, uuid=race_id, **fields)
-        except Exception:
-            log.debug("race %s: event %s not sent", race_id, kind, exc_info=True)
-            self._dispatcher = None
-
-
 def _caller(task: Task) -> dict[str, Any]:
     """What the task's own message asked to happen after it (links, the rest of a chain)."""
     request = task.request
@@ -124,83 +87,6 @@ def _caller(task: Task) -> dict[str, Any]:
         "chain": list(request.chain or []),
         "root_id": request.root_id,
     }
-
-
-def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
-    """Do what Celery's tracer would have done on success: run links and the next chain step.
-
-    ``hedged_infer`` ends with ``Ignore`` (its result comes later), so Celery itself does not.
-    """
-    from celery import signature
-
-    options = {"parent_id": race_id, "root_id": caller.get("root_id") or race_id}
-    for callback in caller.get("callbacks") or []:
-        signature(callback, app=app).apply_async((result,), **options)
-    chain = list(caller.get("chain") or [])
-    if chain:
-        following = signature(chain.pop(), app=app)
-        following.apply_async((result,), chain=chain or None, **options)
-
-
-def _short(result: dict[str, Any]) -> str:
-    shown = {k: v for k, v in result.items() if k != "payload"}
-    return repr(shown)[:500]
-
-
-class RaceRuntime:
-    """Per-process clients, config, providers and driver (built lazily, after any fork)."""
-
-    def __init__(self) -> None:
-        settings = glue_config().settings
-        self.settings = race_settings()
-        self.client = client_for(settings.redis_url)
-        self.prefix = settings.prefix
-        self.config: GpuHedgeConfig = load_config(settings.config_path)
-        install_redis_ledger(self.client, self.prefix)
-        self.store = RaceStore(self.client, self.prefix, receipt_ttl_s=self.settings.receipt_ttl_s)
-        self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
-        self._providers: dict[str, Provider] = {}
-        self._lock = threading.Lock()
-        self.driver = RaceDriver(
-            self.store, self.timers, self.provider, CeleryEffects(), self.settings
-        )
-        self.service: TimerService | None = None
-
-    def provider(self, name: str) -> Provider:
-        """The provider called ``name`` in this process's config (built once)."""
-        with self._lock:
-            found = self._providers.get(name)
-            if found is None:
-                found = self.config.build(name)
-                self._providers[name] = found
-            return found
-
-    def start_timers(self) -> TimerService:
-        """Start this process's timer thread (once)."""
-        with self._lock:
-            if self.service is None:
-                self.service = TimerService(
-                    self.timers, self.driver.on_timer, name="gpuhedge-race-timers"
-                ).start()
-            return self.service
-
-
-_runtime: dict[int, RaceRuntime] = {}
-_runtime_lock = threading.Lock()
-
-
-def runtime() -> RaceRuntime:
-    """This process's :class:`RaceRuntime`."""
-    pid = os.getpid()
-    found = _runtime.get(pid)
-    if found is None:
-        with _runtime_lock:
-            found = _runtime.get(pid)
-            if found is None:
-                found = RaceRuntime()
-                _runtime.clear()
-                _runtime[pid] = found
-    return found
 
 
 _TASK_OPTIONS: dict[str, Any] = {
@@ -276,6 +162,6 @@ def _start_race_timers(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _stop_race_timers(**_: Any) -> None:
-    rt = _runtime.get(os.getpid())
+    rt = current_runtime()
     if rt is not None and rt.service is not None:
         rt.service.stop()
