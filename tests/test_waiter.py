@@ -10,6 +10,7 @@ import time
 import pytest
 
 from gpuhedge_celery.errors import AcquireTimeout, ConfigError, EmptyPool, UnknownPool
+from gpuhedge_celery.store.keeper import LeaseKeeper
 from gpuhedge_celery.store.waiter import LeaseWaiter, waiter_for
 from tests.support.fixtures_leases import SPAWN, add_pool, make_store, queued_waiter, wait_until
 
@@ -214,3 +215,20 @@ def test_bad_input_is_typed(lease_store):
     with pytest.raises(ConfigError, match="recheck"):
         LeaseWaiter(lease_store, recheck_s=0)
     assert lease_store.queue("dead") == [] and lease_store.queue("nope") == []
+
+
+def test_gpu_added_while_waiting_is_picked_up(lease_store):
+    """A GPU registered mid-wait is seen within a re-check, even while the held lease is kept
+    short-lived by renewals (so the waiter's sleeps are cut to its PTTL, never a full period)."""
+    (gpu,) = add_pool(lease_store)
+    held = lease_store.try_claim(gpu, "holder", ttl_ms=300)
+    with LeaseKeeper(lease_store, held, interval_s=0.05):
+        thread, box = acquire_in_thread(
+            LeaseWaiter(lease_store, recheck_s=0.3), "default", "w", timeout_s=10
+        )
+        assert wait_until(lambda: lease_store.queue("default") == ["w"], 5)
+        add_pool(lease_store, n=1, host="h2")
+        added = time.monotonic()
+        thread.join(10)
+    assert box["lease"].gpu_id == "h2:0"
+    assert box["at"] - added < 0.3 + 0.7

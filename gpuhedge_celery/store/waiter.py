@@ -77,6 +77,9 @@ class LeaseWaiter:
     ) -> Lease:
         """Wait for a free GPU of ``pool`` (matching ``labels``) in arrival order and claim it.
 
+        ``holder`` names this wait in the queue and the lease (use the task id): two concurrent
+        waits with the same holder share one place in the queue.
+
         Raises UnknownPool, EmptyPool, AcquireTimeout (also when another process cancelled the
         wait with :meth:`leave`); the queue entry is removed on every exit.
         """
@@ -87,6 +90,7 @@ class LeaseWaiter:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         candidates, accepted = self._candidates(pool, labels)
+        refreshed = time.monotonic()
         watch = self.listener.watch(self._lease_keys(candidates), pool)
         claimed = False
         first = True
@@ -118,8 +122,10 @@ class LeaseWaiter:
                     wait_s = min(wait_s, min_pttl / 1000 + DUE_SLACK_S)
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - now)
-                if not watch.event.wait(wait_s) and wait_s == self.recheck_s:
-                    # A quiet period: pick up GPUs or hosts that came or went meanwhile.
+                watch.event.wait(wait_s)
+                if time.monotonic() - refreshed >= self.recheck_s:
+                    # Once per re-check period: pick up GPUs or hosts that came or went.
+                    refreshed = time.monotonic()
                     candidates, accepted = self._candidates(pool, labels)
                     self.listener.rewatch(watch, self._lease_keys(candidates))
         finally:
