@@ -30,6 +30,7 @@ from .base import due_ms, find_attempt
 from .receipt import store_attempt_result
 
 MIN_WATCH_GAP_S = 0.002
+UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
 
 if TYPE_CHECKING:
     from ..core.clock import Clock
@@ -78,6 +79,11 @@ class AttemptWork:
             self.resume(race_id)
             return
         known = self.store.live_jobs(race_id).get(attempt_id)
+        if known is not None and known.get("submitting"):
+            # A submit was in flight when its worker died: the provider may hold a job we have
+            # no id for. Never submit blindly again: end the attempt (the policy moves on).
+            self.step(race_id, SubmitFailed(attempt_id, UNKNOWN_SUBMIT))
+            return
         if known is not None:
             handle = JobHandle.from_dict(known)
         elif race.finished or race.has_winner or a.cancel_requested:
@@ -87,6 +93,9 @@ class AttemptWork:
             return
         else:
             provider = self.providers(a.provider)
+            # The intent first: a crash between the provider's reply and the handle's
+            # registration must not look like "never submitted" to a redelivery.
+            self.store.add_job(race_id, attempt_id, {"submitting": True, "at": self.clock.now()})
             try:
                 handle = provider.submit(record.state.get("request") or {})
             except ProviderError as e:
