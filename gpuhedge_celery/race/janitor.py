@@ -217,6 +217,11 @@ class Janitor:
         """Cancel every registered live job natively; attempt id -> receipt (or the error)."""
         out: dict[str, CancelReceipt | str] = {}
         for attempt_id, handle_data in jobs.items():
+            if handle_data.get("submitting"):
+                # A submit whose worker died: no job id to cancel. The attempt is ended as
+                # never submitted and the intent dropped (nothing more can be done).
+                self.store.remove_job(race.race_id, attempt_id)
+                continue
             handle = JobHandle.from_dict(handle_data)
             try:
                 receipt = self.providers(handle.provider).cancel(handle)
