@@ -118,6 +118,7 @@ def plan(
                         running.token,
                         running.lease_holder,
                         "GPU busy without a lease",
+                        {"since": running.since},
                     )
                 )
             continue

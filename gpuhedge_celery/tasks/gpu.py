@@ -30,14 +30,17 @@ log = logging.getLogger(__name__)
 
 _stores: dict[int, LeaseStore] = {}
 _runners: dict[tuple[int, str], Runner] = {}
+_lock = threading.Lock()
 
 
 def lease_store() -> LeaseStore:
-    """This process's lease store (built lazily, rebuilt after a fork)."""
-    store = _stores.get(os.getpid())
-    if store is None:
-        store = _stores[os.getpid()] = LeaseStore.from_settings(glue_config().settings)
-    return store
+    """This process's lease store (built lazily, rebuilt after a fork; one per process so the
+    coordinator's waiting threads share one waiter and one pub/sub connection)."""
+    with _lock:
+        store = _stores.get(os.getpid())
+        if store is None:
+            store = _stores[os.getpid()] = LeaseStore.from_settings(glue_config().settings)
+        return store
 
 
 def runner_for(pool: str) -> Runner:

@@ -166,7 +166,11 @@ def reconcile_once(
             if action.kind == "free":
                 applied = store.force_release(action.gpu_id, action.token)
             elif action.kind == "restore":
-                applied = store.restore(action.gpu_id, action.holder, action.token)
+                since = action.detail.get("since")
+                since_ms = None if since is None else int(since * 1000)
+                applied = store.restore(
+                    action.gpu_id, action.holder, action.token, since_ms=since_ms
+                )
             else:
                 applied = False
                 log.warning("reconcile: GPU %s: %s", action.gpu_id, action.reason)
