@@ -1,0 +1,135 @@
+"""What Flower sees of races: a ``celery events`` state fed by an event receiver on the broker.
+
+Flower builds its task list from task events, exactly like :class:`celery.events.state.State`
+does here. The worker runs with task events on (``-E``, given as ``CELERY_WORKER_TASK_EVENTS``)
+so Celery's own events (received, started, ...) arrive beside the race's custom ones, and each
+custom ``task-<name>`` event becomes the task state ``<NAME>`` in that view.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
+CASCADE = {
+    "sim": {
+        "p": {"queue_s": 30, "run_s": 5},
+        "h": {"queue_s": 60, "run_s": 5},
+        "f": {"queue_s": 0.2, "run_s": 3},
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def events_cluster(redis_url, tmp_path_factory):
+    rc = start_race_cluster(
+        redis_url, tmp_path_factory.mktemp("flower"), workers=1, CELERY_WORKER_TASK_EVENTS="1"
+    )
+    assert "task events: ON" in rc.cluster.workers[0].log()  # the worker really runs with -E
+    yield rc
+    stop_race_cluster(rc)
+
+
+class EventLog:
+    """An event receiver on the test broker, collecting every event in a thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.events: list[dict] = []
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._listen, daemon=True)
+
+    def _listen(self) -> None:
+        with self.app.connection_for_read() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            self.ready.set()
+            while not self.stop.is_set():
+                try:
+                    for _ in receiver.itercapture(limit=None, timeout=0.5, wakeup=False):
+                        if self.stop.is_set():
+                            return
+                except TimeoutError:  # a quiet half second: look at the stop flag again
+                    continue
+
+    def __enter__(self) -> EventLog:
+        self.thread.start()
+        assert self.ready.wait(10)
+        time.sleep(0.5)  # the subscription is in place before anything is sent
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+    def wait_for(self, race_id: str, wanted: set[str], timeout: float = 15) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mine = [e for e in list(self.events) if e.get("uuid") == race_id]
+            if wanted <= {e["type"] for e in mine}:
+                return mine
+            time.sleep(0.05)
+        seen = [e["type"] for e in self.events if e.get("uuid") == race_id]
+        raise AssertionError(f"missing {wanted - set(seen)}; seen {seen}")
+
+
+def states_of(events: list[dict], race_id: str):
+    """Feed the events to Celery's State one by one; the task states it went through."""
+    from celery.events.state import State
+
+    state = State()
+    seen = []
+    for event in events:
+        state.event(event)
+        task = state.tasks.get(race_id)
+        if task is not None and (not seen or seen[-1] != task.state):
+            seen.append(task.state)
+    return state, seen
+
+
+def test_a_hedge_rescue_shows_its_lifecycle_as_task_states(events_cluster):
+    rc = events_cluster
+    with EventLog(rc.app) as log:
+        res = rc.send(HEDGE_RESCUE)
+        assert res.get(timeout=20)["winner"] == "h"
+        rc.receipt(res.id)
+        wanted = {"task-received", "task-queued", "task-running", "task-hedge_launched",
+                  "task-won", "task-loser_cancelled", "task-succeeded"}  # fmt: skip
+        mine = log.wait_for(res.id, wanted)
+        everything = list(log.events)
+    state, seen = states_of(everything, res.id)
+    for name in ("QUEUED", "RUNNING", "HEDGE_LAUNCHED", "WON", "SUCCESS"):
+        assert name in seen, seen
+    assert seen.index("HEDGE_LAUNCHED") < seen.index("WON") <= seen.index("SUCCESS")
+    task = state.tasks[res.id]
+    assert task.name == "gpuhedge.hedged_infer"  # from task-received: the -E worker sent it
+    launched = next(e for e in mine if e["type"] == "task-hedge_launched")
+    assert launched["provider"] == "h" and launched["role"] == "hedge"
+    assert launched["race_id"] == res.id
+    cancelled = next(e for e in mine if e["type"] == "task-loser_cancelled")
+    assert cancelled["provider"] == "p" and cancelled["job_id"].startswith("sim-p-")
+    # the attempt tasks are named by race and provider in their arguments (Flower's task list)
+    submits = [t for t in state.tasks.values() if t.name == "gpuhedge.race_submit"]
+    assert any(res.id in (t.args or "") and "'h'" in (t.args or "") for t in submits), [
+        (t.name, t.args) for t in submits
+    ]
+
+
+def test_a_cascade_shows_cut_over_and_escalated(events_cluster):
+    rc = events_cluster
+    with EventLog(rc.app) as log:
+        res = rc.send(CASCADE, policy="cascade")
+        assert res.get(timeout=20)["winner"] == "f"
+        rc.receipt(res.id)
+        mine = log.wait_for(res.id, {"task-cut_over", "task-escalated", "task-won"})
+    _, seen = states_of(mine, res.id)
+    assert "CUT_OVER" in seen and "ESCALATED" in seen and "WON" in seen, seen
+    escalated = next(e for e in mine if e["type"] == "task-escalated")
+    assert escalated["provider"] == "f" and escalated["role"] == "fallback"
