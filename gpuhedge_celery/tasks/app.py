@@ -45,6 +45,7 @@ TASK_MODULES = [
     "gpuhedge_celery.tasks.reconcile",
     "gpuhedge_celery.tasks.control",
     "gpuhedge_celery.tasks.signals",
+    "gpuhedge_celery.tasks.cancel",
 ]
 OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races", "gpuhedge_celery.tasks.janitor"]
 

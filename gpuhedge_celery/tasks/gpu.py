@@ -25,6 +25,7 @@ from ..errors import GpuHedgeError, LeaseLost, StaleToken, StoreUnavailable
 from ..runners import RunContext, Runner, RunnerStopped, runner_from_spec
 from ..store.leases import GpuInfo, Lease, LeaseKeeper, LeaseStore
 from .app import TASK_GPU_RUN, app, glue_config
+from .cancel import StopWatch, stop_requested
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,9 @@ def gpu_run(
     if done:
         log.warning("request %s already completed: duplicate delivery ignored", task_id)
         return result
+    if stop_requested(store, task_id):
+        _finish(store, held, task_id)
+        raise RunnerStopped(f"request {task_id} cancelled before it started")
     try:
         store.check_fence(held.gpu_id, held.token)
     except (StaleToken, LeaseLost) as e:
@@ -212,6 +216,7 @@ def gpu_run(
         )
     ctx = RunContext(gpu_id=held.gpu_id, token=held.token, task_id=task_id)
     keeper = LeaseKeeper(store, held, on_lost=lambda _lease, _exc: ctx.stop.set()).start()
+    watch = StopWatch(store, task_id, ctx.stop).start()
     started = time.time()
     try:
         output = runner_for(pool).run(request, ctx)
@@ -219,13 +224,19 @@ def gpu_run(
             raise RunnerStopped(f"lease on GPU {held.gpu_id} lost while the job ran")
     except RunnerStopped as e:
         keeper.stop()
+        watch.close()
+        if watch.cancelled.is_set() and not keeper.lost.is_set():
+            _finish(store, keeper.lease, task_id)
+            raise RunnerStopped(f"request {task_id} cancelled while running") from None
         _clear_running(store, held.gpu_id, task_id)
         return back_to_waiting(self, request, pool, attempt, str(e), labels)
     except BaseException:
         keeper.stop()
+        watch.close()
         _finish(store, keeper.lease, task_id)
         raise
     keeper.stop()
+    watch.close()
     run_s = time.time() - started
     if not _finish(store, keeper.lease, task_id):
         return back_to_waiting(

@@ -19,8 +19,9 @@ from typing import Any
 
 from celery import Task
 
-from ..errors import ConfigError, EmptyPool, LeaseLost, StaleToken, UnknownPool
+from ..errors import AcquireTimeout, ConfigError, EmptyPool, LeaseLost, StaleToken, UnknownPool
 from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
+from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
 
 
@@ -77,6 +78,8 @@ def pooled_infer(
     try:
         _validate(pool, labels, timeout_s)
         store = lease_store()
+        if stop_requested(store, self.request.id or ""):
+            raise AcquireTimeout(f"request {self.request.id} was cancelled before it waited")
         holder = self.request.id or f"pooled-{time.time_ns()}"
         config = glue_config()
         lease = waiter_for(store).acquire(
