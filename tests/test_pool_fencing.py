@@ -1,0 +1,71 @@
+"""Lease loss and stale tokens with REAL workers: a job never carries on without its lease."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
+from gpuhedge_celery.tasks.cancel import running_on
+
+pytestmark = [pytest.mark.redis, pytest.mark.celery]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_a_job_whose_lease_is_taken_over_is_stopped_and_waits_again(celery_cluster):
+    c = celery_cluster
+    workers = [
+        c.start_gpu(0, wait=False, GPUHEDGE_POOL_TTL_MS="1500"),  # renewed every 0.5 s
+        c.start_coordinator(wait=False),
+    ]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    result = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 5, "id": "victim"},))
+    wait_for(lambda: running_on(c.store, "default", result.id), 20, "the job to start")
+    first = c.store.current(gpu)
+    # Another holder takes the GPU over (what a Redis failover or a long pause can cause).
+    assert c.store.force_release(gpu, first.token)
+    intruder = c.store.try_claim(gpu, "intruder", ttl_ms=60_000)
+    stopped_at = wait_for(
+        lambda: running_on(c.store, "default", result.id) is None and time.monotonic(),
+        5,
+        "the job to stop after its renewal was refused",
+    )
+    assert c.store.current(gpu).holder == "intruder", "the stopped job did not touch the lease"
+    assert not result.ready(), "the request waits for the GPU again instead of failing"
+    wait_for(lambda: result.id in c.store.queue("default"), 10, "the request to queue again")
+    c.store.release(intruder)
+    out = wait_for(lambda: result.ready() and result.get(), 40, "the re-run to finish")
+    assert out["attempt"] == 1 and out["token"] > intruder.token
+    assert out["run_s"] >= 4.9, "re-run from the start, under the new lease"
+    assert stopped_at is not None
+
+
+def test_a_stale_token_is_refused_before_any_work(celery_cluster):
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    old = c.store.try_claim(gpu, "old-holder")
+    c.store.release(old)
+    newer = c.store.try_claim(gpu, "newer-holder")
+    c.store.check_fence(gpu, newer.token)  # the GPU has accepted the newer token
+    c.store.release(newer)
+    stale = c.app.send_task(
+        TASK_GPU_RUN,
+        ({"duration_s": 0.1, "id": "stale"}, old.to_dict()),
+        queue=gpu_queue(gpu),
+    )
+    out = stale.get(timeout=30)  # refused, sent back to waiting, then run under a fresh lease
+    assert out["token"] > newer.token and out["attempt"] == 1
+    assert "refused" in "".join(w.log() for w in workers)
