@@ -110,3 +110,22 @@ def test_kill_whole_worker_mid_job(celery_cluster):
     assert out["attempt"] == 1
     assert time.monotonic() - killed_at < 60
     assert survivor.alive()
+
+
+def test_kill_coordinator_while_the_request_waits(celery_cluster):
+    """The waiting request's message is redelivered (visibility timeout) to a new coordinator."""
+    c = celery_cluster
+    short = {"GPUHEDGE_VISIBILITY_TIMEOUT_S": "2"}
+    gpu_worker = c.start_gpu(0, wait=False, **short)
+    coord = c.start_coordinator(wait=False, **short)
+    c.wait_ready(gpu_worker, coord)
+    busy = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 3, "id": "busy"},))
+    wait_for(lambda: running_lease(c, c.gpu_id(0)), 20, "the first job to start")
+    waiting = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": "waiting"},))
+    wait_for(lambda: waiting.id in c.store.queue("default"), 20, "the second to queue")
+    os.killpg(coord.pid, signal.SIGKILL)
+    c.start_coordinator(**short)
+    assert busy.get(timeout=30)["output"]["echo"]["id"] == "busy"
+    out = waiting.get(timeout=60)
+    assert out["output"]["echo"]["id"] == "waiting"
+    wait_for(lambda: c.store.queue("default") == [], 10, "the wait queue to be empty")
