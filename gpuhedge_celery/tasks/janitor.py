@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..race.janitor import Janitor
 from .app import TASK_JANITOR, app
-from .races import CeleryEffects, runtime
+from .race_runtime import CeleryEffects, runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,6 @@ class JanitorSettings:
         return cls(**values)
 
 
-class JanitorEffects(CeleryEffects):
-    """Celery effects that never mark a result twice (links and chains would run twice)."""
-
-    def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
-        if app.backend.get_task_meta(race_id).get("status") == "SUCCESS":
-            return
-        super().won(race_id, result, caller)
-
-
 def lock_key(prefix: str) -> str:
     """The short lock that keeps two janitor passes from running at once."""
     return f"{prefix}:janitor:lock"
@@ -95,7 +86,7 @@ def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
         rt.store,
         rt.timers,
         rt.provider,
-        JanitorEffects(),
+        CeleryEffects(),  # won() skips a result already marked: no link runs twice
         stale_ms=int(settings.stale_s * 1000),
         receipt_ttl_s=rt.settings.receipt_ttl_s,
         payload_inline_max=rt.settings.payload_inline_max,
