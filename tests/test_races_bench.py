@@ -30,6 +30,7 @@ def test_bench_races_prints_every_row_as_json(redis_url):
     assert capacity["races"] == 10 and capacity["finished"] == 10
     assert 1 <= capacity["concurrent_peak"] <= 10
     assert set(capacity["timer_lag_ms"]) >= {"n", "p50_ms", "p99_ms"}
+    assert isinstance(capacity["meets_target"], bool)
     for key in ("cpu_pct", "redis_bytes_per_race", "worker_rss_bytes_per_race", "wall_s"):
         assert isinstance(capacity[key], (int, float))
     assert rows["cancel"]["races"] == 3 and rows["cancel"]["n"] <= 3
@@ -37,6 +38,7 @@ def test_bench_races_prints_every_row_as_json(redis_url):
 
 def test_bench_races_rejects_an_unknown_row():
     script = shutil.which("gpuhedge-celery")
-    done = subprocess.run([script, "bench", "races", "--rows", "nope"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 2 and "nope" in done.stderr
+    for bad in (["--rows", "nope"], ["--races", "many"]):
+        done = subprocess.run([script, "bench", "races", *bad], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode == 2 and bad[1] in done.stderr, done.stderr
