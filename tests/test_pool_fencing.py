@@ -69,3 +69,28 @@ def test_a_stale_token_is_refused_before_any_work(celery_cluster):
     out = stale.get(timeout=30)  # refused, sent back to waiting, then run under a fresh lease
     assert out["token"] > newer.token and out["attempt"] == 1
     assert "refused" in "".join(w.log() for w in workers)
+
+
+def test_attempts_are_bounded_and_the_failure_is_typed(celery_cluster):
+    from gpuhedge_celery.errors import LeaseLost
+
+    c = celery_cluster
+    gpu_worker = c.start_gpu(0, GPUHEDGE_MAX_ATTEMPTS="1")
+    gpu = c.gpu_id(0)
+    old = c.store.try_claim(gpu, "old-holder")
+    c.store.release(old)
+    stale = c.app.send_task(
+        TASK_GPU_RUN, ({"id": "stale"}, old.to_dict()), queue=gpu_queue(gpu)
+    )  # fmt: skip
+    with pytest.raises(LeaseLost, match="gave up after 1 attempt"):
+        stale.get(timeout=30)
+    assert gpu_worker.alive()
+
+
+def test_a_lease_delivered_to_the_wrong_gpu_is_freed_at_once(celery_cluster):
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_gpu(1, wait=False)]
+    c.wait_ready(*workers)
+    lease = c.store.try_claim(c.gpu_id(1), "misrouted")
+    c.app.send_task(TASK_GPU_RUN, ({"id": "x"}, lease.to_dict()), queue=gpu_queue(c.gpu_id(0)))
+    wait_for(lambda: c.store.current(c.gpu_id(1)) is None, 10, "the misrouted lease to be freed")

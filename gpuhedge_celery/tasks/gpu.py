@@ -122,9 +122,10 @@ def back_to_waiting(
 
     limit = glue_config().max_attempts
     if attempt + 1 >= limit:
-        raise LeaseLost(
-            "", 0, f"request {task.request.id} gave up after {attempt + 1} attempt(s): {reason}"
-        )
+        message = f"request {task.request.id} gave up after {attempt + 1} attempt(s): {reason}"
+        error = LeaseLost("", 0, message)
+        error.args = ("", 0, message)  # constructor-shaped, so Celery's JSON result rebuilds it
+        raise error
     log.warning(
         "request %s goes back to waiting (attempt %d): %s", task.request.id, attempt + 2, reason
     )
@@ -188,6 +189,7 @@ def gpu_run(
     held = Lease.from_dict(lease)
     pool = held.pool
     if held.gpu_id != config.gpu_id:
+        lease_store().force_release(held.gpu_id, held.token)  # not ours to run: free it now
         return back_to_waiting(
             self, request, pool, attempt, f"lease for {held.gpu_id} reached {config.gpu_id}", labels
         )
