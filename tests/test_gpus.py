@@ -87,3 +87,49 @@ def test_a_gpu_worker_labels_its_gpu_from_nvidia_smi_then_config(monkeypatch, tm
     assert labels == {"model": "renamed", "vram_mb": "81559", "zone": "b"}
     assert signals.gpu_labels("7", {"zone": "b"}) == {"zone": "b"}
     assert signals.gpu_labels("box:1", {}) == {}
+
+
+def test_gpu_host_script_starts_one_worker_per_gpu(redis_url, prefix, tmp_path):
+    """workers/gpu-host.sh on a host with GPUs 0 and 1: two GPU workers register, TERM stops all."""
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import redis
+
+    from gpuhedge_celery.store.leases import LeaseStore
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "GPUHEDGE_REDIS_URL": redis_url,
+        "GPUHEDGE_PREFIX": prefix,
+        "GPUHEDGE_BROKER_PREFIX": f"{prefix}:",
+        "GPUHEDGE_GPUS": "0,1",
+        "GPUHEDGE_HOST": f"{prefix}-box",
+        "GPUHEDGE_POOL": "scripted",
+        "PYTHON": sys.executable,
+    }
+    env.pop("GPUHEDGE_GPU", None)
+    log = open(tmp_path / "gpu-host.log", "wb")
+    proc = subprocess.Popen(
+        ["bash", str(root / "workers" / "gpu-host.sh")],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    store = LeaseStore(redis.Redis.from_url(redis_url, decode_responses=True), prefix)
+    try:
+        deadline = time.monotonic() + 60
+        while len(store.gpus("scripted")) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "gpu-host.log").read_text()
+            time.sleep(0.2)
+        assert [g.gpu_id for g in store.gpus("scripted")] == [f"{prefix}-box:0", f"{prefix}-box:1"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) != 0, "a stopped host exits non-zero so its supervisor restarts it"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
