@@ -22,6 +22,10 @@ catch as coarsely or as finely as it needs::
 
 Driver errors (redis-py, httpx) are translated at the boundary with ``raise ... from e`` so the
 original is kept as ``__cause__``.
+
+Every error keeps its constructor arguments in ``args`` (and its formatted text for ``str()``), so
+Celery's JSON result backend, which rebuilds an exception as ``cls(*args)``, gives the caller the
+same type with the same fields: ``pooled_infer.delay(...).get()`` raises a real ``UnknownPool``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ from typing import Any
 
 class GpuHedgeError(Exception):
     """Base class of every gpuhedge-celery error."""
+
+    _text: str | None = None
+
+    def _keep(self, text: str, *ctor_args: Any) -> None:
+        """Show ``text`` but keep the constructor's arguments in ``args`` (JSON round trips)."""
+        self._text = text
+        self.args = ctor_args
+
+    def __str__(self) -> str:
+        return self._text if self._text is not None else super().__str__()
 
 
 class ConfigError(GpuHedgeError):
@@ -71,7 +85,9 @@ class LeaseLost(LeaseError):
     def __init__(self, gpu_id: str, token: int, message: str | None = None):
         self.gpu_id = gpu_id
         self.token = token
-        super().__init__(message or f"lease on GPU {gpu_id!r} with token {token} is no longer held")
+        text = message or f"lease on GPU {gpu_id!r} with token {token} is no longer held"
+        super().__init__(text)
+        self._keep(text, gpu_id, token, message)
 
 
 class StaleToken(LeaseError):
@@ -81,7 +97,9 @@ class StaleToken(LeaseError):
         self.gpu_id = gpu_id
         self.token = token
         self.current = current
-        super().__init__(f"GPU {gpu_id!r} refused fencing token {token}: token {current} is newer")
+        text = f"GPU {gpu_id!r} refused fencing token {token}: token {current} is newer"
+        super().__init__(text)
+        self._keep(text, gpu_id, token, current)
 
 
 class UnknownPool(LeaseError):
@@ -89,7 +107,9 @@ class UnknownPool(LeaseError):
 
     def __init__(self, pool: str):
         self.pool = pool
-        super().__init__(f"unknown pool {pool!r}: no GPU is registered in it")
+        text = f"unknown pool {pool!r}: no GPU is registered in it"
+        super().__init__(text)
+        self._keep(text, pool)
 
 
 class EmptyPool(LeaseError):
@@ -97,7 +117,9 @@ class EmptyPool(LeaseError):
 
     def __init__(self, pool: str):
         self.pool = pool
-        super().__init__(f"pool {pool!r} has no live GPU (every host stopped heartbeating)")
+        text = f"pool {pool!r} has no live GPU (every host stopped heartbeating)"
+        super().__init__(text)
+        self._keep(text, pool)
 
 
 class AcquireTimeout(LeaseError):
@@ -109,7 +131,9 @@ class ProviderError(GpuHedgeError):
 
     def __init__(self, provider: str, message: str):
         self.provider = provider
-        super().__init__(f"provider {provider!r}: {message}")
+        text = f"provider {provider!r}: {message}"
+        super().__init__(text)
+        self._keep(text, provider, message)
 
 
 class SubmitError(ProviderError):
@@ -130,3 +154,4 @@ class RaceFailed(GpuHedgeError):
     def __init__(self, message: str, receipt: dict[str, Any] | None = None):
         self.receipt = receipt or {}
         super().__init__(message)
+        self._keep(message, message, self.receipt)
