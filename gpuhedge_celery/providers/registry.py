@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 _ADAPTERS: dict[str, type[Provider] | str] = {
     "sim": "gpuhedge_celery.providers.sim:SimProvider",
     "http": "gpuhedge_celery.providers.http:HttpProvider",
+    "pool": "gpuhedge_celery.providers.pool:PoolProvider",
 }
 
 
