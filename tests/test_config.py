@@ -63,9 +63,12 @@ def test_packaged_default_is_typed():
 def test_demo_config_seeds_show_each_scenario():
     """The scenario table in demo.yaml's header comment is what the draws produce."""
     cfg = load_config(packaged_path("demo.yaml"))
-    assert cfg.time_scale == 0.02
+    assert cfg.time_scale == 0.1
     assert cfg.scaled_policy_params() == {
-        "queue_cutover_ms": 50.0, "safety_hedge_ms": 170.0, "escalate_after_ms": 500.0}  # fmt: skip
+        "queue_cutover_ms": 250.0,
+        "safety_hedge_ms": 850.0,
+        "escalate_after_ms": 2500.0,
+    }
     built = {n: cfg.build(n, clock=VirtualClock(0.0), ledger=MemoryLedger()) for n in cfg.providers}
     fates = {n: [p.draw(str(k)) for k in range(20)] for n, p in built.items()}  # type: ignore[attr-defined]
     cheap, steady, reserve = fates["sim-cheap"], fates["sim-steady"], fates["sim-reserve"]
@@ -90,7 +93,7 @@ def test_demo_config_seeds_show_each_scenario():
     r = p.result(p.submit({"sim_key": 2}), cap_s=cfg.cap_s("sim-cheap"))
     assert r.state is JobState.COMPLETED
     assert not validate(cfg.validator.name, r.payload, **cfg.validator.options)
-    assert r.wall_ms == pytest.approx(total(cheap[2]) * 1000 * 0.02, abs=1)
+    assert r.wall_ms == pytest.approx(total(cheap[2]) * 1000 * cfg.time_scale, abs=1)
 
 
 def test_example_configs_load(monkeypatch):
@@ -225,11 +228,11 @@ def test_make_policy_builds_engine_policies_from_roles_and_scaled_params():
         "primary": "sim-cheap",
         "hedge": "sim-steady",
         "fallback": "sim-reserve",
-        "queue_cutover_ms": 50,
-        "safety_hedge_ms": 170,
-        "escalate_after_ms": 500,
+        "queue_cutover_ms": 250,
+        "safety_hedge_ms": 850,
+        "escalate_after_ms": 2500,
     }
-    assert demo.make_policy("fixed").params()["hedge_after_ms"] == 200  # default, scaled
+    assert demo.make_policy("fixed").params()["hedge_after_ms"] == 1000  # default, scaled
     with pytest.raises(ConfigError, match="expected one of"):
         demo.make_policy("fastest")
 

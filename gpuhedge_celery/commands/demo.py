@@ -9,7 +9,7 @@ import click
 
 
 @click.command(name="demo")
-@click.option("--races", default=20, show_default=True, help="Requests per policy in the batch.")
+@click.option("--races", default=15, show_default=True, help="Requests per policy in the batch.")
 @click.option("--pool-jobs", default=6, show_default=True, help="Jobs sent to the demo GPU pool.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the measured figures as JSON at the end."
@@ -31,9 +31,9 @@ def command(races: int, pool_jobs: int, as_json: bool) -> None:
         url = root.obj.settings.redis_url
         ping(url)  # StoreUnavailable -> one line, exit code 3
     else:
-        from ..store.embedded import start_embedded_redis
+        from ..store.embedded import spawn_embedded_redis
 
-        embedded = start_embedded_redis()
+        embedded = spawn_embedded_redis()
         url = embedded.url
     try:
         # With --json the narrative goes to stderr so stdout is one JSON document.

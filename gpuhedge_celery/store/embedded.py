@@ -10,10 +10,13 @@ Nagle's algorithm) and a 1 ms socket poll instead of fakeredis's 10 ms.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
-_POLL_S = 0.001
+_POLL_S = 0.005
 
 
 @dataclass
@@ -51,3 +54,48 @@ def start_embedded_redis(host: str = "127.0.0.1", port: int = 0) -> EmbeddedRedi
     return EmbeddedRedis(
         url=f"redis://{host}:{bound_port}/0", port=bound_port, _server=server, _thread=thread
     )
+
+
+@dataclass
+class EmbeddedRedisProcess:
+    """The embedded server in a child process of its own (its own GIL, so its own core)."""
+
+    url: str
+    port: int
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def spawn_embedded_redis(host: str = "127.0.0.1", timeout_s: float = 20.0) -> EmbeddedRedisProcess:
+    """Start the embedded server in a child process and wait until it answers PING."""
+    import redis
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    code = (
+        "import sys, time; from gpuhedge_celery.store.embedded import start_embedded_redis;"
+        f"start_embedded_redis({host!r}, {port});"
+        "[time.sleep(3600) for _ in iter(int, 1)]"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    url = f"redis://{host}:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the embedded Redis process exited with code {process.returncode}")
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+            return EmbeddedRedisProcess(url=url, port=port, process=process)
+        except redis.RedisError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"the embedded Redis on port {port} did not answer within {timeout_s} s")
