@@ -314,3 +314,45 @@ def test_the_demo_pool_provider_races_by_name_with_state_aware():
     assert spec.policy.providers() == ("gpu-pool", "sim-steady")
     assert spec.caps_s["gpu-pool"] == pytest.approx(60 * cfg.time_scale)
     assert isinstance(cfg.build("gpu-pool"), PoolProvider)
+
+
+@pytest.mark.redis
+@pytest.mark.celery
+@pytest.mark.timeout(120)
+def test_an_unknown_pool_fails_the_attempt_with_a_typed_error(pool):
+    nowhere = PoolProvider("gp", PoolSpec("no-such-pool", poll_s=0.05), app=pool.app,
+                           store=pool.store)  # fmt: skip
+    handle = nowhere.submit({"duration_s": 0.1})
+    result = nowhere.result(handle, cap_s=20)
+    assert result.state is JobState.FAILED and "UnknownPool" in result.error
+
+
+@pytest.mark.redis
+def test_redis_unreachable_is_a_provider_error_and_a_leaked_receipt(private_redis):
+    import redis
+
+    from gpuhedge_celery.errors import ProviderError, SubmitError
+    from gpuhedge_celery.settings import Settings
+    from gpuhedge_celery.store.leases import LeaseStore
+    from gpuhedge_celery.tasks.app import create_app
+    from gpuhedge_celery.tasks.config import GlueConfig
+
+    url = private_redis.url
+    app = create_app(GlueConfig(settings=Settings(redis_url=url, prefix="gone")))
+    no_retry = {"max_retries": 0}
+    app.conf.broker_transport_options = no_retry
+    app.conf.result_backend_transport_options = {"retry_policy": no_retry}
+    store = LeaseStore(redis.Redis.from_url(url, decode_responses=True, socket_timeout=2), "gone")
+    provider = PoolProvider("gp", PoolSpec(POOL, poll_s=0.05), app=app, store=store)
+    handle = JobHandle("gp", "pool-x", time.time(), {"pool": POOL})
+    private_redis.stop()
+    with pytest.raises(ProviderError, match="provider 'gp': cannot read the lease table"):
+        provider.status(handle)
+    receipt = provider.cancel(handle)
+    assert receipt.leaked is True and receipt.evidence.value == "no_evidence"
+    assert receipt.note.startswith("cancel failed:") and "\n" not in receipt.note
+    result = provider.result(handle, cap_s=5)
+    assert result.state is JobState.FAILED and "unreachable" in result.error
+    with pytest.raises(SubmitError, match="could not send gpuhedge.pooled_infer") as info:
+        provider.submit({"x": 1})
+    assert "\n" not in str(info.value)

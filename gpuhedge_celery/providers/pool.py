@@ -162,8 +162,9 @@ class PoolProvider(Provider):
                 TASK_POOLED_INFER, (request,), kwargs, task_id=job_id, queue=QUEUE_COORD
             )
         except Exception as e:  # a broker error: no message was queued, or we cannot tell
+            detail = " ".join(str(e).split())[:300]  # one line, whatever the driver says
             raise SubmitError(
-                self.name, f"could not send {TASK_POOLED_INFER} ({type(e).__name__}: {e})"
+                self.name, f"could not send {TASK_POOLED_INFER} ({type(e).__name__}: {detail})"
             ) from e
         return JobHandle(self.name, job_id, submitted_at, extra={"pool": self.spec.name})
 
