@@ -329,9 +329,11 @@ class SimProvider(Provider):
         times = [t0 + fate.end_s * scale]
         if not view.started and not view.cancel:
             times.append(t0 + fate.queue_s * scale)
-        if view.cancel:
-            times.append(view.cancel["terminal"])
         now = self.clock.now()
+        if view.cancel:
+            if view.cancel["terminal"] <= now:
+                return now  # the cancel took effect since ``view`` was taken: look again
+            times.append(view.cancel["terminal"])
         upcoming = [t for t in times if t > now]
         return min(upcoming) if upcoming else now
 
