@@ -69,7 +69,8 @@ def test_demo_config_seeds_show_each_scenario():
         "safety_hedge_ms": 850.0,
         "escalate_after_ms": 2500.0,
     }
-    built = {n: cfg.build(n, clock=VirtualClock(0.0), ledger=MemoryLedger()) for n in cfg.providers}
+    sims = [n for n, p in cfg.providers.items() if p.adapter == "sim"]
+    built = {n: cfg.build(n, clock=VirtualClock(0.0), ledger=MemoryLedger()) for n in sims}
     fates = {n: [p.draw(str(k)) for k in range(20)] for n, p in built.items()}  # type: ignore[attr-defined]
     cheap, steady, reserve = fates["sim-cheap"], fates["sim-steady"], fates["sim-reserve"]
 

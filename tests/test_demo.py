@@ -40,6 +40,11 @@ def test_demo_runs_every_scenario_on_the_embedded_redis():
         "cascade",
     ]
     assert all(row["n"] == 3 and row["leaks"] == 0 for row in report["summary"])
+    # the pool as a race provider: wins when a GPU is free, bursts to the sim when saturated
+    cases = {r["case"]: r for r in report["pool_races"]}
+    assert cases["free"]["winner"] == "gpu-pool"
+    assert cases["saturated"]["cut_over"] and cases["saturated"]["winner"] == "sim-steady"
+    assert not any(r["leaked"] for r in report["pool_races"])
     # the pool: each GPU ran its jobs one at a time, under strictly increasing fencing tokens
     per_gpu: dict[str, list[dict]] = {}
     for job in report["pool"]:

@@ -43,6 +43,7 @@ class DemoReport:
     scenarios: list[dict[str, Any]] = field(default_factory=list)
     summary: list[dict[str, Any]] = field(default_factory=list)
     pool: list[dict[str, Any]] = field(default_factory=list)
+    pool_races: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
 
 
@@ -141,8 +142,11 @@ def run_demo(
         workers.wait_ready()
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")
         _scenarios(hedged_infer, store, cfg.time_scale, echo, report)
-        _batch(hedged_infer, store, cfg, races, echo, report, embedded)
+        # The policy batch runs in the background while the pool sections play out.
+        pending = _submit_batch(hedged_infer, races)
         _pool(redis_url, prefix, pool_jobs, echo, report)
+        _pool_primary(hedged_infer, store, cfg.time_scale, echo, report)
+        _batch_summary(pending, store, cfg, races, echo, report, embedded)
     finally:
         workers.stop()
     report.wall_s = time.monotonic() - t0
@@ -185,8 +189,18 @@ def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: 
     echo("  read any receipt with: gpuhedge-celery --redis-url URL receipt RACE_ID [--json]\n")
 
 
-def _batch(
-    hedged_infer: Any,
+def _submit_batch(hedged_infer: Any, races: int) -> list[tuple[str, Any]]:
+    """Send ``races`` requests per policy, all at once; the summary collects them later."""
+    pending = []
+    for policy in POLICIES:
+        for key in range(BATCH_FIRST_KEY, BATCH_FIRST_KEY + races):
+            res = hedged_infer.apply_async(({"sim_key": key},), {"policy": policy})
+            pending.append((policy, res))
+    return pending
+
+
+def _batch_summary(
+    pending: list[tuple[str, Any]],
     store: Any,
     cfg: Any,
     races: int,
@@ -198,12 +212,10 @@ def _batch(
 
     scale = cfg.time_scale
     deadlines = list(cfg.slo_deadlines_s) or [60.0]
-    echo(f"== 2. {races} requests x {len(POLICIES)} policies, all in flight at once ==")
-    pending = []
-    for policy in POLICIES:
-        for key in range(BATCH_FIRST_KEY, BATCH_FIRST_KEY + races):
-            res = hedged_infer.apply_async(({"sim_key": key},), {"policy": policy})
-            pending.append((policy, res))
+    echo(
+        f"== 4. {races} requests x {len(POLICIES)} policies, all in flight at once "
+        "(sent before section 2) =="
+    )
     for _, res in pending:
         try:
             res.get(timeout=30, propagate=True)
@@ -241,9 +253,13 @@ def _batch(
             + " ".join(f"{row['misses'][str(d)]:>10}" for d in deadlines)
             + f" {hedged:>7} {row['active_usd']:>8.4f} {leaks:>6}"
         )
-    echo(
-        "  (simulated providers; latency in provider seconds; $ = active compute at config rates)\n"
-    )
+    echo("  (simulated providers; latency in provider seconds; $ = active compute at config rates)")
+    if embedded:
+        echo(
+            "  (on the embedded fakeredis each race step is slower than on a real Redis, which "
+            "inflates p50;\n   run with --redis-url redis://... for representative latencies)"
+        )
+    echo("")
 
 
 def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport) -> None:
@@ -252,15 +268,19 @@ def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport
     from ..store.leases import LeaseStore
     from ..tasks.pool import pooled_infer
 
-    echo(f"== 3. GPU pool: {jobs} jobs of 0.4 s on {POOL_GPUS} GPUs, one job per GPU at a time ==")
+    echo(f"== 2. GPU pool: {jobs} jobs of 0.4 s on {POOL_GPUS} GPUs, one job per GPU at a time ==")
     leases = LeaseStore(client_for(redis_url), prefix)
     t0 = time.time()
     results = [pooled_infer.apply_async(({"job": i},), {"pool": "demo"}) for i in range(jobs)]
-    time.sleep(0.2)
-    echo("  lease table while jobs run:")
+    rows = leases.table("demo")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(r.state == "held" for r in rows):
+        time.sleep(0.02)  # show the table once both GPUs are busy
+        rows = leases.table("demo")
+    echo("  lease table while jobs run (gpuhedge-celery leases):")
     echo("    " + "  ".join(COLUMNS[:6]))
-    for row in leases.table("demo"):
-        echo(f"    {row.gpu_id:<14} {row.pool:<6} {row.state:<6} token {row.token:<4} "
+    for row in rows:
+        echo(f"    {row.gpu_id:<14} {row.pool:<6} {row.state:<6} token {row.token or '-':<4} "
              f"holder {row.holder or '-'}")  # fmt: skip
     for i, res in enumerate(results):
         out = res.get(timeout=60)
@@ -269,6 +289,43 @@ def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport
                             "started_s": started, "run_s": out.get("run_s")})  # fmt: skip
         echo(f"  job {i}: GPU {out['gpu_id']} token {out['token']:<3} started at +{started:.2f} s")
     echo("  each GPU took the next job the moment its lease was released (keyspace event).\n")
+
+
+def _pool_primary(
+    hedged_infer: Any, store: Any, scale: float, echo: Echo, report: DemoReport
+) -> None:
+    from ..tasks.pool import pooled_infer
+
+    echo("== 3. The GPU pool as a race's primary, bursting to a serverless sim when saturated ==")
+    # The CPU runner echoes its request, so these races validate with `nonempty`, not `wav`.
+    request = {"sim_key": 3, "duration_s": 0.4}
+    kwargs = {"policy": "state_aware", "providers": ["gpu-pool", "sim-steady"]}
+    kwargs["validator"] = "nonempty"
+    cases = [("free", "GPUs free: the pool's attempt gets a GPU at once")]
+    cases.append(("saturated", "both GPUs busy: still QUEUED at the 2.5 s cutover -> burst"))
+    for case, what in cases:
+        blockers = []
+        if case == "saturated":
+            blockers = [
+                pooled_infer.apply_async(({"duration_s": 3.0},), {"pool": "demo"})
+                for _ in range(POOL_GPUS)
+            ]
+            time.sleep(0.3)  # let both blockers take their GPUs
+        echo(f"  {case}: {what}")
+        res = hedged_infer.apply_async((request,), kwargs)
+        watcher = RaceWatcher(store, echo, scale)
+        deadline = time.monotonic() + 20
+        while not watcher.poll({res.id: case}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        receipt = store.receipt(res.id) or {}
+        report.pool_races.append(
+            {"case": case, "race_id": res.id, "winner": receipt.get("winner_provider"),
+             "cut_over": receipt.get("cut_over"), "hedged": receipt.get("hedged"),
+             "leaked": receipt.get("leaked"), "wasted_usd": receipt.get("wasted_usd")}
+        )  # fmt: skip
+        for b in blockers:
+            b.get(timeout=30)
+    echo("")
 
 
 def main_entry() -> None:  # pragma: no cover - convenience for `python -m`
