@@ -183,3 +183,21 @@ def test_apply_cleanup_table():
     assert broken.phase is Phase.LEAKED and broken.receipt.leaked
     assert "503" in broken.receipt.note and "leaked" in race.flags
     assert race.timers == {}
+
+
+def test_jobs_that_may_still_run_are_the_ones_cancelled():
+    """Live attempts, capped ones (TIMEOUT is our deadline) and unknown ones need a cancel."""
+    from gpuhedge_celery.core.attempts import Attempt, Phase
+    from gpuhedge_celery.race.janitor import _may_run
+
+    capped = Attempt("a1", "p", "primary", 0.0, phase=Phase.ENDED, result_state="TIMEOUT")
+    done = Attempt("a2", "h", "hedge", 0.1, phase=Phase.ENDED, result_state="COMPLETED")
+    cancelled = Attempt("a3", "f", "fallback", 0.2, phase=Phase.CANCELLED)
+    cancelling = Attempt("a4", "f", "fallback", 0.3, phase=Phase.CANCELLING)
+    race = _race_with([capped, done, cancelled, cancelling])
+    assert [_may_run(race, i) for i in ("a1", "a2", "a3", "a4", "a9")] == [
+        True, False, False, True, True,
+    ]  # fmt: skip
+    ok = CancelReceipt(provider="p", job_id="j1")
+    apply_cleanup(race, {"a1": ok}, 100_600.0)
+    assert capped.phase is Phase.ENDED and capped.receipt is ok  # it keeps its TIMEOUT result

@@ -9,7 +9,8 @@ provider jobs would keep running and its caller would wait. The janitor is the b
 2. for each, the janitor takes the race's ownership lease (so two janitors never work on one
    race), reloads it and checks that it is really dead: no timer of the race is still waiting
    to fire (a coordinator that is alive would fire it) unless no coordinator is alive at all;
-3. it cancels every registered live job through the provider's *native* cancel, keeps each
+3. it cancels every registered job that may still run (live attempts, attempts ended at their
+   cap, jobs the race never heard of) through the provider's *native* cancel, keeps each
    :class:`~gpuhedge_celery.core.receipts.CancelReceipt` (evidence level, leak flag) in the
    race's state, marks the race finished with a note, and saves with a version check (a race
    that came back to life in the meantime wins and is left alone);
@@ -18,7 +19,9 @@ provider jobs would keep running and its caller would wait. The janitor is the b
    has its result marked again (idempotent) in case the process that claimed it died first.
 
 A job whose cancel could not be confirmed stays registered as live and is retried on the next
-pass (the receipt reports it as a leak until then). Everything is idempotent.
+pass (the receipt reports it as a leak until then). A submit intent left by a worker that died
+mid-submit has no job id: it is dropped and its attempt ends as never submitted. Everything is
+idempotent.
 """
 
 from __future__ import annotations
@@ -169,19 +172,15 @@ class Janitor:
             return RaceCleanup(race_id, "skipped: live jobs but no state (expired)")
         race = Race.from_dict(record.state["race"], self.clock)
         had_receipt = self.store.receipt(race_id) is not None
-        live = {a.id for a in race.attempts if a.phase in LIVE_PHASES}
-        done = [
-            attempt_id for attempt_id in jobs if attempt_id not in live and _known(race, attempt_id)
-        ]
-        for attempt_id in done:  # ended or confirmed cancelled: nothing left to stop
-            self.store.remove_job(race_id, attempt_id)
+        last_seen = self.store.last_seen_ms(race_id)
+        if last_seen is not None and last_seen > self.store.now_ms() - self.stale_ms:
+            return RaceCleanup(race_id, "skipped: advanced since the scan")
+        for attempt_id in [j for j in jobs if not _may_run(race, j)]:
+            self.store.remove_job(race_id, attempt_id)  # ended or cancelled: nothing to stop
             jobs.pop(attempt_id)
         if race.finished and not jobs and had_receipt:
             self.store.forget(race_id)
             return RaceCleanup(race_id, "forgotten")
-        last_seen = self.store.last_seen_ms(race_id)
-        if last_seen is not None and last_seen > self.store.now_ms() - self.stale_ms:
-            return RaceCleanup(race_id, "skipped: advanced since the scan")
         if not race.finished and self._has_waiting_timer(race_id):
             if coordinators_alive is None:
                 coordinators_alive = bool(self.coordinators_alive())
@@ -301,7 +300,11 @@ def apply_cleanup(race: Race, receipts: dict[str, CancelReceipt | str], now_ms: 
     rel = now_ms / 1000.0 - (race.started_at or 0.0)
     for a in race.attempts:
         found = receipts.get(a.id)
-        if isinstance(found, CancelReceipt):
+        if isinstance(found, CancelReceipt) and a.phase is Phase.ENDED:
+            # capped (TIMEOUT): it already lost; keep its result, record the stop beside it
+            a.receipt = a.receipt or found
+            a.timeline.append([rel, "janitor cancel after its cap"])
+        elif isinstance(found, CancelReceipt):
             if a.receipt is not None:
                 found.cancel_sent_ms = a.receipt.cancel_sent_ms or found.cancel_sent_ms
             a.receipt = found
@@ -343,5 +346,11 @@ def apply_cleanup(race: Race, receipts: dict[str, CancelReceipt | str], now_ms: 
         race.note = ABANDONED_NOTE if race.winner is None else race.note
 
 
-def _known(race: Race, attempt_id: str) -> bool:
-    return any(a.id == attempt_id for a in race.attempts)
+def _may_run(race: Race, attempt_id: str) -> bool:
+    """Whether a registered job may still be running at its provider (so it needs a cancel).
+
+    Live attempts may; so may an attempt the race ended at its cap (TIMEOUT is our deadline,
+    not the provider's) and a job the race never heard of (registered, then its worker died).
+    """
+    a = next((a for a in race.attempts if a.id == attempt_id), None)
+    return a is None or a.phase in LIVE_PHASES or a.result_state == JobState.TIMEOUT.value
