@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,9 @@ class Bench:
 
 
 @contextmanager
-def bench_cluster(redis_url: str | None, workers: int, concurrency: int, scale: float):
+def bench_cluster(
+    redis_url: str | None, workers: int, concurrency: int, scale: float
+) -> Iterator[Bench]:
     """A :class:`Bench` that is always cleaned up."""
     bench = Bench(redis_url, workers, concurrency, scale)
     try:
