@@ -292,23 +292,12 @@ def test_a_request_cancelled_before_it_is_picked_up_never_takes_a_gpu(pool, prov
 
 # The provider the demo should race (docs/adding-a-provider.md); appended to demo.yaml's
 # providers it must load, and state_aware must race it against sim-steady by name.
-DEMO_POOL = """
-  gpu-pool:
-    role: fallback                # raced by name only: the roles' first providers stay the sims
-    adapter: pool
-    billed_rate_per_s: 0.0002
-    timeout_s: 60                 # provider time (x time_scale): the pool's GPUs run real time
-    pool: {name: demo, poll_s: 0.05}
-"""
-
-
 def test_the_demo_pool_provider_races_by_name_with_state_aware():
-    from gpuhedge_celery.config import packaged_path
+    from gpuhedge_celery.config import load_config, packaged_path
     from gpuhedge_celery.race.spec import build_spec
 
-    text = packaged_path("demo.yaml").read_text()
-    head, sep, tail = text.partition("\npolicy:")
-    cfg = parse_config_text(head.rstrip("\n") + "\n" + DEMO_POOL + sep + tail, source="demo")
+    # the packaged demo config carries the pool provider, raced by name
+    cfg = load_config(packaged_path("demo.yaml"))
     assert [p.name for p in cfg.by_role("fallback")][0] == "sim-reserve"
     spec = build_spec(cfg, "state_aware", ["gpu-pool", "sim-steady"], "nonempty")
     assert spec.policy.providers() == ("gpu-pool", "sim-steady")

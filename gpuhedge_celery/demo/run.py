@@ -98,6 +98,19 @@ class RaceWatcher:
         return done
 
 
+def final_receipt(store: Any, race_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The race's receipt once written (losers cleaned up), else its provisional one."""
+    from ..race.receipt import read_receipt
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = store.receipt(race_id)
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    return read_receipt(store, race_id) or {}
+
+
 def _moments(race: dict[str, Any]) -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     for a in race.get("attempts", []):
@@ -172,7 +185,7 @@ def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: 
             break
         time.sleep(0.05)
     for race_id, (_label, _res, key, policy) in started.items():
-        receipt = store.receipt(race_id) or {}
+        receipt = final_receipt(store, race_id)
         report.scenarios.append(
             {"race_id": race_id, "sim_key": key, "policy": policy,
              "winner": receipt.get("winner_provider"), "hedged": receipt.get("hedged"),
@@ -183,7 +196,7 @@ def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: 
     echo(f"\nEvery race leaves an audited receipt. The cascade race's (race id {last}):")
     from ..commands.receipt import render
 
-    receipt = store.receipt(last)
+    receipt = final_receipt(store, last)
     if receipt:
         echo("  " + render(receipt).replace("\n", "\n  "))
     echo("  read any receipt with: gpuhedge-celery --redis-url URL receipt RACE_ID [--json]\n")
@@ -235,7 +248,7 @@ def _batch_summary(
         for p, res in pending:
             if p != policy:
                 continue
-            r = store.receipt(res.id) or {}
+            r = final_receipt(store, res.id)
             ms = r.get("latency_ms") if r.get("winner") else None
             lat.append(float("inf") if ms is None else ms / 1000.0 / scale)
             active.append(float(r.get("active_usd") or 0.0))
@@ -317,7 +330,11 @@ def _pool_primary(
         deadline = time.monotonic() + 20
         while not watcher.poll({res.id: case}) and time.monotonic() < deadline:
             time.sleep(0.05)
-        receipt = store.receipt(res.id) or {}
+        try:
+            res.get(timeout=30)  # the winner is known (or RaceFailed) before the receipt
+        except Exception as e:
+            echo(f"  race {res.id} failed: {type(e).__name__}: {e}")
+        receipt = final_receipt(store, res.id)
         report.pool_races.append(
             {"case": case, "race_id": res.id, "winner": receipt.get("winner_provider"),
              "cut_over": receipt.get("cut_over"), "hedged": receipt.get("hedged"),
