@@ -103,3 +103,51 @@ def test_watch_timers_column_and_bad_options(watch_cluster):
     res.get(timeout=20)
     bad = CliRunner().invoke(cli, ["watch", "--interval", "0"])
     assert bad.exit_code == 2 and "--interval" in bad.output
+
+
+def test_rows_and_table_for_leaks_and_expired_races():
+    """Pure: a leaked attempt is flagged, a race whose state expired still shows its live jobs."""
+    from gpuhedge_celery.commands.watch import _row, render
+
+    state = {
+        "race": {
+            "policy": {"kind": "hedge"},
+            "started_at": 100.0,
+            "attempts": [
+                {
+                    "id": "a1",
+                    "provider": "p",
+                    "role": "primary",
+                    "phase": "leaked",
+                    "last_state": "IN_PROGRESS",
+                    "job_id": "j1",
+                    "receipt": {"evidence": "provider_ack", "leaked": True},
+                },
+                {
+                    "id": "a2",
+                    "provider": "h",
+                    "role": "hedge",
+                    "phase": "ended",
+                    "last_state": "COMPLETED",
+                    "job_id": "j2",
+                    "receipt": None,
+                },
+            ],  # fmt: skip
+            "timers": {},
+            "winner": "a2",
+            "finished": True,
+            "flags": ["leaked"],
+        }
+    }
+    row = _row("race-1", 101_000, state, {"a1": {}}, 102.0, True)
+    assert row["status"] == "finished" and row["winner"] == "h" and row["leaks"] == ["a1"]
+    assert (
+        row["attempts"][0]["live_job"] and row["attempts"][0]["cancel_evidence"] == "provider_ack"
+    )
+    assert row["age_ms"] == 2000.0 and row["heartbeat_ms_ago"] == 1000
+    gone = _row("race-2", 0, None, {"a1": {}}, 102.0, False)
+    assert gone == {"race_id": "race-2", "status": "expired", "live_jobs": ["a1"]}
+    snap = {"at": 102.0, "prefix": "x", "races": [row, gone], "counts": {"finished": 1}}
+    text = render(snap)
+    assert "p:leaked/IN_PROGRESS LEAK" in text and "race-2" in text and "expired" in text
+    assert "(no race in flight)" in render({**snap, "races": [], "counts": {}})
