@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from gpuhedge_celery.errors import ProviderError
+from gpuhedge_celery.providers.sim import SimProvider
+from tests.support.fixtures_races import RACE_CONFIG, start_race_cluster, stop_race_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,10 +29,29 @@ CASCADE = {
 }
 
 
+class NoCancelSim(SimProvider):
+    """A sim provider whose native cancel always fails: its losers leak (the LEAKED state)."""
+
+    def cancel(self, handle):
+        raise ProviderError(self.name, "simulated: the cancel endpoint is down")
+
+
+# the test config plus ``leaky``, a primary built from the class above (adapter "module:Class")
+LEAKY = """
+  leaky:
+    role: primary
+    adapter: tests.test_flower_events:NoCancelSim
+"""
+
+
 @pytest.fixture(scope="module")
 def events_cluster(redis_url, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flower")
+    config = tmp / "flower.yaml"
+    # appended after the other providers, so each role's first provider stays the same
+    config.write_text(RACE_CONFIG.replace("\npolicy:", LEAKY.rstrip() + "\npolicy:", 1))
     rc = start_race_cluster(
-        redis_url, tmp_path_factory.mktemp("flower"), workers=1, CELERY_WORKER_TASK_EVENTS="1"
+        redis_url, tmp, workers=1, CELERY_WORKER_TASK_EVENTS="1", GPUHEDGE_CONFIG=str(config)
     )
     assert "task events: ON" in rc.cluster.workers[0].log()  # the worker really runs with -E
     yield rc
@@ -133,3 +154,19 @@ def test_a_cascade_shows_cut_over_and_escalated(events_cluster):
     assert "CUT_OVER" in seen and "ESCALATED" in seen and "WON" in seen, seen
     escalated = next(e for e in mine if e["type"] == "task-escalated")
     assert escalated["provider"] == "f" and escalated["role"] == "fallback"
+
+
+def test_a_cancel_that_fails_shows_leaked(events_cluster):
+    """A loser's cancel fails before the result: LEAKED shows as the task's state."""
+    rc = events_cluster
+    with EventLog(rc.app) as log:
+        request = {"sim": {"leaky": {"queue_s": 0, "run_s": 100, "outcome": "ok"},
+                           "h": {"queue_s": 0.5, "run_s": 4}}}  # fmt: skip
+        # the test policy cancels the primary at 30 ms (it fails: leaked) and launches the hedge
+        res = rc.send(request, policy="cancel_at:leaky->h@30ms")
+        assert res.get(timeout=20)["winner"] == "h"
+        mine = log.wait_for(res.id, {"task-leaked", "task-won", "task-succeeded"})
+    _, seen = states_of(mine, res.id)
+    assert "LEAKED" in seen and seen.index("LEAKED") < seen.index("WON"), seen
+    leaked = next(e for e in mine if e["type"] == "task-leaked")
+    assert leaked["provider"] == "leaky" and leaked["job_id"].startswith("sim-leaky-")
