@@ -185,6 +185,17 @@ def test_apply_cleanup_table():
     assert race.timers == {}
 
 
+def test_apply_cleanup_ends_a_submit_left_mid_call_as_unknown():
+    from gpuhedge_celery.core.attempts import Attempt, Phase
+    from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT
+
+    launching = Attempt("a1", "p", "primary", 0.0)
+    race = _race_with([launching])
+    apply_cleanup(race, {"a1": UNKNOWN_SUBMIT}, 100_600.0)
+    assert launching.phase is Phase.ENDED and launching.reasons == [UNKNOWN_SUBMIT]
+    assert race.finished and "leaked" not in race.flags
+
+
 def test_jobs_that_may_still_run_are_the_ones_cancelled():
     """Live attempts, capped ones (TIMEOUT is our deadline) and unknown ones need a cancel."""
     from gpuhedge_celery.core.attempts import Attempt, Phase

@@ -54,6 +54,11 @@ COORDINATOR_POINTS = ("received", "primary_submitted", "hedge_timer", "winner", 
 ATTEMPT_POINTS = ("submit_received", "hedge_submitted", "winner", "cancel_received", "cancel_sent")
 
 
+def _accepted(jobs: dict, attempt_id: str) -> bool:
+    """The provider accepted the attempt's job (a handle, not just the submit intent)."""
+    return bool(jobs.get(attempt_id)) and not jobs[attempt_id].get("submitting")
+
+
 class Crasher:
     """Runs races on the cluster and kills workers at chosen moments; keeps 3 workers going."""
 
@@ -118,7 +123,8 @@ class Crasher:
             coord = self.holder(f"hedged_infer[{race_id}] received")
             if point == "received" and coord is not None:
                 return self.kill(coord, point)
-            if point == "primary_submitted" and "a1" in rc.store.live_jobs(race_id):
+            jobs = rc.store.live_jobs(race_id)
+            if point == "primary_submitted" and _accepted(jobs, "a1"):
                 return self.kill(coord, point)
             if point == "hedge_armed" and state and "hedge" in state["race"]["timers"]:
                 return self.kill(coord, point)
@@ -133,7 +139,7 @@ class Crasher:
             submit = self.holder("race_submit[")
             if point == "submit_received" and submit is not None:
                 return self.kill(submit, point)
-            if point == "hedge_submitted" and "a2" in rc.store.live_jobs(race_id):
+            if point == "hedge_submitted" and _accepted(jobs, "a2"):
                 return self.kill(submit, point)
             cancel = self.holder("race_cancel[")
             if point == "cancel_received" and cancel is not None:

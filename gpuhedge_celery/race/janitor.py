@@ -20,8 +20,8 @@ provider jobs would keep running and its caller would wait. The janitor is the b
 
 A job whose cancel could not be confirmed stays registered as live and is retried on the next
 pass (the receipt reports it as a leak until then). A submit intent left by a worker that died
-mid-submit has no job id: it is dropped and its attempt ends as never submitted. Everything is
-idempotent.
+mid-submit has no job id: it is dropped and its attempt ends with its outcome unknown (never
+submitted again). Everything is idempotent.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ..core.receipts import CancelReceipt
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
 from ..store.timers import TimerStore, as_text, store_errors
+from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
 from .receipt import assemble_receipt, load_attempt_result, result_key, winner_result
 from .spec import spec_from_state
@@ -217,9 +218,10 @@ class Janitor:
         out: dict[str, CancelReceipt | str] = {}
         for attempt_id, handle_data in jobs.items():
             if handle_data.get("submitting"):
-                # A submit whose worker died: no job id to cancel. The attempt is ended as
-                # never submitted and the intent dropped (nothing more can be done).
+                # A submit whose worker died: no job id to cancel. The attempt is ended with
+                # its outcome unknown and the intent dropped (nothing more can be done).
                 self.store.remove_job(race.race_id, attempt_id)
+                out[attempt_id] = UNKNOWN_SUBMIT
                 continue
             handle = JobHandle.from_dict(handle_data)
             try:
@@ -257,6 +259,8 @@ class Janitor:
         race = Race.from_dict(record.state["race"], self.clock)
         cleanup = RaceCleanup(race_id, "finalised" if was_finished else "ended")
         for attempt_id, found in receipts.items():
+            if found == UNKNOWN_SUBMIT:
+                continue  # no job id: nothing was (or could be) cancelled
             if isinstance(found, CancelReceipt) and found.confirmed_terminal:
                 self.store.remove_job(race_id, attempt_id)
                 cleanup.cancelled.append(attempt_id)
@@ -318,6 +322,11 @@ def apply_cleanup(race: Race, receipts: dict[str, CancelReceipt | str], now_ms: 
             else:
                 a.phase = Phase.LEAKED
                 a.timeline.append([rel, "janitor cancel not confirmed"])
+        elif found == UNKNOWN_SUBMIT and a.phase is Phase.LAUNCHING:
+            a.phase = Phase.ENDED
+            a.cancel_requested = True
+            a.reasons = [UNKNOWN_SUBMIT]
+            a.timeline.append([rel, "abandoned mid-submit"])
         elif isinstance(found, str):
             if a.receipt is None:
                 a.receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
