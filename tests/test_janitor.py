@@ -176,9 +176,11 @@ def test_apply_cleanup_table():
     race = _race_with([launching, running, broken])
     ok = CancelReceipt(provider="h", job_id="j2")
     ok.confirm_terminal(JobState.CANCELLED, 100_500.0)
-    apply_cleanup(race, {"a2": ok, "a3": "HTTPError: 503"}, 100_600.0)
+    late = {"provider": "p", "job_id": "j1", "submitted_at": 100.0, "extra": {}}
+    apply_cleanup(race, {"a2": ok, "a3": "HTTPError: 503"}, 100_600.0, {"a1": late})
     assert race.finished and race.winner is None and race.note == ABANDONED_NOTE
     assert launching.phase is Phase.ENDED and launching.cancel_requested
+    assert launching.handle == late and launching.job_id == "j1"  # registered, never reported
     assert running.phase is Phase.CANCELLED and running.receipt is ok
     assert broken.phase is Phase.LEAKED and broken.receipt.leaked
     assert "503" in broken.receipt.note and "leaked" in race.flags

@@ -187,8 +187,11 @@ class Janitor:
                 coordinators_alive = bool(self.coordinators_alive())
             if coordinators_alive:
                 return RaceCleanup(race_id, "skipped: a timer of the race is still waiting")
+        handles = {k: v for k, v in jobs.items() if not v.get("submitting")}
         receipts = self._cancel_jobs(race, jobs)
-        return self._end(race_id, receipts, was_finished=race.finished, tell=not had_receipt)
+        return self._end(
+            race_id, receipts, handles, was_finished=race.finished, tell=not had_receipt
+        )
 
     # ------------------------------------------------------------------ liveness
     def _has_waiting_timer(self, race_id: str) -> bool:
@@ -238,6 +241,7 @@ class Janitor:
         self,
         race_id: str,
         receipts: dict[str, CancelReceipt | str],
+        handles: dict[str, dict[str, Any]],
         *,
         was_finished: bool,
         tell: bool,
@@ -246,7 +250,7 @@ class Janitor:
 
         def change(state: dict[str, Any]) -> dict[str, Any]:
             race = Race.from_dict(state["race"], self.clock)
-            apply_cleanup(race, receipts, now_ms)
+            apply_cleanup(race, receipts, now_ms, handles)
             new = dict(state)
             new["race"] = race.to_dict()
             new["janitor"] = {"owner": self.owner, "at_ms": now_ms}
@@ -294,16 +298,26 @@ class Janitor:
         self.effects.won(race_id, result, caller)
 
 
-def apply_cleanup(race: Race, receipts: dict[str, CancelReceipt | str], now_ms: float) -> None:
+def apply_cleanup(
+    race: Race,
+    receipts: dict[str, CancelReceipt | str],
+    now_ms: float,
+    handles: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """End a dead race in its engine state: attach the janitor's receipts, mark it finished.
 
-    Pure: ``receipts`` maps attempt id to the provider's cancel receipt (or an error text).
+    Pure: ``receipts`` maps attempt id to the provider's cancel receipt (or an error text);
+    ``handles`` are the registered job handles (an attempt whose worker died before reporting
+    its job gets it, so the receipt shows what was submitted and cancelled).
     A launched attempt that never got a job is ended as never submitted (a redelivered submit
     then sees a finished race and submits nothing).
     """
     rel = now_ms / 1000.0 - (race.started_at or 0.0)
     for a in race.attempts:
         found = receipts.get(a.id)
+        if a.handle is None and (handles or {}).get(a.id):
+            a.handle = dict((handles or {})[a.id])
+            a.job_id = a.job_id or str(a.handle.get("job_id") or "")
         if isinstance(found, CancelReceipt) and a.phase is Phase.ENDED:
             # capped (TIMEOUT): it already lost; keep its result, record the stop beside it
             a.receipt = a.receipt or found
