@@ -63,6 +63,9 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         # Sweep for messages of dead workers every restore_interval_s, not every 10 x 10 s.
         "unacked_restore_interval": config.restore_interval_s,
         "unacked_restore_throttle": 1,
+        # A worker killed mid-sweep leaves kombu's restore mutex held for its expiry (300 s by
+        # default), and no message of any dead worker comes back until then.
+        "unacked_mutex_expire": int(min(300.0, max(5.0, config.visibility_timeout_s))),
     }
     results: dict[str, object] = {}
     if config.broker_prefix:
