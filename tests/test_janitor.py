@@ -21,6 +21,7 @@ from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, apply_cleanup
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -52,17 +53,6 @@ class BackendEffects:
 
     def event(self, race_id, name, fields):
         pass
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = predicate()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def both_running(rc, race_id):

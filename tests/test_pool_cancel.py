@@ -10,18 +10,9 @@ from gpuhedge_celery.errors import AcquireTimeout
 from gpuhedge_celery.runners import RunnerStopped
 from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import cancel_pooled, running_on
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery]
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_cancel_a_running_and_a_queued_request(celery_cluster):

@@ -18,20 +18,11 @@ import pytest
 
 from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.reconcile import reconcile_once
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.slow]
 
 TTL_MS = 3000
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def running_lease(cluster, gpu):

@@ -9,22 +9,13 @@ import pytest
 from gpuhedge_celery.errors import EmptyPool, UnknownPool
 from gpuhedge_celery.store.leases import GpuInfo
 from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery]
 
 
 def submit(cluster, request, **kwargs):
     return cluster.app.send_task(TASK_POOLED_INFER, (request,), kwargs)
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_pooled_infer_runs_on_two_gpus_one_job_each_at_a_time(celery_cluster):

@@ -8,18 +8,9 @@ import pytest
 
 from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
 from gpuhedge_celery.tasks.cancel import running_on
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery]
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_a_job_whose_lease_is_taken_over_is_stopped_and_waits_again(celery_cluster):

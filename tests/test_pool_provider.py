@@ -21,6 +21,7 @@ from gpuhedge_celery.providers.pool import PoolProvider, PoolSpec, _epoch, _meta
 from gpuhedge_celery.runners import RunnerStopped
 from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import running_on
+from tests.support.waiting import wait_for
 
 POOL = "pp"
 
@@ -99,16 +100,6 @@ def test_date_done_is_read_as_utc():
 
 
 # --------------------------------------------------------------------------- a real pool
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

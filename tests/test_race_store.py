@@ -14,6 +14,7 @@ from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_keys import race_keys
 from gpuhedge_celery.store.races import OwnershipLost, RaceStore, VersionConflict
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,14 +25,6 @@ ctx = multiprocessing.get_context("spawn")
 @pytest.fixture
 def races(redis_client, prefix):
     return RaceStore(redis_client, prefix)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- versioned state -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from gpuhedge_celery.providers.pool import PoolProvider
 from gpuhedge_celery.providers.redis_ledger import sim_job_running
 from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import cancel_pooled, running_on
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
 
@@ -127,16 +128,6 @@ class PoolRaces:
         assert not job_ids & set(self.cluster.store.queue(POOL)), "a race request left queued"
         for job_id in job_ids:
             assert running_on(self.cluster.store, POOL, job_id) is None
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def attempt(receipt: dict[str, Any], provider: str) -> dict[str, Any]:

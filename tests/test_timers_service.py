@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from gpuhedge_celery.store.timers import Timer, TimerService, TimerStore
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -26,14 +27,6 @@ ctx = multiprocessing.get_context("spawn")
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 class Recorder:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 
 import pytest
 from click.testing import CliRunner
 
 from gpuhedge_celery.cli import cli
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,16 +31,6 @@ def watch(rc, *args):
     result = CliRunner().invoke(cli, ["watch", *args], env=env, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result.output
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = predicate()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_watch_once_shows_races_in_flight_then_forgets_them(watch_cluster):
