@@ -32,6 +32,27 @@ class CliContext:
     settings: Settings
 
 
+def root_settings() -> Settings:
+    """The settings of the running ``gpuhedge-celery`` invocation (from any sub-command)."""
+    return click.get_current_context().find_root().obj.settings
+
+
+def cli_redis_client():
+    """A redis-py client for CLI commands: one quick connection attempt, so a dead Redis fails
+    fast with a one-line error (exit code 3) instead of retrying."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        root_settings().redis_url,
+        decode_responses=True,
+        socket_connect_timeout=3,
+        socket_timeout=10,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
 def discover(package: str) -> dict[str, str]:
     """Map command names to ``module`` paths for every non-private module in ``package``."""
     pkg = importlib.import_module(package)

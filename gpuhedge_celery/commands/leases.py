@@ -20,22 +20,11 @@ def _settings():
 
 
 def _store():
-    """A lease store for the CLI: one quick connection attempt, so a dead Redis fails fast."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
+    """A lease store for the CLI (fails fast when Redis is down)."""
+    from ..cli import cli_redis_client
     from ..store.leases import LeaseStore
 
-    settings = _settings()
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        decode_responses=True,
-        socket_connect_timeout=3,
-        socket_timeout=10,
-        retry=Retry(NoBackoff(), 1),
-    )
-    return LeaseStore(client, prefix=settings.prefix)
+    return LeaseStore(cli_redis_client(), prefix=_settings().prefix)
 
 
 def _iso(ms: int | None) -> str | None:

@@ -20,22 +20,11 @@ from ..store.timers import as_text
 
 
 def _store() -> Any:
-    """A race store with one quick connection attempt, so a dead Redis fails fast."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
+    """A race store for the CLI (fails fast when Redis is down)."""
+    from ..cli import cli_redis_client, root_settings
     from ..store.races import RaceStore
 
-    settings = click.get_current_context().find_root().obj.settings
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        decode_responses=True,
-        socket_connect_timeout=3,
-        socket_timeout=10,
-        retry=Retry(NoBackoff(), 1),
-    )
-    return RaceStore(client, settings.prefix)
+    return RaceStore(cli_redis_client(), root_settings().prefix)
 
 
 def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: dict, now: float,
