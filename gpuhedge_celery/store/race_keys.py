@@ -1,4 +1,4 @@
-"""Key names (and Lua script registration) for distributed races and durable timers.
+"""Key names for distributed races and durable timers.
 
 Every key of one race carries the race id as a Redis Cluster hash tag (``{<race_id>}``), so a
 Lua script may touch all of that race's keys at once and Cluster keeps them on one slot. The
@@ -12,11 +12,7 @@ same script as a race's keys: they are hints, written next to the script in a pi
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
-from typing import Any
 
 # A race id or timer namespace becomes part of a hash tag: braces would break the tag, and
 # whitespace or control characters make keys unreadable in redis-cli.
@@ -91,28 +87,3 @@ def race_keys(prefix: str, race_id: str) -> RaceKeys:
 def live_races_key(prefix: str) -> str:
     """ZSET race id -> last heartbeat epoch ms, read by the janitor (its own slot)."""
     return f"{prefix}:{{races}}:live"
-
-
-@cache
-def _lua_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
-
-
-_registered: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def lua_script(client: Any, name: str) -> Any:
-    """The ``lua/<name>.lua`` script registered on ``client``, registered once and reused.
-
-    redis-py sends EVALSHA and loads the source only when the server answers NOSCRIPT, so the
-    script text crosses the network once per server, not once per call.
-    """
-    scripts = _registered.get(client)
-    if scripts is None:
-        scripts = {}
-        _registered[client] = scripts
-    script = scripts.get(name)
-    if script is None:
-        script = client.register_script(_lua_source(name))
-        scripts[name] = script
-    return script

@@ -28,7 +28,8 @@ from typing import Any
 
 from ..core.clock import Clock, WallClock
 from ..errors import LeaseError, StoreError
-from .race_keys import live_races_key, lua_script, race_keys
+from .race_keys import live_races_key, race_keys
+from .scripts import lua_script
 from .timers import as_text, store_errors
 
 DEFAULT_RECEIPT_TTL_S = 24 * 3600.0

@@ -1,12 +1,14 @@
-"""The lease store's Lua scripts: loaded once at import, registered once per client.
+"""Every Lua script of the package, registered once per client, and the lease return codes.
 
 Each ``lua/*.lua`` file starts with a comment block listing its KEYS, ARGV and return codes.
-:func:`raise_for_code` is the one place where those integer codes become typed exceptions.
+:func:`lua_script` is the one registration path (lease, race and timer stores all use it);
+:func:`raise_for_code` is the one place where the lease scripts' codes become typed exceptions.
 """
 
 from __future__ import annotations
 
 import weakref
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -31,20 +33,37 @@ SCRIPT_NAMES = (
     "leave",
 )
 
-_SOURCES = {
-    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
-    for name in SCRIPT_NAMES
-}
+
+@cache
+def _lua_source(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+_scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def lua_script(client: Any, name: str) -> Any:
+    """The ``lua/<name>.lua`` script registered on ``client``, registered once and reused.
+
+    redis-py sends EVALSHA and loads the source only when the server answers NOSCRIPT, so the
+    script text crosses the network once per server, not once per call.
+    """
+    scripts = _scripts.setdefault(client, {})
+    script = scripts.get(name)
+    if script is None:
+        script = scripts[name] = client.register_script(_lua_source(name))
+    return script
+
 
 _registered: weakref.WeakKeyDictionary[Any, LuaScripts] = weakref.WeakKeyDictionary()
 
 
 class LuaScripts:
-    """The scripts registered on one client (redis-py sends EVALSHA, loading on NOSCRIPT)."""
+    """The lease scripts of one client, as attributes (each from :func:`lua_script`)."""
 
     def __init__(self, client: Any):
-        for name, source in _SOURCES.items():
-            setattr(self, name, client.register_script(source))
+        for name in SCRIPT_NAMES:
+            setattr(self, name, lua_script(client, name))
 
     claim: Any
     renew: Any

@@ -32,7 +32,8 @@ import redis
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError
 from .connection import translate_errors
-from .race_keys import lua_script, timer_keys
+from .race_keys import timer_keys
+from .scripts import lua_script
 
 log = logging.getLogger(__name__)
 
