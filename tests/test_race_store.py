@@ -234,12 +234,12 @@ def test_finish_keeps_the_receipt_for_its_ttl_then_everything_expires(redis_clie
     assert races.remove_job("r", "a2") is True
     assert races.remove_job("r", "a2") is False
     receipt = {"race_id": "r", "winner": "a1", "wasted_usd": 0.0012, "leaks": 0}
-    assert races.finish("r", receipt, ttl_s=0.6) == 0
+    assert races.finish("r", receipt, ttl_s=2.0) == 0  # long enough for a loaded machine
     assert races.receipt("r") == receipt
     assert races.last_seen_ms("r") is None  # nothing live left: out of the janitor's index
     keys = race_keys(races.prefix, "r")
-    assert 0 < redis_client.pttl(keys.receipt) <= 600
-    assert 0 < redis_client.pttl(keys.state) <= 600
+    assert 0 < redis_client.pttl(keys.receipt) <= 2000
+    assert 0 < redis_client.pttl(keys.state) <= 2000
     wait_for(lambda: races.receipt("r") is None, 10, "the receipt to expire")
     assert races.load("r") is None and races.winner("r") is None
 
