@@ -309,3 +309,23 @@ def test_store_scripts_also_run_on_fakeredis(fake_redis):
     timers.arm("r|hedge", 100, {"k": 1})
     (timer,) = timers.claim_due(100, 10, 1000)
     assert timers.ack(timer) and timers.claim_due(10_000, 10, 1000) == []
+
+
+def test_save_is_one_round_trip_and_survives_a_script_flush(private_redis):
+    # A save is the hottest command of a race step: its pipeline must not ask SCRIPT EXISTS
+    # first (redis-py does that for scripts called on a pipeline), and a server that forgot the
+    # script (restart, SCRIPT FLUSH) must get it loaded again rather than fail the step.
+    client = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    store = RaceStore(client, "p")
+    assert store.create("r", {"n": 0}) == 1
+    client.config_resetstat()
+    for n in range(1, 21):
+        assert store.save("r", {"n": n}, n) == n + 1
+    stats = client.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 20
+    assert "cmdstat_script|exists" not in stats and "cmdstat_script" not in stats
+    client.script_flush()
+    assert store.save("r", {"n": 21}, 21) == 22
+    assert store.load("r").state == {"n": 21}
+    with pytest.raises(VersionConflict):
+        store.save("r", {"n": 0}, 21)

@@ -29,7 +29,7 @@ from typing import Any
 from ..core.clock import Clock, WallClock
 from ..errors import LeaseError, StoreError
 from .race_keys import live_races_key, race_keys
-from .scripts import lua_script
+from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
 DEFAULT_RECEIPT_TTL_S = 24 * 3600.0
@@ -157,15 +157,14 @@ class RaceStore:
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(state, f"state of race {race_id!r}")
-        with store_errors(f"saving race {race_id!r}"):
-            pipe = self.client.pipeline(transaction=False)
-            self._save(
-                keys=[keys.state],
-                args=[expected_version, data, _ms(self.state_ttl_s)],
-                client=pipe,
-            )
+        args = [expected_version, data, _ms(self.state_ttl_s)]
+
+        def build(pipe: Any) -> None:
+            queue_script(pipe, self._save, [keys.state], args)
             self._touch(pipe, race_id)
-            (ok, version), _ = pipe.execute()
+
+        with store_errors(f"saving race {race_id!r}"):
+            (ok, version), _ = run_pipeline(self.client, build, [self._save])
         if not ok:
             raise VersionConflict(race_id, expected_version, int(version))
         return int(version)
@@ -318,11 +317,14 @@ class RaceStore:
     def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
         """Extend our lease and refresh the heartbeat; OwnershipLost if it is no longer ours."""
         keys = race_keys(self.prefix, ownership.race_id)
-        with store_errors(f"renewing race {ownership.race_id!r}"):
-            pipe = self.client.pipeline(transaction=False)
-            self._owner_renew(keys=[keys.owner], args=[ownership.token, lease_ms], client=pipe)
+        args = [ownership.token, lease_ms]
+
+        def build(pipe: Any) -> None:
+            queue_script(pipe, self._owner_renew, [keys.owner], args)
             self._touch(pipe, ownership.race_id)
-            renewed, _ = pipe.execute()
+
+        with store_errors(f"renewing race {ownership.race_id!r}"):
+            renewed, _ = run_pipeline(self.client, build, [self._owner_renew])
         if not renewed:
             raise OwnershipLost(ownership.race_id, ownership.token)
 

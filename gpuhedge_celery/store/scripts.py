@@ -8,9 +8,12 @@ Each ``lua/*.lua`` file starts with a comment block listing its KEYS, ARGV and r
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable
 from functools import cache
 from importlib import resources
 from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from ..errors import LeaseLost, StaleToken
 
@@ -53,6 +56,35 @@ def lua_script(client: Any, name: str) -> Any:
     if script is None:
         script = scripts[name] = client.register_script(_lua_source(name))
     return script
+
+
+def run_pipeline(
+    client: Any, build: Callable[[Any], None], scripts: Iterable[Any] = ()
+) -> list[Any]:
+    """Run the commands ``build(pipe)`` queues in one non-transactional pipeline (one round trip).
+
+    Scripts must be queued as ``pipe.evalsha(script.sha, ...)`` (see :func:`queue_script`), not
+    by calling the script on the pipeline: redis-py then sends ``SCRIPT EXISTS`` before every
+    execute, a second round trip on the hottest path of a race step. When the server does not
+    know a script (a restart, ``SCRIPT FLUSH``) it is loaded and the pipeline is rebuilt and run
+    once more, so every command in it must be safe to repeat.
+    """
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        build(pipe)
+        try:
+            return pipe.execute()
+        except NoScriptError:
+            if attempt == 2:
+                raise
+            for script in scripts:
+                client.script_load(script.script)
+    raise AssertionError("unreachable")
+
+
+def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> None:
+    """Queue one registered script on ``pipe`` as a plain EVALSHA (for :func:`run_pipeline`)."""
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
 
 
 _registered: weakref.WeakKeyDictionary[Any, LuaScripts] = weakref.WeakKeyDictionary()
