@@ -37,6 +37,26 @@ def test_bench_timers_json_shape_and_nothing_lost(redis_url, prefix):
             assert field in row
         assert 0 <= row["lag_p50_ms"] <= row["lag_p99_ms"] <= row["lag_max_ms"]
     assert killed["processes"] >= 2
+    assert out["setup"]["threads"] == 1 and {row["threads"] for row in out["results"]} == {1}
+
+
+def test_bench_timers_threads_option_reaches_the_services(redis_url, prefix):
+    env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
+    args = ("bench", "timers", "--json", "--timers", "60", "--window", "0.5", "--lease-ms", "300")
+    proc = run_cli(*args, "--threads", "4", env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["setup"]["threads"] == 4
+    for row in out["results"]:
+        assert row["threads"] == 4
+        assert row["fired"] == 60 and row["lost"] == 0  # the killed row too: pooled claims
+        assert 0 <= row["lag_p50_ms"] <= row["lag_p99_ms"] <= row["lag_max_ms"]
+    assert out["results"][1]["killed"] == 1
+
+
+def test_bench_timers_rejects_zero_threads(redis_url):
+    proc = run_cli("bench", "timers", "--threads", "0", env={"GPUHEDGE_REDIS_URL": redis_url})
+    assert proc.returncode == 2 and "--threads" in proc.stderr
 
 
 def test_bench_timers_without_redis_exits_3(private_redis):

@@ -287,3 +287,147 @@ def _answers(client) -> bool:
         return bool(client.ping())
     except redis.RedisError:
         return False
+
+
+# -- threads > 1: handlers on a bounded pool of worker threads ------------------------------
+
+
+def test_pooled_service_fires_a_burst_concurrently_each_once(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+
+    def slow(timer: Timer) -> None:
+        time.sleep(0.05)  # a race step waiting on Redis round trips
+        recorder(timer)
+
+    service = TimerService(store, slow, threads=8).start()
+    try:
+        due = now_ms() + 200
+        ids = store.arm_many([(f"race{i}|hedge", due, {}) for i in range(80)])
+        wait_for(lambda: len(recorder.fired) >= 80, 15, "80 firings")
+        wait_for(lambda: store.in_flight() == 0, 5, "the acks")
+    finally:
+        service.stop()
+    # Serially 80 x 50 ms is 4 s; eight at a time it is about 0.5 s.
+    assert max(at for _, at in recorder.fired) - due < 2000
+    assert sorted(t.id for t, _ in recorder.fired) == sorted(ids)  # each exactly once
+    assert {t.deliveries for t, _ in recorder.fired} == {1}
+    assert service.fired == 80 and service.failed == 0
+    assert store.pending() == 0
+
+
+def test_pooled_service_redelivers_a_failure_and_drops_it_after_max_deliveries(
+    redis_client, prefix
+):
+    store = TimerStore(redis_client, prefix)
+    calls: dict[str, list[tuple[int, int, int]]] = {"bad": [], "flaky": []}
+    lock = threading.Lock()
+
+    def handler(timer: Timer) -> None:
+        with lock:
+            calls[timer.key].append((timer.deliveries, now_ms(), timer.lease_deadline_ms))
+        if timer.key == "bad" or timer.deliveries == 1:
+            raise RuntimeError("provider API hiccup")
+
+    service = TimerService(store, handler, threads=4, lease_ms=300, max_deliveries=3).start()
+    try:
+        store.arm_many([("bad", now_ms(), {}), ("flaky", now_ms(), {})])
+        wait_for(lambda: len(calls["bad"]) >= 3 and len(calls["flaky"]) >= 2, 15, "redeliveries")
+        wait_for(lambda: store.in_flight() == 0, 5, "the ack and the drop")
+    finally:
+        service.stop()
+    assert [d for d, _, _ in calls["bad"]] == [1, 2, 3]
+    assert [d for d, _, _ in calls["flaky"]] == [1, 2]
+    for seen in calls.values():
+        for (_, _, lease_end), (_, at, _) in zip(seen, seen[1:], strict=False):
+            assert at >= lease_end  # not before the failed delivery's lease ran out
+    assert store.pending() == 0  # nothing left in Redis: the dropped timer cannot come back
+    assert service.failed == 4 and service.fired == 1
+
+
+def test_pooled_stop_waits_for_running_handlers_and_starts_no_more(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    started: list[int] = []
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def handler(timer: Timer) -> None:
+        with lock:
+            started.append(now_ms())
+        time.sleep(0.3)
+        with lock:
+            finished.append(now_ms())
+
+    service = TimerService(store, handler, threads=4).start()
+    store.arm_many([(f"race{i}|t", now_ms(), {}) for i in range(20)])
+    wait_for(lambda: len(started) >= 4, 10, "four running handlers")
+    stop_called = now_ms()
+    service.stop(timeout=5)
+    stop_returned = now_ms()
+    assert not service.alive
+    wait_for(lambda: not any(w.is_alive() for w in service._workers), 5, "the workers to exit")
+    assert started and max(started) <= stop_called  # none started after stop()
+    assert len(finished) == len(started)  # stop() waited for every running handler...
+    assert max(finished) <= stop_returned
+    assert service.running == 0
+    # ...and acknowledged them; the rest is left in Redis for another process.
+    assert store.pending() + store.in_flight() == 20 - len(finished)
+
+
+def test_pooled_stop_is_bounded_by_its_timeout(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hang(timer: Timer) -> None:
+        entered.set()
+        release.wait(30)
+
+    service = TimerService(store, hang, threads=2).start()
+    try:
+        store.arm("race|hang", now_ms(), {})
+        assert entered.wait(10), "the handler never ran"
+        began = time.monotonic()
+        service.stop(timeout=0.3)
+        assert time.monotonic() - began < 2.0
+        assert not service.alive
+    finally:
+        release.set()
+
+
+def test_pooled_service_never_has_more_than_threads_in_flight(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    threads = 3
+    lock = threading.Lock()
+    active = 0
+    peak_active = 0
+    peak_claimed = 0
+    done: list[str] = []
+
+    def handler(timer: Timer) -> None:
+        nonlocal active, peak_active, peak_claimed
+        with lock:
+            active += 1
+            peak_active = max(peak_active, active)
+        claimed = store.in_flight()  # claimed and not yet acknowledged, in Redis
+        time.sleep(0.02)
+        with lock:
+            active -= 1
+            peak_claimed = max(peak_claimed, claimed)
+            done.append(timer.id)
+
+    service = TimerService(store, handler, threads=threads).start()
+    try:
+        store.arm_many([(f"race{i}|t", now_ms(), {}) for i in range(30)])
+        wait_for(lambda: len(done) >= 30, 15, "30 firings")
+    finally:
+        service.stop()
+    assert peak_active == threads  # the pool was used in full, and never more
+    # Claims follow free slots: with batch=200 all 30 would be claimed at once otherwise.
+    assert 1 <= peak_claimed <= threads
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_threads_below_one_or_not_an_int_is_rejected(redis_client, prefix, threads):
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        TimerService(TimerStore(redis_client, prefix), lambda t: None, threads=threads)

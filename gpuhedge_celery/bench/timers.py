@@ -4,10 +4,12 @@ Each row arms ``--timers`` timers (three per race: hedge, cutover, safety) due o
 each armed 50 ms to 10 s before it is due (races of 5-30 s arm timers that far ahead; the peak
 number waiting at once is ``pending_peak``), while ``--concurrency`` processes run a
 :class:`TimerService` whose handler appends ``id due fired deliveries`` to a per-process file
-(unbuffered, so the lines of a killed process survive). Lag is fire time minus due time. The
-``kill`` row SIGKILLs one firing process half-way through; its claimed timers must fire
-elsewhere after their lease (``lost`` must be 0; ``duplicates`` counts timers whose handler ran
-in the killed process just before it died and ran again elsewhere: delivery is at least once).
+(unbuffered, so the lines of a killed process survive); ``--threads`` is each service's number
+of handler threads (1: handlers run one after another in the service thread). Lag is fire time
+minus due time. The ``kill`` row SIGKILLs one firing process half-way through; its claimed
+timers must fire elsewhere after their lease (``lost`` must be 0; ``duplicates`` counts timers
+whose handler ran in the killed process just before it died and ran again elsewhere: delivery
+is at least once).
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ _NAMES = ("hedge", "cutover", "safety")
 
 
 def _serve(
-    url: str, prefix: str, namespace: str, path: str, lease_ms: int, stop: str, hang: str
+    url: str,
+    prefix: str,
+    namespace: str,
+    path: str,
+    lease_ms: int,
+    stop: str,
+    hang: str,
+    threads: int = 1,
 ) -> None:
     """A firing process: fire until told to stop, then append its CPU seconds.
 
@@ -53,7 +62,8 @@ def _serve(
             time.sleep(3600)
         os.write(fd, f"{timer.id} {timer.due_ms} {fired:.3f} {timer.deliveries}\n".encode())
 
-    service = TimerService(TimerStore(client, prefix, namespace), handler, lease_ms=lease_ms)
+    store = TimerStore(client, prefix, namespace)
+    service = TimerService(store, handler, lease_ms=lease_ms, threads=threads)
     service.start()
     # A stop file, not a multiprocessing.Event: Event.set() blocks forever once a process
     # that was waiting on it has been SIGKILLed (its condition waits for every sleeper).
@@ -103,7 +113,14 @@ def _schedule(n: int, window_s: float, rng: random.Random, t0: float) -> list[tu
 
 
 def run_row(
-    url: str, prefix: str, n: int, processes: int, window_s: float, lease_ms: int, kill: bool
+    url: str,
+    prefix: str,
+    n: int,
+    processes: int,
+    window_s: float,
+    lease_ms: int,
+    kill: bool,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Run one row of the benchmark and return its measured figures."""
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
@@ -117,7 +134,7 @@ def run_row(
     procs = [
         ctx.Process(
             target=_serve,
-            args=(url, prefix, namespace, str(p), lease_ms, stop, hang if i == 0 else ""),
+            args=(url, prefix, namespace, str(p), lease_ms, stop, hang if i == 0 else "", threads),
         )
         for i, p in enumerate(paths)
     ]
@@ -203,6 +220,7 @@ def run_row(
         "timers": n,
         "races": (n + 2) // 3,
         "processes": processes,
+        "threads": threads,
         "window_s": window_s,
         "lease_ms": lease_ms,
         "killed": killed,
@@ -231,7 +249,15 @@ def run_row(
 )
 @click.option("--window", type=click.FloatRange(0.5), default=10.0, help="Seconds of due times.")
 @click.option("--lease-ms", type=click.IntRange(100), default=2000, help="Claim lease (ms).")
-def command(as_json: bool, n: int | None, concurrency: int, window: float, lease_ms: int):
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 256),
+    default=1,
+    help="Handler threads per firing process (TimerService threads).",
+)
+def command(
+    as_json: bool, n: int | None, concurrency: int, window: float, lease_ms: int, threads: int
+):
     """Firing lag p50/p99 of durable timers with many races, and with a claimer killed."""
     settings = click.get_current_context().find_root().obj.settings
     ping(settings.redis_url)
@@ -242,15 +268,22 @@ def command(as_json: bool, n: int | None, concurrency: int, window: float, lease
     results = []
     for timers, processes, kill in rows:
         row = run_row(
-            settings.redis_url, settings.prefix, timers, processes, window, lease_ms, kill
+            settings.redis_url, settings.prefix, timers, processes, window, lease_ms, kill, threads
         )
         results.append(row)
         if not as_json:
             click.echo(
-                f"timers={row['timers']} processes={row['processes']} killed={row['killed']}: "
+                f"timers={row['timers']} processes={row['processes']} "
+                f"threads={row['threads']} killed={row['killed']}: "
                 f"lag p50 {row['lag_p50_ms']} ms, p99 {row['lag_p99_ms']} ms, "
                 f"max {row['lag_max_ms']} ms; fired {row['fired']}, lost {row['lost']}, "
                 f"duplicates {row['duplicates']}, redelivered {row['redelivered']}"
             )
     if as_json:
-        click.echo(json.dumps({"bench": "timers", "results": results}, indent=2))
+        setup = {
+            "concurrency": concurrency,
+            "threads": threads,
+            "window_s": window,
+            "lease_ms": lease_ms,
+        }
+        click.echo(json.dumps({"bench": "timers", "setup": setup, "results": results}, indent=2))

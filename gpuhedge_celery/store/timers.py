@@ -13,7 +13,9 @@ broker's visibility timeout, one hour by default). Instead:
 
 :class:`TimerService` is a daemon thread per process that sleeps until the earliest due time,
 woken early by a pub/sub message when an earlier timer is armed, and re-reads at least every
-``idle_ms`` in case a message was lost (pub/sub is fire-and-forget).
+``idle_ms`` in case a message was lost (pub/sub is fire-and-forget). With ``threads > 1`` it
+hands each claimed timer to one of that many worker threads, so handlers that wait on Redis
+overlap instead of queueing behind each other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -215,7 +218,18 @@ class TimerService:
     For each claimed timer it calls ``handler(timer)`` and acknowledges the timer once the
     handler returns. A handler that raises leaves its timer in flight, so it is delivered again
     after ``lease_ms`` (up to ``max_deliveries`` times, then dropped with an error in the log).
-    Handlers should be short (send a task, write a flag): a claim's lease covers its whole batch.
+
+    With ``threads == 1`` (the default) handlers run one after another in the service thread and
+    a claim's lease covers its whole batch, so handlers should be short (send a task, write a
+    flag).
+
+    With ``threads > 1`` handlers run concurrently on that many daemon worker threads, so the
+    handler must be thread-safe. The service thread claims only as many timers as there are
+    free slots (claimed and unacknowledged timers never number more than ``threads``, so none
+    waits here for a worker beyond at most one ack round trip and a lease is spent on its own
+    handler), hands them over earliest due first, and sleeps until a slot frees when all are
+    busy. A finished timer is acknowledged at once by the worker that ran it, together with any
+    others that finished meanwhile (one ``ack_many``).
     """
 
     def __init__(
@@ -228,11 +242,14 @@ class TimerService:
         idle_ms: int = 100,
         use_pubsub: bool = True,
         max_deliveries: int = 10,
+        threads: int = 1,
         clock: Clock | None = None,
         name: str = "gpuhedge-timers",
     ):
         if idle_ms < 1:
             raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.store = store
         self.handler = handler
         self.batch = batch
@@ -241,34 +258,76 @@ class TimerService:
         self.idle_ms = idle_ms if use_pubsub else min(idle_ms, 5)
         self.use_pubsub = use_pubsub
         self.max_deliveries = max_deliveries
+        self.threads = threads
         self.clock = clock or WallClock()
         self.fired = 0
         self.failed = 0
         self.last_error: BaseException | None = None
+        self._name = name
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pubsub: Any = None
+        self._counts = threading.Lock()  # fired, failed
+        # Worker pool (threads > 1): _running counts timers handed to workers, not yet acked.
+        self._slots = threading.Condition()
+        self._running = 0
+        self._jobs: queue.SimpleQueue[Timer | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._finished: list[Timer] = []  # waiting for an ack; guarded by _slots
+        self._acking = False  # a worker is acknowledging _finished; guarded by _slots
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
 
     def start(self) -> TimerService:
-        """Start the thread (once); returns self."""
+        """Start the thread (once), and the worker threads when ``threads > 1``; returns self."""
+        self._start_workers()
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Ask the thread to stop and wait for it; claimed timers are finished first."""
+        """Ask the thread to stop and wait for it, at most ``timeout`` seconds in all.
+
+        With ``threads == 1`` the claimed batch is finished first. With ``threads > 1`` running
+        handlers are waited for and acknowledged, no handler starts after this call (a timer
+        claimed but not yet started stays in flight and is delivered again after its lease),
+        and the worker threads exit.
+        """
+        deadline = time.monotonic() + timeout
         self._stop.set()
+        with self._slots:
+            self._slots.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._workers:
+            return
+        with self._slots:
+            while self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._slots.wait(left)
+        for _ in self._workers:
+            self._jobs.put(None)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def running(self) -> int:
+        """Timers handed to worker threads and not yet acknowledged (or given up on)."""
+        with self._slots:
+            return self._running
+
     def run_once(self) -> int | None:
-        """Claim and fire one batch; returns when to look again (epoch ms), None if idle."""
+        """Claim and fire one batch; returns when to look again (epoch ms), None if idle.
+
+        With ``threads > 1`` it claims at most as many timers as there are free workers and
+        returns once they are handed over, without waiting for their handlers.
+        """
+        if self.threads > 1:
+            return self._submit_once()
         claim = self.store.claim(self.now_ms(), self.batch, self.lease_ms)
         done = []
         for timer in claim.timers:
@@ -281,17 +340,102 @@ class TimerService:
         return claim.next_ms
 
     def _fire(self, timer: Timer) -> bool:
+        """Run the handler; True when the timer is done (fired, or dropped after its last try)."""
         try:
             self.handler(timer)
         except Exception:
-            self.failed += 1
+            with self._counts:
+                self.failed += 1
             if timer.deliveries >= self.max_deliveries:
                 log.error("timer %s dropped after %d failed deliveries", timer.id, timer.deliveries)
                 return True
             log.exception("timer %s handler failed; it will be delivered again", timer.id)
             return False
-        self.fired += 1
+        with self._counts:
+            self.fired += 1
         return True
+
+    # -- worker pool (threads > 1) ------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        if self.threads == 1 or self._workers:
+            return
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"{self._name}-{i + 1}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _submit_once(self) -> int | None:
+        self._start_workers()
+        with self._slots:
+            free = self.threads - self._running
+        if free <= 0:
+            return self.now_ms()
+        claim = self.store.claim(self.now_ms(), min(self.batch, free), self.lease_ms)
+        for timer in claim.timers:  # earliest due first
+            with self._slots:
+                self._running += 1
+            self._jobs.put(timer)
+        if claim.timers:
+            return self.now_ms()  # there may be more due than this claim held
+        return claim.next_ms
+
+    def _wait_for_slot(self) -> None:
+        """Block until a worker is free or stop() is called (notified, not polled)."""
+        with self._slots:
+            while self._running >= self.threads and not self._stop.is_set():
+                self._slots.wait(1.0)
+
+    def _free(self, n: int) -> None:
+        with self._slots:
+            self._running -= n
+            self._slots.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            timer = self._jobs.get()
+            if timer is None:
+                return
+            done = False
+            try:
+                # After stop() nothing starts: the timer stays in flight for redelivery.
+                done = not self._stop.is_set() and self._fire(timer)
+            finally:
+                if done:
+                    self._ack_finished(timer)  # frees its slot once acknowledged
+                else:
+                    self._free(1)
+
+    def _ack_finished(self, timer: Timer) -> None:
+        """Acknowledge ``timer`` now, with whatever else finished meanwhile, in one call.
+
+        One worker at a time acknowledges; timers that finish while it does are picked up by
+        its next round, so each waits for at most one ack round trip besides its own. A slot is
+        freed only once its timer is acknowledged, so claimed and unacknowledged timers never
+        number more than ``threads``.
+        """
+        with self._slots:
+            self._finished.append(timer)
+            if self._acking:
+                return
+            self._acking = True
+        while True:
+            with self._slots:
+                done, self._finished = self._finished, []
+                if not done:
+                    self._acking = False  # in the same lock hold: no finished timer is missed
+                    return
+            try:
+                self.store.ack_many(done)
+            except Exception as e:  # they stay in flight and are delivered again
+                self.last_error = e
+                log.warning("timer service: acknowledging %d timers failed: %s", len(done), e)
+            except BaseException:
+                with self._slots:
+                    self._acking = False
+                raise
+            finally:
+                self._free(len(done))
 
     def _wait(self, ms: int) -> None:
         if ms <= 0:
@@ -329,6 +473,10 @@ class TimerService:
         backoff = 0.0
         while not self._stop.is_set():
             try:
+                if self.threads > 1:
+                    self._wait_for_slot()
+                    if self._stop.is_set():
+                        break
                 if self.use_pubsub and self._pubsub is None:
                     # Subscribe before claiming, so no wake-up between the two is missed.
                     self._subscribe()
