@@ -49,6 +49,9 @@ CRASH_ENV = {
     # takes) with no timer left is ended by it
     "GPUHEDGE_RECONCILE_INTERVAL_S": "1",
     "GPUHEDGE_JANITOR_STALE_S": "3",
+    # a loser's cancel whose process died is taken over after 1 s (the cancel itself takes
+    # 0.25 s here), not after the 2 s visibility timeout: cancels are not broker messages
+    "GPUHEDGE_CANCEL_BACKSTOP_S": "1",
 }
 COORDINATOR_POINTS = ("received", "primary_submitted", "hedge_timer", "winner", "cancelling")
 ATTEMPT_POINTS = ("submit_received", "hedge_submitted", "winner", "cancel_received", "cancel_sent")
@@ -244,6 +247,30 @@ def test_hedge_timer_survives_the_worker_that_armed_it(crash_cluster):
         # fired by a survivor well within the timer lease (10 s) and the 2 s visibility
         # timeout; the margin covers a loaded machine
         assert 0 <= hedge["launched_at_s"] - due < 1.0, (primary, hedge)
+
+
+def test_a_cancel_dies_with_its_worker_and_the_backstop_timer_finishes_it(crash_cluster):
+    """Killed while it cancels a loser natively, the cancel is finished by a survivor."""
+    rc = crash_cluster
+    crasher = Crasher(rc, seed=11)
+    for _ in range(3):
+        crasher.ensure_ready(3)
+        crasher.mark_logs()
+        res = rc.send(REQUEST)
+        crasher.wait_and_kill(res.id, "cancel_sent")
+        if crasher.kills[-1].endswith("missed"):
+            continue
+        assert res.get(timeout=30)["winner"] == "h"
+        receipt = rc.receipt(res.id, timeout=30)
+        primary = receipt["attempts"][0]
+        assert primary["phase"] == "cancelled" and receipt["leaks"] == []
+        cancel = primary["cancel_receipt"]
+        assert cancel["evidence"] == "confirmed_terminal" and not cancel["leaked"], cancel
+        assert rc.running_sim_jobs(receipt) == []
+        survivors = "".join(w.log() for w in crasher.workers())
+        assert f"race {res.id}: cancel of a1 taken over by the backstop timer" in survivors
+        return
+    pytest.fail(f"never caught a cancel in flight: {crasher.kills}")
 
 
 @pytest.mark.parametrize(

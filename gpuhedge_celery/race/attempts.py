@@ -30,6 +30,13 @@ from .base import due_ms, find_attempt
 from .receipt import store_attempt_result
 
 MIN_WATCH_GAP_S = 0.002
+
+
+def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
+    """The fixed id of an attempt's cancel backstop timer."""
+    return f"{race_id}|cancel|{attempt_id}"
+
+
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
 
 if TYPE_CHECKING:
@@ -111,8 +118,33 @@ class AttemptWork:
             cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
             self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap)
 
+    def request_cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
+        """Have an attempt's job cancelled now, durably: a backstop timer, then the effect.
+
+        :meth:`Effects.cancel` runs the cancel at once (in production: on a thread of this
+        process, no task hop). The backstop timer, armed first, hands the cancel to any live
+        worker if this process dies before :meth:`cancel_attempt` reports back; it never waits
+        for a broker's visibility timeout. Its id is fixed per attempt, so re-arming is a no-op.
+        """
+        at = self.clock.now() + self.settings.cancel_backstop_s
+        payload = {"race": race_id, "kind": "cancel", "attempt": attempt_id}
+        self.timers.arm(
+            f"{race_id}:c:{attempt_id}", due_ms(at), payload,
+            timer_id=cancel_backstop_id(race_id, attempt_id),
+        )  # fmt: skip
+        self.effects.cancel(race_id, attempt_id, provider)
+
     def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
-        """Cancel an attempt's job natively and report the receipt (never Celery's revoke)."""
+        """Cancel an attempt's job natively and report the receipt (never Celery's revoke).
+
+        Returns once the outcome (confirmed, acknowledged, failed) is saved in the race, and
+        only then drops the attempt's backstop timer: a crash before that leaves the timer to
+        finish the job elsewhere.
+        """
+        self._cancel_attempt(race_id, attempt_id)
+        self.timers.cancel(cancel_backstop_id(race_id, attempt_id))
+
+    def _cancel_attempt(self, race_id: str, attempt_id: str) -> None:
         record = self.store.load(race_id)
         if record is None:
             return
@@ -306,4 +338,4 @@ class AttemptWork:
         a = find_attempt(saved, attempt_id) if saved is not None else None
         if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
             # Capped, not stopped: the job may still be running (and billing) at the provider.
-            self.effects.cancel(race_id, attempt_id, provider.name)
+            self.request_cancel(race_id, attempt_id, provider.name)

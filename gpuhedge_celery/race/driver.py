@@ -210,7 +210,7 @@ class RaceDriver(AttemptWork):
                 follow.append(self._poll(race, action.attempt_id))
             elif isinstance(action, Cancel):
                 a = find_attempt(race, action.attempt_id)
-                self.effects.cancel(race_id, action.attempt_id, a.provider if a else "")
+                self.request_cancel(race_id, action.attempt_id, a.provider if a else "")
             elif isinstance(action, ScheduleTimer):
                 self.timers.arm(
                     f"{race_id}:{action.key}",
@@ -318,6 +318,14 @@ class RaceDriver(AttemptWork):
             self.step(payload["race"], TimerDue(payload["key"]))
             if timer.deliveries > 1:  # its first claimer died, perhaps after saving the step
                 self.resume(payload["race"])
+        elif kind == "cancel":
+            # The process that was cancelling this attempt did not report it done within the
+            # backstop: it died (or its provider is very slow). Cancelling again is harmless.
+            log.warning(
+                "race %s: cancel of %s taken over by the backstop timer",
+                payload["race"], payload["attempt"],
+            )  # fmt: skip
+            self.cancel_attempt(payload["race"], payload["attempt"])
         elif kind == "watch":
             self.watch(
                 payload["race"], payload["attempt"], payload["provider"], payload["handle"],
@@ -347,12 +355,12 @@ class RaceDriver(AttemptWork):
             if a.phase is Phase.LAUNCHING:
                 self.effects.launch(race_id, a.id, a.provider)
             elif a.result_state == JobState.TIMEOUT.value and a.handle:
-                self.effects.cancel(race_id, a.id, a.provider)  # a capped job left running
+                self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:
                 cap = float(caps.get(a.provider, 180.0))
                 self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
                 if a.phase is Phase.CANCELLING:
-                    self.effects.cancel(race_id, a.id, a.provider)
+                    self.request_cancel(race_id, a.id, a.provider)
         ids = state.get("timer_ids") or {}
         for key, at in race.timers.items():
             if key in ids:

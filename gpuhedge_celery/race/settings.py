@@ -14,6 +14,14 @@ GPUHEDGE_RACE_EVENTS               1           send Celery task events (Flower) 
 GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
 GPUHEDGE_SUBMIT_PRIMARY_INLINE     1           hedged_infer submits the first attempt
                                                itself instead of through a race_submit task
+GPUHEDGE_TIMER_THREADS             8           threads per process that run due timers (race
+                                               steps, status polls, backstop cancels)
+GPUHEDGE_CANCEL_THREADS            32          threads per process that call providers' native
+                                               cancels the moment a race decides them
+GPUHEDGE_CANCEL_BACKSTOP_S         30          a decided cancel not reported done by then is
+                                               taken over by any live worker's timers (its
+                                               process died); longer than any provider's own
+                                               cancel-confirmation window
 GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
                                                at start (custom policies, validators,
                                                provider adapters register themselves there)
@@ -48,6 +56,19 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
     return value
 
 
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"expected a whole number, got {raw!r}", key=name) from None
+    if not 1 <= value <= 1024:
+        raise ConfigError(f"expected a number from 1 to 1024, got {raw!r}", key=name)
+    return value
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = (env.get(name) or "").strip().lower()
     if not raw:
@@ -69,6 +90,9 @@ class RaceSettings:
     events: bool = True
     timer_namespace: str = "races"
     submit_primary_inline: bool = True
+    timer_threads: int = 8
+    cancel_threads: int = 32
+    cancel_backstop_s: float = 30.0
     plugins: tuple[str, ...] = field(default_factory=tuple)
 
     def as_celery_conf(self) -> dict[str, object]:
@@ -110,5 +134,8 @@ class RaceSettings:
             events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
             timer_namespace=namespace,
             submit_primary_inline=_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
+            timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),
+            cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
+            cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
             plugins=plugins,
         )

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +34,7 @@ TASK_RACE_SUBMIT = "gpuhedge.race_submit"
 TASK_RACE_CANCEL = "gpuhedge.race_cancel"
 TASK_RACE_STEP = "gpuhedge.race_step"
 QUEUE_ATTEMPTS = "gpuhedge.attempts"  # the same names as tasks.app (checked by the tests)
+EVENT_BATCH = 200  # task events published together at most
 
 
 def _app() -> Any:
@@ -47,19 +50,49 @@ def race_settings() -> RaceSettings:
 
 
 class CeleryEffects:
-    """The driver's effects as Celery does them: tasks, result backend, task events."""
+    """The driver's effects as Celery does them: tasks, result backend, task events.
 
-    def __init__(self) -> None:
+    Launches are ``race_submit`` tasks on the attempts queue. Cancels run at once on this
+    process's cancel threads (a loser must stop billing without waiting for a task hop); the
+    driver armed a backstop timer first, so a cancel that dies with this process is finished
+    by another worker. Task events are handed to one sender thread, so a race step never waits
+    on publishing them.
+    """
+
+    def __init__(self, settings: RaceSettings | None = None) -> None:
+        self.settings = settings or race_settings()
         self._lock = threading.Lock()
         self._dispatcher: Any = None
+        self._cancels: ThreadPoolExecutor | None = None
+        self._events: queue.SimpleQueue[tuple[str, str, dict[str, Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._sender: threading.Thread | None = None
+        self.hostname: str | None = None  # the worker's node name, once known
 
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
         args = (race_id, attempt_id, provider)
         _app().send_task(TASK_RACE_SUBMIT, args, queue=QUEUE_ATTEMPTS)
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
-        args = (race_id, attempt_id, provider)
-        _app().send_task(TASK_RACE_CANCEL, args, queue=QUEUE_ATTEMPTS)
+        with self._lock:
+            if self._cancels is None:
+                self._cancels = ThreadPoolExecutor(
+                    self.settings.cancel_threads, thread_name_prefix="gpuhedge-cancel"
+                )
+            pool = self._cancels
+        pool.submit(_cancel_now, race_id, attempt_id, provider)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish queued cancels and events (worker shutdown); the backstop covers the rest."""
+        with self._lock:
+            pool, self._cancels = self._cancels, None
+            sender = self._sender
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=False)
+        if sender is not None:
+            self._events.put(None)
+            sender.join(timeout)
 
     def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         app = _app()
@@ -81,20 +114,59 @@ class CeleryEffects:
         self.send(race_id, f"task-{name}", fields)
 
     def send(self, race_id: str, kind: str, fields: dict[str, Any]) -> None:
-        """Publish one task event for Flower / ``celery events``; failures are only logged."""
-        if not race_settings().events:
+        """Queue one task event for Flower / ``celery events`` (sent in order, off the step)."""
+        if not self.settings.events:
             return
-        try:
+        if self._sender is None:
             with self._lock:
-                if self._dispatcher is None:
-                    app = _app()
-                    self._dispatcher = app.events.Dispatcher(
-                        app.connection_for_write(), enabled=True
+                if self._sender is None:
+                    self._sender = threading.Thread(
+                        target=self._send_loop, name="gpuhedge-race-events", daemon=True
                     )
-                self._dispatcher.send(kind, uuid=race_id, **fields)
-        except Exception:
-            log.debug("race %s: event %s not sent", race_id, kind, exc_info=True)
-            self._dispatcher = None
+                    self._sender.start()
+        self._events.put((race_id, kind, fields))
+
+    def _send_loop(self) -> None:
+        # Whatever queued up while the last batch was published goes out as one ``task.multi``
+        # message (a list of events; Celery's receivers, Flower's included, unpack it), so
+        # under load the cost is one publish per batch, not one per event.
+        while True:
+            batch = [self._events.get()]
+            while batch[-1] is not None and len(batch) < EVENT_BATCH:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is None
+            events = [item for item in batch if item is not None]
+            try:
+                if events:
+                    if self._dispatcher is None:
+                        app = _app()
+                        self._dispatcher = app.events.Dispatcher(
+                            app.connection_for_write(), enabled=True, hostname=self.hostname,
+                            buffer_group=["task"], buffer_limit=EVENT_BATCH + 1,
+                        )  # fmt: skip
+                    for race_id, kind, fields in events:
+                        self._dispatcher.send(kind, uuid=race_id, **fields)
+                    self._dispatcher.flush(errors=False)
+            except Exception:  # events are for watching: a failure is logged, never raised
+                log.debug("%d race events not sent", len(events), exc_info=True)
+                self._dispatcher = None
+            if stop:
+                return
+
+
+def _cancel_now(race_id: str, attempt_id: str, provider: str) -> None:
+    """One native cancel on a cancel thread (see :meth:`CeleryEffects.cancel`)."""
+    # The marker names the race like a task would, so logs (and the crash tests) show
+    # which worker holds the cancel.
+    log.info("race_cancel[%s:%s] cancelling %s natively", race_id, attempt_id, provider)
+    try:
+        runtime().driver.cancel_attempt(race_id, attempt_id)
+    except Exception:  # the backstop timer retries it; say why here
+        log.exception("race %s: cancel of %s failed; the backstop timer retries it",
+                      race_id, attempt_id)  # fmt: skip
 
 
 def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
@@ -135,8 +207,9 @@ class RaceRuntime:
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
+        self.effects = CeleryEffects(self.settings)
         self.driver = RaceDriver(
-            self.store, self.timers, self.provider, CeleryEffects(), self.settings
+            self.store, self.timers, self.provider, self.effects, self.settings
         )
         self.service: TimerService | None = None
 
@@ -154,7 +227,10 @@ class RaceRuntime:
         with self._lock:
             if self.service is None:
                 self.service = TimerService(
-                    self.timers, self.driver.on_timer, name="gpuhedge-race-timers"
+                    self.timers,
+                    self.driver.on_timer,
+                    name="gpuhedge-race-timers",
+                    threads=self.settings.timer_threads,
                 ).start()
             return self.service
 
