@@ -130,7 +130,7 @@ def test_a_hedge_rescue_shows_its_lifecycle_as_task_states(events_cluster):
         assert name in seen, seen
     assert seen.index("HEDGE_LAUNCHED") < seen.index("WON") <= seen.index("SUCCESS")
     task = state.tasks[res.id]
-    assert task.name == "gpuhedge.hedged_infer"  # from task-received: the -E worker sent it
+    assert task.name == "gpuhedge.hedged_infer"  # from the task-received the race sent
     launched = next(e for e in mine if e["type"] == "task-hedge_launched")
     assert launched["provider"] == "h" and launched["role"] == "hedge"
     assert launched["race_id"] == res.id

@@ -5,8 +5,9 @@
 same Redis, the same broker key prefix), and the test polls its HTTP API as a user would:
 ``/api/task/info/<race id>`` for the race's task, ``/api/tasks`` for its task list and
 ``/metrics`` for the events it has processed. The worker runs with task events on (``-E``, given
-as ``CELERY_WORKER_TASK_EVENTS``), so Flower knows the race's task name. Flower must start: if
-it cannot, the fixture fails the tests (it never skips them).
+as ``CELERY_WORKER_TASK_EVENTS``), as a Flower user's would; the race's name and arguments come
+from the ``task-received`` the race sends itself. Flower must start: if it cannot, the fixture
+fails the tests (it never skips them).
 """
 
 from __future__ import annotations
@@ -205,15 +206,14 @@ def test_flower_shows_a_hedge_race_in_custom_states_then_success(flower):
     custom_at = next(t for state, t in seen if state in CUSTOM)
     assert seen[-1][1] - custom_at >= 1.0, seen  # the hedge's ~2.5 s, in custom states
     info = flower.task(res.id)
-    assert info["uuid"] == res.id and info["name"] == RACE  # from -E's task-received
+    assert info["uuid"] == res.id and info["name"] == RACE  # from the race's own task-received
     assert "'winner': 'h'" in info["result"]  # the short result the race's task-succeeded carries
     # Flower's API gives Celery's task fields only, not the race events' custom ones
     assert "provider" not in info and "race_id" not in info, sorted(info)
 
 
-@pytest.mark.xfail(strict=True, reason="race events come from a Dispatcher with no hostname")
 def test_flower_names_the_worker_that_ran_the_race(flower):
-    """Race events are sent as ``gen<pid>@<host>``: Flower lists that name as another worker."""
+    """Race events are sent as the worker's node name, not a generated ``gen<pid>@<host>``."""
     res = flower.rc.send({"sim": {"p": {"queue_s": 0, "run_s": 1}}})
     res.get(timeout=20)
     info = wait_for(lambda: flower.task(res.id), 10, "Flower to know the race")

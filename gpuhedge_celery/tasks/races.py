@@ -7,14 +7,16 @@ A race costs no process and no thread while it waits: it is state in Redis (see
 * ``gpuhedge.hedged_infer`` (queue ``gpuhedge.coord``): validates its arguments (one-line
   ``ConfigError``), creates the race under race id = the task id (a redelivery resumes it),
   performs the engine's first actions (submitting the primary itself unless
-  ``GPUHEDGE_SUBMIT_PRIMARY_INLINE=0``) and raises ``Ignore``: Celery stores nothing. The driver
+  ``GPUHEDGE_SUBMIT_PRIMARY_INLINE=0``) and returns a marker Celery does not store (see
+  :class:`RaceTask`). The driver
   later marks the task id done the moment a winner is declared (``.get()`` returns then, before
   losers are cleaned up) or failed with :class:`~gpuhedge_celery.errors.RaceFailed` carrying
   the receipt.
 * ``gpuhedge.race_submit`` / ``gpuhedge.race_cancel`` (queue ``gpuhedge.attempts``): submit one
   attempt's job (registered in the live-job index before it is reported; never re-submitted on
-  redelivery), or cancel it through the provider's native API. Arguments name race, attempt and
-  provider, so Flower's task list shows who is doing what.
+  redelivery), or cancel it through the provider's native API (races cancel their losers on the
+  deciding process's cancel threads, with a durable backstop timer; the task is for operators).
+  Arguments name race, attempt and provider, so Flower's task list shows who is doing what.
 * ``gpuhedge.race_step`` (queue ``gpuhedge.coord``): apply one serialised engine event.
 
 All tasks are ``acks_late`` + ``reject_on_worker_lost``: a killed worker's message is
@@ -27,7 +29,7 @@ import logging
 from typing import Any
 
 from celery import Task, signals
-from celery.exceptions import Ignore
+from celery.utils.saferepr import saferepr
 
 from ..core.race_events import event_from_dict
 from ..errors import ConfigError, StoreError
@@ -79,6 +81,53 @@ app.conf.task_routes = {
 race_settings().import_plugins()
 
 
+class RaceStarted(str):
+    """What ``hedged_infer``'s body returns: a marker that its real result comes later."""
+
+    __slots__ = ()
+
+
+class _DeferringBackend:
+    """The app's result backend, except that a :class:`RaceStarted` return is not stored."""
+
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def mark_as_done(self, task_id: str, result: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(result, RaceStarted):
+            return None  # the driver marks the winner's result under this id later
+        return self._backend.mark_as_done(task_id, result, *args, **kwargs)
+
+
+class RaceTask(Task):
+    """``hedged_infer``'s task class: the body starts a race and returns without a result.
+
+    Celery's way to say "the result comes later" is to raise ``Ignore``, but its tracer then
+    formats a traceback (two of them, over its own very large frame): about 4 ms of CPU per
+    race, measured, and the biggest single cost of starting one. Instead the body returns a
+    :class:`RaceStarted` marker that the backend wrapper does not store, clears the links and
+    chain it passes on to the winner itself, and the worker's own task events are off for
+    this task: the race sends ``task-received``/``task-started`` itself, so Flower never sees
+    a premature ``SUCCESS``.
+    """
+
+    send_events = False
+
+    @property
+    def backend(self) -> Any:  # type: ignore[override]
+        return _DeferringBackend(self.app.backend)
+
+    @backend.setter
+    def backend(self, value: Any) -> None:  # Celery assigns None at registration
+        if value is not None:
+            raise AttributeError("hedged_infer always uses the app's result backend")
+
+
 def _caller(task: Task) -> dict[str, Any]:
     """What the task's own message asked to happen after it (links, the rest of a chain)."""
     request = task.request
@@ -102,7 +151,7 @@ _RETRY_STORE: dict[str, Any] = {
 }
 
 
-@app.task(bind=True, name=TASK_HEDGED_INFER, **_TASK_OPTIONS)
+@app.task(bind=True, base=RaceTask, name=TASK_HEDGED_INFER, **_TASK_OPTIONS)
 def hedged_infer(
     self: Task,
     request: Any,
@@ -117,19 +166,45 @@ def hedged_infer(
     ``{"name": ..., **options}``. Bad input fails at once with a one-line ConfigError.
     """
     race_id = self.request.id
+    rt = None
     try:
         if not race_id or self.request.is_eager:
             raise ConfigError(
                 "hedged_infer runs on workers: use .delay(), .apply_async() or send_task()"
             )
         rt = runtime()
+        _announce(rt, self, request, policy, providers, validator)
         check_request(request)
         spec = build_spec(rt.config, policy, providers, validator)
     except ConfigError as e:
+        if rt is not None:
+            rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})
         raise celery_safe(e) from None
-    inline = rt.settings.submit_primary_inline
-    rt.driver.create(race_id, request, spec, _caller(self), submit_first=inline)
-    raise Ignore()  # the result is stored by whichever process declares the winner
+    caller = _caller(self)
+    # The winner runs the links and the rest of the chain (see CeleryEffects.won); Celery's
+    # tracer must not run them now with the marker as their argument.
+    self.request.callbacks = None
+    self.request.chain = None
+    rt.driver.create(race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline)
+    return RaceStarted("race started; the winner's result is stored under this id later")
+
+
+def _announce(rt: RaceRuntime, task: Task, *args: Any) -> None:
+    """Celery's ``task-received``/``task-started`` for Flower (the worker's are off here)."""
+    request = task.request
+    rt.effects.hostname = rt.effects.hostname or request.hostname
+    fields = {
+        "name": TASK_HEDGED_INFER,
+        "args": saferepr(args[:1]),
+        "kwargs": saferepr(dict(zip(("policy", "providers", "validator"), args[1:], strict=True))),
+        "root_id": request.root_id,
+        "parent_id": request.parent_id,
+        "retries": request.retries or 0,
+        "eta": request.eta,
+        "expires": request.expires,
+    }
+    rt.effects.send(request.id, "task-received", fields)
+    rt.effects.send(request.id, "task-started", {})
 
 
 @app.task(name=TASK_RACE_SUBMIT, **_TASK_OPTIONS, **_RETRY_STORE)
@@ -140,7 +215,11 @@ def race_submit(race_id: str, attempt_id: str, provider: str) -> None:
 
 @app.task(name=TASK_RACE_CANCEL, **_TASK_OPTIONS, **_RETRY_STORE)
 def race_cancel(race_id: str, attempt_id: str, provider: str) -> None:
-    """Cancel one attempt's job through ``provider``'s native cancel and report the receipt."""
+    """Cancel one attempt's job through ``provider``'s native cancel and report the receipt.
+
+    Races cancel their losers on the deciding process's cancel threads (no hop); this task is
+    the same idempotent work for operators and other apps (``send_task`` by name).
+    """
     runtime().driver.cancel_attempt(race_id, attempt_id)
 
 
@@ -155,6 +234,8 @@ def _start_race_timers(sender: Any = None, **_: Any) -> None:
     if glue_config().is_gpu_worker:
         return
     try:
+        # events are sent as this worker (Flower's workers tab), not as a generated name
+        runtime().effects.hostname = getattr(sender, "hostname", None)
         runtime().start_timers()
     except Exception as e:  # a worker without timers still serves tasks; say why loudly
         log.error("race timers not started in this worker: %s", e)
@@ -165,3 +246,5 @@ def _stop_race_timers(**_: Any) -> None:
     rt = current_runtime()
     if rt is not None and rt.service is not None:
         rt.service.stop()
+    if rt is not None:
+        rt.effects.close()
