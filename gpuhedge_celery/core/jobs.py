@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from ._data import copy_data
 
 
 class JobState(str, enum.Enum):
@@ -46,7 +48,13 @@ class JobHandle:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Field by field: what dataclasses.asdict gave (``extra`` deep-copied), much cheaper.
+        return {
+            "provider": self.provider,
+            "job_id": self.job_id,
+            "submitted_at": self.submitted_at,
+            "extra": copy_data(self.extra),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -74,7 +82,7 @@ class LifecycleEvent:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"t_ms": self.t_ms, "stage": self.stage, "detail": self.detail}
 
 
 @dataclass

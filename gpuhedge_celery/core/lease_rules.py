@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from ._data import copy_data
 
 FREE = "free"
 HELD = "held"
@@ -129,7 +131,13 @@ class GpuInfo:
     labels: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Field by field: what dataclasses.asdict gave (labels copied), much cheaper.
+        return {
+            "gpu_id": self.gpu_id,
+            "pool": self.pool,
+            "host": self.host,
+            "labels": copy_data(self.labels),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GpuInfo:
@@ -148,7 +156,14 @@ class Lease:
     since_ms: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "gpu_id": self.gpu_id,
+            "pool": self.pool,
+            "token": self.token,
+            "holder": self.holder,
+            "ttl_ms": self.ttl_ms,
+            "since_ms": self.since_ms,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:
@@ -179,7 +194,19 @@ class LeaseRow:
     labels: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "gpu_id": self.gpu_id,
+            "pool": self.pool,
+            "host": self.host,
+            "host_live": self.host_live,
+            "state": self.state,
+            "holder": self.holder,
+            "token": self.token,
+            "ttl_left_ms": self.ttl_left_ms,
+            "since_ms": self.since_ms,
+            "accepted_token": self.accepted_token,
+            "labels": copy_data(self.labels),
+        }
 
 
 def parse_lease_value(value: str) -> tuple[int, int, str]:

@@ -10,11 +10,23 @@ acknowledgement is ignored by the race.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from ._data import copy_data
 from .jobs import JobState
 from .receipts import CancelReceipt
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass field names of ``cls``, looked up once: ``fields()`` is slow per message."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
 
 # --------------------------------------------------------------------------- events (in)
 
@@ -27,15 +39,15 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": self.kind}
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
             if isinstance(value, JobState):
                 value = value.value
             elif isinstance(value, CancelReceipt):
                 value = value.to_dict()
             elif isinstance(value, tuple):
                 value = list(value)
-            data[f.name] = value
+            data[name] = value
         return data
 
 
@@ -144,7 +156,7 @@ def event_from_dict(data: dict[str, Any]) -> Event:
     cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise ValueError(f"unknown race event kind {kind!r}")
-    if data.get("state") is not None and "state" in {f.name for f in fields(cls)}:
+    if data.get("state") is not None and "state" in _field_names(cls):
         data["state"] = JobState(data["state"])
     if cls is CancelAcknowledged and data.get("receipt") is not None:
         data["receipt"] = CancelReceipt.from_dict(data["receipt"])
@@ -163,7 +175,11 @@ class Action:
     kind: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **asdict(self)}
+        # What {"kind": ..., **dataclasses.asdict(self)} gave, without asdict's generic walk.
+        data: dict[str, Any] = {"kind": self.kind}
+        for name in _field_names(type(self)):
+            data[name] = copy_data(getattr(self, name))
+        return data
 
 
 @dataclass(frozen=True)
