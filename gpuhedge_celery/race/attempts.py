@@ -37,6 +37,7 @@ def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
     return f"{race_id}|cancel|{attempt_id}"
 
 
+MAX_DECIDED = 10_000  # decided cancels remembered for this process's cancel threads
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
 
 if TYPE_CHECKING:
@@ -118,21 +119,39 @@ class AttemptWork:
             cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
             self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap)
 
-    def request_cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
+    def request_cancel(
+        self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,
+        caps: dict[str, Any] | None = None, armed: bool = False,
+    ) -> None:  # fmt: skip
         """Have an attempt's job cancelled now, durably: a backstop timer, then the effect.
 
         :meth:`Effects.cancel` runs the cancel at once (in production: on a thread of this
-        process, no task hop). The backstop timer, armed first, hands the cancel to any live
-        worker if this process dies before :meth:`cancel_attempt` reports back; it never waits
-        for a broker's visibility timeout. Its id is fixed per attempt, so re-arming is a no-op.
+        process, no task hop). The backstop timer hands the cancel to any live worker if this
+        process dies before :meth:`cancel_attempt` reports back; it never waits for a broker's
+        visibility timeout. Its id is fixed per attempt, so re-arming is a no-op. ``saved`` is
+        the race as the step that decided the cancel just saved it (and ``caps`` its spec's
+        caps): a cancel run in this process starts from it instead of reading the race again.
+        ``armed``: the backstop rode in that step's save already.
         """
+        if saved is not None:
+            a = find_attempt(saved, attempt_id)
+            if a is not None:
+                if len(self._decided) > MAX_DECIDED:  # effects that never run cancels here
+                    self._decided.clear()
+                self._decided[(race_id, attempt_id)] = (Attempt.from_dict(a.to_dict()), caps)
+        # The backstop first: a crash right after the save must still get the loser cancelled
+        # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
+        if not armed:
+            key, due, payload, timer_id = self._backstop(race_id, attempt_id)
+            self.timers.arm(key, due, payload, timer_id=timer_id)
+        self.effects.cancel(race_id, attempt_id, provider)
+
+    def _backstop(self, race_id: str, attempt_id: str) -> tuple[str, int, dict[str, Any], str]:
+        """Key, due time, payload and fixed id of an attempt's cancel backstop timer."""
         at = self.clock.now() + self.settings.cancel_backstop_s
         payload = {"race": race_id, "kind": "cancel", "attempt": attempt_id}
-        self.timers.arm(
-            f"{race_id}:c:{attempt_id}", due_ms(at), payload,
-            timer_id=cancel_backstop_id(race_id, attempt_id),
-        )  # fmt: skip
-        self.effects.cancel(race_id, attempt_id, provider)
+        timer_id = cancel_backstop_id(race_id, attempt_id)
+        return f"{race_id}:c:{attempt_id}", due_ms(at), payload, timer_id
 
     def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
         """Cancel an attempt's job natively and report the receipt (never Celery's revoke).
@@ -144,13 +163,28 @@ class AttemptWork:
         self._cancel_attempt(race_id, attempt_id)
         self.timers.cancel(cancel_backstop_id(race_id, attempt_id))
 
+    @property
+    def _decided(self) -> dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]:
+        found = self.__dict__.get("_decided_cancels")
+        if found is None:
+            found = self.__dict__.setdefault("_decided_cancels", {})
+        return found
+
     def _cancel_attempt(self, race_id: str, attempt_id: str) -> None:
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        race = Race.from_dict(record.state["race"], self.clock)
-        a = find_attempt(race, attempt_id)
-        if a is None or not a.handle:
+        decided = self._decided.pop((race_id, attempt_id), None)
+        if decided is not None and decided[0].phase is Phase.CANCELLING:
+            a, caps = decided  # as the deciding step saved it: no read on the way to the call
+        else:
+            record = self.store.load(race_id)
+            if record is None:
+                return
+            race = Race.from_dict(record.state["race"], self.clock)
+            caps = record.state["spec"]["caps_s"]
+            found = find_attempt(race, attempt_id)
+            if found is None:
+                return
+            a = found
+        if not a.handle:
             return
         if a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
             self._cancel_capped(race_id, a)
@@ -172,7 +206,7 @@ class AttemptWork:
                 leaked=True, evidence=Evidence.PROVIDER_ACK,
             )  # fmt: skip
             self.step(race_id, CancelAcknowledged(attempt_id, ack))
-            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
+            cap = float((caps or {}).get(a.provider, 180.0))
             self.conclude(race_id, attempt_id, provider, handle, cap)
             return
         self.step(race_id, CancelAcknowledged(attempt_id, receipt))

@@ -161,11 +161,16 @@ class RaceDriver(AttemptWork):
             if change is not None:
                 change(new)
             gone = self._note_timers(race_id, race, new, actions, record.version + 1)
+            arms = self._arms(race_id, new, actions)
             try:
-                self.store.save(race_id, new, record.version)
+                self.store.save(
+                    race_id, new, record.version, also=arms, scripts=(self.timers.arm_script,)
+                )
             except VersionConflict:
                 continue
-            follow = self._perform(race_id, race, new, actions, phases, flags, gone, event)
+            follow = self._perform(
+                race_id, race, new, actions, phases, flags, gone, event, armed=arms is not None
+            )
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
 
@@ -183,6 +188,35 @@ class RaceDriver(AttemptWork):
         state["timer_ids"] = ids
         return gone
 
+    def _arms(
+        self, race_id: str, state: dict[str, Any], actions: list[Action]
+    ) -> Callable[[Any], None] | None:
+        """The timer arms a step's actions need, to ride in the save's round trip.
+
+        Policy timers and cancel backstops have fixed ids, so arming is idempotent, and one
+        armed by a save that then loses its version check is harmless: the engine ignores a
+        timer it no longer wants (or re-arms it, if it came early), and a backstop only ever
+        cancels what the race still has in ``cancelling``.
+        """
+        queued: list[tuple[str, int, dict[str, Any], str]] = []
+        for action in actions:
+            if isinstance(action, ScheduleTimer):
+                payload = {"race": race_id, "kind": "policy", "key": action.key}
+                queued.append(
+                    (f"{race_id}:{action.key}", due_ms(action.at), payload,
+                     state["timer_ids"][action.key])
+                )  # fmt: skip
+            elif isinstance(action, Cancel):
+                queued.append(self._backstop(race_id, action.attempt_id))
+        if not queued:
+            return None
+
+        def also(pipe: Any) -> None:
+            for key, due, payload, timer_id in queued:
+                self.timers.queue_arm(pipe, key, due, payload, timer_id)
+
+        return also
+
     # ------------------------------------------------------------------ performing actions
     def _perform(
         self,
@@ -194,7 +228,10 @@ class RaceDriver(AttemptWork):
         flags: list[str],
         gone: list[str],
         event: Event | None,
+        *,
+        armed: bool = False,
     ) -> list[Event]:
+        """Perform a saved step's actions; ``armed``: its timers rode in the save already."""
         follow: list[Event] = []
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
@@ -210,8 +247,10 @@ class RaceDriver(AttemptWork):
                 follow.append(self._poll(race, action.attempt_id))
             elif isinstance(action, Cancel):
                 a = find_attempt(race, action.attempt_id)
-                self.request_cancel(race_id, action.attempt_id, a.provider if a else "")
-            elif isinstance(action, ScheduleTimer):
+                caps = (state.get("spec") or {}).get("caps_s")
+                provider = a.provider if a else ""
+                self.request_cancel(race_id, action.attempt_id, provider, race, caps, armed)
+            elif isinstance(action, ScheduleTimer) and not armed:
                 self.timers.arm(
                     f"{race_id}:{action.key}",
                     due_ms(action.at),

@@ -149,11 +149,20 @@ class RaceStore:
         """Store a new race's first state (version 1); VersionConflict if the race exists."""
         return self.save(race_id, state, 0)
 
-    def save(self, race_id: str, state: dict[str, Any], expected_version: int) -> int:
+    def save(
+        self,
+        race_id: str,
+        state: dict[str, Any],
+        expected_version: int,
+        also: Callable[[Any], None] | None = None,
+        scripts: tuple[Any, ...] = (),
+    ) -> int:
         """Save ``state`` if the race is still at ``expected_version``; returns the new version.
 
         Raises :class:`VersionConflict` when someone saved since (or, for version 0, the race
-        already exists). Also refreshes the race's heartbeat.
+        already exists). Also refreshes the race's heartbeat. ``also(pipe)`` may queue more
+        commands in the same round trip (``scripts``: the scripts they use); they run whether
+        or not the save wins, so they must be harmless when it loses (idempotent timer arms).
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(state, f"state of race {race_id!r}")
@@ -162,9 +171,11 @@ class RaceStore:
         def build(pipe: Any) -> None:
             queue_script(pipe, self._save, [keys.state], args)
             self._touch(pipe, race_id)
+            if also is not None:
+                also(pipe)
 
         with store_errors(f"saving race {race_id!r}"):
-            (ok, version), _ = run_pipeline(self.client, build, [self._save])
+            (ok, version), *_ = run_pipeline(self.client, build, [self._save, *scripts])
         if not ok:
             raise VersionConflict(race_id, expected_version, int(version))
         return int(version)

@@ -36,7 +36,7 @@ from ..core.clock import Clock, WallClock
 from ..errors import StoreError
 from .connection import translate_errors
 from .race_keys import timer_keys
-from .scripts import lua_script
+from .scripts import lua_script, queue_script, run_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,29 @@ class TimerStore:
 
     def arm_many(self, items: Iterable[tuple[str, int, dict[str, Any]]]) -> list[str]:
         """Arm several ``(key, due_ms, payload)`` timers in one round trip; returns their ids."""
+        queued = [self._arm_args(key, due_ms, payload, None) for key, due_ms, payload in items]
+
+        def build(pipe: Any) -> None:
+            for keys, args in queued:
+                queue_script(pipe, self._arm, keys, args)
+
         with store_errors("arming timers"):
-            pipe = self.client.pipeline(transaction=False)
-            for key, due_ms, payload in items:
-                keys, args = self._arm_args(key, due_ms, payload, None)
-                self._arm(keys=keys, args=args, client=pipe)
-            return [as_text(found[0]) for found in pipe.execute()]
+            return [as_text(found[0]) for found in run_pipeline(self.client, build, [self._arm])]
+
+    def queue_arm(
+        self, pipe: Any, key: str, due_ms: int, payload: dict[str, Any], timer_id: str
+    ) -> None:
+        """Queue an idempotent arming (fixed ``timer_id``) on someone else's pipeline.
+
+        The caller runs the pipeline with :func:`~gpuhedge_celery.store.scripts.run_pipeline`
+        and passes :attr:`arm_script` among its scripts.
+        """
+        keys, args = self._arm_args(key, due_ms, payload, timer_id)
+        queue_script(pipe, self._arm, keys, args)
+
+    @property
+    def arm_script(self) -> Any:
+        return self._arm
 
     def cancel(self, timer_id: str) -> bool:
         """Remove a timer, waiting or in flight; False when it already fired or never existed."""
