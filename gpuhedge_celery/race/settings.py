@@ -22,6 +22,11 @@ GPUHEDGE_CANCEL_BACKSTOP_S         30          a decided cancel not reported don
                                                taken over by any live worker's timers (its
                                                process died); longer than any provider's own
                                                cancel-confirmation window
+GPUHEDGE_SWITCH_INTERVAL_MS        1           the coordination worker's thread switch
+                                               interval (``sys.setswitchinterval``; Python's
+                                               default is 5 ms): a thread back from a Redis
+                                               round trip waits less for the GIL; 0 leaves
+                                               the interpreter's value alone
 GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
                                                at start (custom policies, validators,
                                                provider adapters register themselves there)
@@ -93,6 +98,7 @@ class RaceSettings:
     timer_threads: int = 8
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
+    switch_interval_ms: float = 1.0
     plugins: tuple[str, ...] = field(default_factory=tuple)
 
     def as_celery_conf(self) -> dict[str, object]:
@@ -137,5 +143,6 @@ class RaceSettings:
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),
             cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
+            switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),
             plugins=plugins,
         )

@@ -25,7 +25,9 @@ redelivered, and every task is idempotent.
 
 from __future__ import annotations
 
+import gc
 import logging
+import sys
 from typing import Any
 
 from celery import Task, signals
@@ -236,6 +238,15 @@ def _start_race_timers(sender: Any = None, **_: Any) -> None:
     try:
         # events are sent as this worker (Flower's workers tab), not as a generated name
         runtime().effects.hostname = getattr(sender, "hostname", None)
+        interval = race_settings().switch_interval_ms
+        if interval > 0:
+            # Many threads here wait on Redis round trips; one back from a reply waits for
+            # the GIL up to the switch interval while another thread computes (5 ms default,
+            # several times per step).
+            sys.setswitchinterval(interval / 1000.0)
+        # Everything loaded so far (Celery, kombu, the config) lives as long as the worker:
+        # keep it out of the collector's full passes, which otherwise pause every thread.
+        gc.freeze()
         runtime().start_timers()
     except Exception as e:  # a worker without timers still serves tasks; say why loudly
         log.error("race timers not started in this worker: %s", e)
