@@ -329,3 +329,21 @@ def test_save_is_one_round_trip_and_survives_a_script_flush(private_redis):
     assert store.load("r").state == {"n": 21}
     with pytest.raises(VersionConflict):
         store.save("r", {"n": 0}, 21)
+
+
+def test_a_process_reads_its_own_last_save_without_a_round_trip_but_never_trusts_it(
+    redis_client, prefix
+):
+    mine, other = RaceStore(redis_client, prefix), RaceStore(redis_client, prefix)
+    assert mine.create("r", {"n": 0}) == 1
+    cached = mine.load("r", fresh=True)
+    assert cached.cached and (cached.version, cached.state) == (1, {"n": 0})
+    assert not mine.load("r").cached  # a plain load always reads Redis
+    assert other.load("r", fresh=True).cached is False  # nothing saved by that process
+    other.save("r", {"n": 1}, 1)
+    stale = mine.load("r", fresh=True)
+    assert stale.cached and stale.version == 1  # stale: only a versioned save may use it
+    with pytest.raises(VersionConflict):
+        mine.save("r", {"n": 2}, stale.version)
+    assert mine.load("r", fresh=True).cached is False  # the conflict dropped the copy
+    assert mine.load("r").state == {"n": 1}

@@ -168,3 +168,31 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
     driver.submit_attempt("r8", "a1")  # the redelivery
     assert driver.timers.pending() == 2
     assert driver.store.live_jobs("r8").keys() == {"a1"}
+
+
+def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redis_client, prefix):
+    # This process saved the race last, then another process moved it on. An event that is a
+    # no-op on the stale copy must not be dropped: the step re-reads Redis and applies it.
+    from gpuhedge_celery.core.attempts import Phase
+    from gpuhedge_celery.core.jobs import JobState
+    from gpuhedge_celery.core.race_events import AttemptSubmitted, StatusObserved
+
+    driver, effects, cfg, _, providers = setup
+    assert driver.create("r9", SLOW, build_spec(cfg)) is True  # a1 launching, cached here
+    other = RaceDriver(
+        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__, Recorder(), RaceSettings(),
+    )  # fmt: skip
+    handle = providers["p"].submit(SLOW)
+    other.step("r9", AttemptSubmitted("a1", handle.job_id, handle.to_dict()))
+    assert driver.store.load("r9", fresh=True).cached  # the stale copy is still here
+
+    def seen_running(race):  # like the driver's own sources: None means "nothing to do"
+        running = race.attempts[0].phase is Phase.RUNNING
+        return StatusObserved("a1", JobState.IN_PROGRESS) if running else None
+
+    # On the stale copy a1 is still launching, so there is nothing to do; on Redis it runs.
+    saved = driver.step("r9", seen_running)
+    a1 = saved.attempts[0]
+    assert a1.job_id == handle.job_id
+    assert any(label == JobState.IN_PROGRESS.value for _, label in a1.timeline), a1.timeline

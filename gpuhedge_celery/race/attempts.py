@@ -68,13 +68,15 @@ class AttemptWork:
     def resume(self, race_id: str) -> None:
         raise NotImplementedError
 
-    def submit_attempt(self, race_id: str, attempt_id: str) -> None:
+    def submit_attempt(self, race_id: str, attempt_id: str, *, new_race: bool = False) -> None:
         """Submit a launched attempt's job once, register it, report it, start watching it.
 
         Idempotent: a redelivered submit whose job was registered before a crash reports that
         job instead of submitting another; a submit after the race stopped needing it is skipped.
+        ``new_race``: called by the process that just created the race, in the same thread
+        (its saved state is current and no job can be registered yet: two reads saved).
         """
-        record = self.store.load(race_id)
+        record = self.store.load(race_id, fresh=new_race)
         if record is None:
             return
         race = Race.from_dict(record.state["race"], self.clock)
@@ -86,7 +88,7 @@ class AttemptWork:
             # save and the actions (timers, watch) that step asked for. Re-perform them.
             self.resume(race_id)
             return
-        known = self.store.live_jobs(race_id).get(attempt_id)
+        known = None if new_race else self.store.live_jobs(race_id).get(attempt_id)
         if known is not None and known.get("submitting"):
             # A submit was in flight when its worker died: the provider may hold a job we have
             # no id for. Never submit blindly again: end the attempt (the policy moves on).
@@ -117,7 +119,8 @@ class AttemptWork:
         saved = self.step(race_id, AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()))
         if saved is not None:
             cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
-            self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap)
+            spec = record.state["spec"]
+            self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec)
 
     def request_cancel(
         self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,
@@ -162,6 +165,13 @@ class AttemptWork:
         """
         self._cancel_attempt(race_id, attempt_id)
         self.timers.cancel(cancel_backstop_id(race_id, attempt_id))
+
+    @property
+    def _fresh_results(self) -> dict[tuple[str, str], dict[str, Any]]:
+        found = self.__dict__.get("_fresh_result_map")
+        if found is None:
+            found = self.__dict__.setdefault("_fresh_result_map", {})
+        return found
 
     @property
     def _decided(self) -> dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]:
@@ -264,8 +274,13 @@ class AttemptWork:
         handle_data: dict[str, Any],
         last: str | None,
         cap_s: float,
+        spec: dict[str, Any] | None = None,
     ) -> None:
-        """Poll a job once: report a state change, conclude it when terminal, else re-arm."""
+        """Poll a job once: report a state change, conclude it when terminal, else re-arm.
+
+        ``spec``: the race's spec when the caller has it at hand (a terminal job's validation
+        then needs no read).
+        """
         provider = self.providers(provider_name)
         handle = JobHandle.from_dict(handle_data)
         try:
@@ -276,7 +291,7 @@ class AttemptWork:
         now = self.clock.now()
         deadline = handle.submitted_at + cap_s
         if (state is not None and state.terminal) or now >= deadline:
-            self.conclude(race_id, attempt_id, provider, handle, cap_s)
+            self.conclude(race_id, attempt_id, provider, handle, cap_s, spec)
             return
         label = state.value if state is not None else "poll_error"
         if label != last:
@@ -325,8 +340,9 @@ class AttemptWork:
         self.timers.arm(f"{race_id}:w:{attempt_id}", due_ms(at), payload)
 
     def conclude(
-        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float
-    ) -> None:
+        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float,
+        spec: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         """Fetch a terminal (or capped) job's result, validate it and report it to the race."""
         try:
             result = provider.result(handle, cap_s)  # returns at once: terminal or past the cap
@@ -335,10 +351,11 @@ class AttemptWork:
                 provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
                 error=f"{type(e).__name__}: {e}",
             )  # fmt: skip
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        spec = record.state["spec"]
+        if spec is None:
+            record = self.store.load(race_id)
+            if record is None:
+                return
+            spec = record.state["spec"]
         valid, reasons = False, [result.error or f"ended {result.state}"]
         if result.state is JobState.COMPLETED:
             verdict = validate(
@@ -346,10 +363,15 @@ class AttemptWork:
             )
             valid, reasons = verdict.ok, list(verdict.reasons)
             if valid:
+                stored = result.to_dict()
                 store_attempt_result(
                     self.store.client, self.prefix, race_id, attempt_id,
-                    result.to_dict(), self.settings.receipt_ttl_s,
+                    stored, self.settings.receipt_ttl_s,
                 )  # fmt: skip
+                # The step below may declare this attempt the winner: spare it the read back.
+                if len(self._fresh_results) > MAX_DECIDED:
+                    self._fresh_results.clear()
+                self._fresh_results[(race_id, attempt_id)] = stored
         summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
 
         def event(race: Race) -> Event | None:

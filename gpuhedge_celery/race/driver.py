@@ -112,7 +112,7 @@ class RaceDriver(AttemptWork):
         rest = [a for a in actions if a is not first]
         self._perform(race_id, race, state, rest, before, [], [], None)
         if first is not None:
-            self.submit_attempt(race_id, first.attempt_id)
+            self.submit_attempt(race_id, first.attempt_id, new_race=True)
         return True
 
     # ------------------------------------------------------------------ the step
@@ -134,27 +134,35 @@ class RaceDriver(AttemptWork):
     def _step_once(
         self, race_id: str, source: EventSource, change: StateUpdate | None
     ) -> tuple[Race | None, list[Event]]:
-        for _ in range(MAX_CONFLICTS):
-            record = self.store.load(race_id)
+        for attempt in range(MAX_CONFLICTS):
+            # First from what this process saved last (no round trip). A stale copy costs a
+            # failed version check; a step it would make a no-op is checked against Redis.
+            record = self.store.load(race_id, fresh=attempt == 0)
             if record is None:
                 log.warning("race %s: no such race (expired or never created)", race_id)
                 return None, []
             state = record.state
             race = Race.from_dict(state["race"], self.clock)
             if race.finished:
-                return race, []
+                return race, []  # finished is final: a stale copy cannot be wrong about it
             event = source(race) if callable(source) else source
             if event is None:
+                if record.cached:
+                    continue
                 return race, []
             phases = {a.id: a.phase for a in race.attempts}
             flags = list(race.flags)
             try:
                 actions = race.handle(event)
             except ValueError as e:  # an event for an attempt this race never had
+                if record.cached:
+                    continue
                 log.warning("race %s: %s ignored: %s", race_id, event.kind, e)
                 return race, []
             after = race.to_dict()
             if not actions and change is None and after == state["race"]:
+                if record.cached:
+                    continue
                 return race, []  # a duplicate: nothing changed, nothing to save
             new = dict(state)
             new["race"] = after
@@ -310,8 +318,9 @@ class RaceDriver(AttemptWork):
                 "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner
             )
             return
-        client = self.store.client
-        stored = load_attempt_result(client, self.prefix, race_id, won.id) or {}
+        stored = self._fresh_results.pop((race_id, won.id), None)
+        if stored is None:
+            stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id) or {}
         result = winner_result(
             race,
             stored,
@@ -319,7 +328,10 @@ class RaceDriver(AttemptWork):
             ref=result_key(self.prefix, race_id, won.id),
         )
         self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
-        self.effects.won(race_id, result, state.get("caller") or {})
+        caller = state.get("caller") or {}
+        if claim.first:
+            caller = {**caller, "first_claim": True}  # Celery effects skip their "done?" read
+        self.effects.won(race_id, result, caller)
 
     def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         spec = spec_from_state(state)

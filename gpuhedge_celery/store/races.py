@@ -22,6 +22,8 @@ them: it is a hint, and the janitor re-reads the race's own keys before acting.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +70,7 @@ class RaceRecord:
     race_id: str
     version: int
     state: dict[str, Any]
+    cached: bool = False  # from this process's last save (load(fresh=True)), maybe stale
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class StaleRace:
     race_id: str
     last_seen_ms: int
     live_jobs: dict[str, dict[str, Any]]
+
+
+FRESH_MAX = 4096  # races whose last saved state a process remembers
 
 
 def _ms(seconds: float | None) -> int:
@@ -135,6 +141,9 @@ class RaceStore:
         self._owner_claim = lua_script(client, "race_owner_claim")
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
+        # The last state this process saved, per race (LRU): see load(fresh=True).
+        self._fresh: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        self._fresh_lock = threading.Lock()
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -176,12 +185,30 @@ class RaceStore:
 
         with store_errors(f"saving race {race_id!r}"):
             (ok, version), *_ = run_pipeline(self.client, build, [self._save, *scripts])
+        with self._fresh_lock:
+            if ok:
+                self._fresh[race_id] = (int(version), data)
+                self._fresh.move_to_end(race_id)
+                while len(self._fresh) > FRESH_MAX:
+                    self._fresh.popitem(last=False)
+            else:
+                self._fresh.pop(race_id, None)
         if not ok:
             raise VersionConflict(race_id, expected_version, int(version))
         return int(version)
 
-    def load(self, race_id: str) -> RaceRecord | None:
-        """The race's current state and version, or None if there is no such race."""
+    def load(self, race_id: str, *, fresh: bool = False) -> RaceRecord | None:
+        """The race's current state and version, or None if there is no such race.
+
+        ``fresh``: if this process saved the race last, return that state without a round
+        trip. It may be stale (another process saved since), so only a caller that saves with a
+        version check and reloads on a conflict (the driver's step) may ask for it.
+        """
+        if fresh:
+            with self._fresh_lock:
+                found = self._fresh.get(race_id)
+            if found is not None:
+                return RaceRecord(race_id, found[0], json.loads(found[1]), cached=True)
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"loading race {race_id!r}"):
             version, data = self.client.hmget(keys.state, ["v", "data"])

@@ -96,7 +96,9 @@ class CeleryEffects:
 
     def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         app = _app()
-        if app.backend.get_task_meta(race_id).get("status") == "SUCCESS":
+        if not caller.get("first_claim") and (
+            app.backend.get_task_meta(race_id).get("status") == "SUCCESS"
+        ):
             return  # a resumed race re-declares its winner: links and chains must not run twice
         app.backend.mark_as_done(race_id, result)
         self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
