@@ -98,6 +98,9 @@ def test_four_processes_fire_every_timer_exactly_once(redis_url, redis_client, p
     for p in procs:
         p.start()
     try:
+        # Each child creates its file just before it starts its service: arm only once all
+        # four are there, or a slow start (spawned imports) leaves one process all the work.
+        wait_for(lambda: all(p.exists() for p in paths), 60, "four firing processes")
         start = now_ms() + 500
         ids = store.arm_many([(f"race{i}|t", start + (i * 7) % 1500, {}) for i in range(300)])
         wait_for(lambda: sum(map(len, _read_lines(paths).values())) >= 300, 40, "300 firings")
