@@ -7,16 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results}"
 mkdir -p "$out"
-run() {
-  local name="$1"; shift
+run() {  # run FILE BENCH [options]: one benchmark into $out/FILE.json
+  local file="$1" name="$2"; shift 2
   echo "bench $name $*" >&2
   local t0=$SECONDS
-  gpuhedge-celery bench "$name" --json "$@" > "$out/$name.json"
+  gpuhedge-celery bench "$name" --json "$@" > "$out/$file.json"
   echo "  done in $((SECONDS - t0)) s" >&2
 }
-run replay
-run handoff
-run timers
-run pool
-run races
+run replay replay
+run handoff handoff
+run timers timers
+run timers-threads8 timers --threads 8  # as race workers fire them (GPUHEDGE_TIMER_THREADS)
+run pool pool
+run races races
 python3 scripts/bench_table.py "$out"

@@ -309,7 +309,7 @@ def capacity_row(
     rng = random.Random(seed)
     hedge_after_s = 15.0 * scale  # provider second 15: races with a slow primary hedge
     if ramp_s is None:
-        ramp_s = min(5.0, 10.0 * scale)
+        ramp_s = 15.0 * scale
     used0 = int(bench.client.info("memory")["used_memory"])
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
     cpu0 = sum(_cpu_s(p) for p in bench.worker_pids()) + bench.redis_cpu_s()
@@ -393,13 +393,13 @@ def capacity_row(
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--overhead-races", type=click.IntRange(1), default=1000, show_default=True,
               help="Races (and round trips) in the overhead row.")  # fmt: skip
-@click.option("--races", default="2000", show_default=True,
+@click.option("--races", default="500,1000,2000", show_default=True,
               help="Races in the capacity row (a comma list: one row each).")  # fmt: skip
 @click.option("--duration-s", type=click.FloatRange(0.5), default=30.0, show_default=True,
               help="Real seconds of the longest (30 provider s) capacity-row job.")  # fmt: skip
 @click.option("--ramp-s", type=click.FloatRange(0.1), default=None,
               help="Seconds over which the capacity row starts its races "
-              "[default: 5, or less for short --duration-s].")  # fmt: skip
+              "[default: half the longest job, 15 s at --duration-s 30].")  # fmt: skip
 @click.option("--cancel-races", type=click.IntRange(1), default=200, show_default=True,
               help="Races in the cancel row.")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 16), default=2, show_default=True,
