@@ -6,6 +6,7 @@ to the race through ``step`` and never decides anything itself (the engine does)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from ..core.validators import validate
 from ..errors import ProviderError
 from ..providers.base import Provider
 from .base import due_ms, find_attempt
-from .receipt import store_attempt_result
+from .receipt import result_key, store_attempt_result
 
 MIN_WATCH_GAP_S = 0.002
 
@@ -357,6 +358,8 @@ class AttemptWork:
                 return
             spec = record.state["spec"]
         valid, reasons = False, [result.error or f"ended {result.state}"]
+        stored: dict[str, Any] | None = None
+        kept: list[bool] = []
         if result.state is JobState.COMPLETED:
             verdict = validate(
                 spec["validator"], result.payload, **(spec.get("validator_options") or {})
@@ -364,10 +367,16 @@ class AttemptWork:
             valid, reasons = verdict.ok, list(verdict.reasons)
             if valid:
                 stored = result.to_dict()
-                store_attempt_result(
-                    self.store.client, self.prefix, race_id, attempt_id,
-                    stored, self.settings.receipt_ttl_s,
-                )  # fmt: skip
+                # Stored in the step's own round trip, ahead of the state that reports it, so
+                # any process that sees the report can serve the result (see below).
+                key = result_key(self.prefix, race_id, attempt_id)
+                data = json.dumps(stored)
+                ttl_ms = int(self.settings.receipt_ttl_s * 1000)
+
+                def keep(pipe: Any) -> None:
+                    kept.append(True)
+                    pipe.set(key, data, px=ttl_ms)
+
                 # The step below may declare this attempt the winner: spare it the read back.
                 if len(self._fresh_results) > MAX_DECIDED:
                     self._fresh_results.clear()
@@ -390,7 +399,12 @@ class AttemptWork:
         def remember(state: dict[str, Any]) -> None:
             state["results"] = {**(state.get("results") or {}), attempt_id: summary}
 
-        saved = self.step(race_id, event, remember)
+        saved = self.step(race_id, event, remember, keep if stored is not None else None)
+        if stored is not None and not kept:  # the step saved nothing: store it on its own
+            store_attempt_result(
+                self.store.client, self.prefix, race_id, attempt_id,
+                stored, self.settings.receipt_ttl_s,
+            )  # fmt: skip
         a = find_attempt(saved, attempt_id) if saved is not None else None
         if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
             # Capped, not stopped: the job may still be running (and billing) at the provider.

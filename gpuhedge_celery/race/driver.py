@@ -117,22 +117,34 @@ class RaceDriver(AttemptWork):
 
     # ------------------------------------------------------------------ the step
     def step(
-        self, race_id: str, event: EventSource, update: StateUpdate | None = None
+        self,
+        race_id: str,
+        event: EventSource,
+        update: StateUpdate | None = None,
+        before: Callable[[Any], None] | None = None,
     ) -> Race | None:
         """Apply ``event`` (or ``event(race)``) and perform its actions; follow-ups included.
 
+        ``before(pipe)``: writes to make in the save's round trip, ahead of the state (see
+        :meth:`RaceStore.save`); a step that saves nothing does not make them.
         Returns the race as saved by the last step (None for an unknown race).
         """
         pending: list[tuple[EventSource, StateUpdate | None]] = [(event, update)]
         race = None
+        first = True
         while pending:
             source, change = pending.pop(0)
-            race, follow = self._step_once(race_id, source, change)
+            race, follow = self._step_once(race_id, source, change, before if first else None)
+            first = False
             pending.extend((e, None) for e in follow)
         return race
 
     def _step_once(
-        self, race_id: str, source: EventSource, change: StateUpdate | None
+        self,
+        race_id: str,
+        source: EventSource,
+        change: StateUpdate | None,
+        before: Callable[[Any], None] | None = None,
     ) -> tuple[Race | None, list[Event]]:
         for attempt in range(MAX_CONFLICTS):
             # First from what this process saved last (no round trip). A stale copy costs a
@@ -172,8 +184,9 @@ class RaceDriver(AttemptWork):
             arms = self._arms(race_id, new, actions)
             try:
                 self.store.save(
-                    race_id, new, record.version, also=arms, scripts=(self.timers.arm_script,)
-                )
+                    race_id, new, record.version, also=arms,
+                    scripts=(self.timers.arm_script,), before=before,
+                )  # fmt: skip
             except VersionConflict:
                 continue
             follow = self._perform(

@@ -165,6 +165,7 @@ class RaceStore:
         expected_version: int,
         also: Callable[[Any], None] | None = None,
         scripts: tuple[Any, ...] = (),
+        before: Callable[[Any], None] | None = None,
     ) -> int:
         """Save ``state`` if the race is still at ``expected_version``; returns the new version.
 
@@ -172,19 +173,28 @@ class RaceStore:
         already exists). Also refreshes the race's heartbeat. ``also(pipe)`` may queue more
         commands in the same round trip (``scripts``: the scripts they use); they run whether
         or not the save wins, so they must be harmless when it loses (idempotent timer arms).
+        ``before(pipe)`` queues commands that run before the save (Redis runs a pipeline in
+        order), for data the saved state refers to. Its results come first in the reply.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(state, f"state of race {race_id!r}")
         args = [expected_version, data, _ms(self.state_ttl_s)]
 
+        skip = 0
+
         def build(pipe: Any) -> None:
+            nonlocal skip
+            if before is not None:
+                before(pipe)
+                skip = len(pipe.command_stack)
             queue_script(pipe, self._save, [keys.state], args)
             self._touch(pipe, race_id)
             if also is not None:
                 also(pipe)
 
         with store_errors(f"saving race {race_id!r}"):
-            (ok, version), *_ = run_pipeline(self.client, build, [self._save, *scripts])
+            replies = run_pipeline(self.client, build, [self._save, *scripts])
+        ok, version = replies[skip]
         with self._fresh_lock:
             if ok:
                 self._fresh[race_id] = (int(version), data)
