@@ -38,7 +38,17 @@ def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
     return f"{race_id}|cancel|{attempt_id}"
 
 
-MAX_DECIDED = 10_000  # decided cancels remembered for this process's cancel threads
+MAX_DECIDED = 10_000  # entries of each in-process memo (decided cancels, fresh results)
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` until its consumer pops it; an unconsumed memo never grows unbounded
+    (effects that run cancels elsewhere, results that never win)."""
+    if len(memo) > MAX_DECIDED:
+        memo.clear()
+    memo[key] = value
+
+
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
 
 if TYPE_CHECKING:
@@ -58,6 +68,10 @@ class AttemptWork:
     settings: RaceSettings
     clock: Clock
     effects: Effects
+    # What this process just decided or stored, for the work that follows it here (bounded):
+    # a cancel's attempt as the deciding step saved it, and a valid result that may win.
+    _decided: dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]
+    _fresh_results: dict[tuple[str, str], dict[str, Any]]
 
     @property
     def prefix(self) -> str:
@@ -140,9 +154,8 @@ class AttemptWork:
         if saved is not None:
             a = find_attempt(saved, attempt_id)
             if a is not None:
-                if len(self._decided) > MAX_DECIDED:  # effects that never run cancels here
-                    self._decided.clear()
-                self._decided[(race_id, attempt_id)] = (Attempt.from_dict(a.to_dict()), caps)
+                snapshot = (Attempt.from_dict(a.to_dict()), caps)
+                _remember(self._decided, (race_id, attempt_id), snapshot)
         # The backstop first: a crash right after the save must still get the loser cancelled
         # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
         if not armed:
@@ -166,20 +179,6 @@ class AttemptWork:
         """
         self._cancel_attempt(race_id, attempt_id)
         self.timers.cancel(cancel_backstop_id(race_id, attempt_id))
-
-    @property
-    def _fresh_results(self) -> dict[tuple[str, str], dict[str, Any]]:
-        found = self.__dict__.get("_fresh_result_map")
-        if found is None:
-            found = self.__dict__.setdefault("_fresh_result_map", {})
-        return found
-
-    @property
-    def _decided(self) -> dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]:
-        found = self.__dict__.get("_decided_cancels")
-        if found is None:
-            found = self.__dict__.setdefault("_decided_cancels", {})
-        return found
 
     def _cancel_attempt(self, race_id: str, attempt_id: str) -> None:
         decided = self._decided.pop((race_id, attempt_id), None)
@@ -378,9 +377,7 @@ class AttemptWork:
                     pipe.set(key, data, px=ttl_ms)
 
                 # The step below may declare this attempt the winner: spare it the read back.
-                if len(self._fresh_results) > MAX_DECIDED:
-                    self._fresh_results.clear()
-                self._fresh_results[(race_id, attempt_id)] = stored
+                _remember(self._fresh_results, (race_id, attempt_id), stored)
         summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
 
         def event(race: Race) -> Event | None:

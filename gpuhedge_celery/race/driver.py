@@ -73,6 +73,8 @@ class RaceDriver(AttemptWork):
         self.effects = effects
         self.settings = settings or RaceSettings()
         self.clock = clock or WallClock()
+        self._decided = {}
+        self._fresh_results = {}
 
     # ------------------------------------------------------------------ starting
     def create(
