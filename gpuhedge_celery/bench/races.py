@@ -312,7 +312,7 @@ def capacity_row(
         ramp_s = 15.0 * scale
     used0 = int(bench.client.info("memory")["used_memory"])
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
-    cpu0 = sum(_cpu_s(p) for p in bench.worker_pids()) + bench.redis_cpu_s()
+    workers0, redis0 = sum(_cpu_s(p) for p in bench.worker_pids()), bench.redis_cpu_s()
     me0 = time.process_time()
     t_start = time.perf_counter()
     ids = []
@@ -346,8 +346,12 @@ def capacity_row(
             peak_rss = sum(_rss_bytes(p) for p in bench.worker_pids())
         time.sleep(0.5)  # each look costs the client and Redis one EXISTS per race
     wall = time.perf_counter() - t_start
-    cpu = sum(_cpu_s(p) for p in bench.worker_pids()) + bench.redis_cpu_s() - cpu0
-    cpu += time.process_time() - me0
+    parts = {
+        "workers": sum(_cpu_s(p) for p in bench.worker_pids()) - workers0,
+        "redis": bench.redis_cpu_s() - redis0,
+        "client": time.process_time() - me0,
+    }
+    cpu = sum(parts.values())
     hedge_lag, watch_lag, hedged, won = [], [], 0, 0
     for race_id in ids:
         receipt = bench.store.receipt(race_id)
@@ -379,6 +383,7 @@ def capacity_row(
         "ramp_s": ramp_s,
         "wall_s": round(wall, 2),
         "cpu_ms_per_race": round(1000.0 * cpu / races, 1),
+        "cpu_ms_per_race_by": {k: round(1000.0 * v / races, 1) for k, v in parts.items()},
         "cpu_pct": round(100.0 * cpu / wall / (os.cpu_count() or 1), 1),
         "cpus": os.cpu_count(),
         "redis_bytes_per_race": round((peak_used - used0) / max(peak, 1)),

@@ -84,9 +84,10 @@ def winner_result(
         "job_id": won.job_id,
     }
     payload = stored.get("payload")
-    if inline_max >= 0 and len(json.dumps(payload)) > inline_max:
+    size = len(json.dumps(payload)) if inline_max >= 0 else 0
+    if size > inline_max >= 0:
         result["payload_ref"] = ref
-        result["payload_bytes"] = len(json.dumps(payload))
+        result["payload_bytes"] = size
     else:
         result["payload"] = payload
     return result

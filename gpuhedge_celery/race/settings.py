@@ -11,6 +11,10 @@ GPUHEDGE_PAYLOAD_INLINE_MAX        1000000     payloads larger than this many by
 GPUHEDGE_WATCH_INTERVAL_S          1.0         status-poll period for providers that cannot
                                                tell when their job will next change state
 GPUHEDGE_RACE_EVENTS               1           send Celery task events (Flower) for races
+GPUHEDGE_EVENT_LINGER_MS           20          how long a process gathers race events before
+                                               publishing them as one message (events reach
+                                               Flower this much later; under load one
+                                               publish carries many events); 0: at once
 GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
 GPUHEDGE_SUBMIT_PRIMARY_INLINE     1           hedged_infer submits the first attempt
                                                itself instead of through a race_submit task
@@ -93,6 +97,7 @@ class RaceSettings:
     payload_inline_max: int = 1_000_000
     watch_interval_s: float = 1.0
     events: bool = True
+    event_linger_ms: float = 20.0
     timer_namespace: str = "races"
     submit_primary_inline: bool = True
     timer_threads: int = 8
@@ -138,6 +143,7 @@ class RaceSettings:
             ),
             watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
             events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
+            event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 20.0, minimum=-1),
             timer_namespace=namespace,
             submit_primary_inline=_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),

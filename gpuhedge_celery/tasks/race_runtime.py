@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -72,7 +73,10 @@ class CeleryEffects:
 
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
         args = (race_id, attempt_id, provider)
-        _app().send_task(TASK_RACE_SUBMIT, args, queue=QUEUE_ATTEMPTS)
+        # Nobody waits on a launch's own result (the race's state is the record), so it is not
+        # stored: a result write and its publish less per attempt. An operator's send_task of
+        # race_submit still gets one.
+        _app().send_task(TASK_RACE_SUBMIT, args, queue=QUEUE_ATTEMPTS, ignore_result=True)
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
         with self._lock:
@@ -129,11 +133,16 @@ class CeleryEffects:
         self._events.put((race_id, kind, fields))
 
     def _send_loop(self) -> None:
-        # Whatever queued up while the last batch was published goes out as one ``task.multi``
-        # message (a list of events; Celery's receivers, Flower's included, unpack it), so
-        # under load the cost is one publish per batch, not one per event.
+        # Whatever queued up within the linger (and while the last batch was published) goes
+        # out as one ``task.multi`` message (a list of events; Celery's receivers, Flower's
+        # included, unpack it), so the cost is one publish per batch, not one per event.
+        linger = self.settings.event_linger_ms / 1000.0
         while True:
             batch = [self._events.get()]
+            if linger > 0 and batch[0] is not None:
+                # Let more gather: one publish then carries every event of these milliseconds
+                # (a publish costs this process and Redis about as much as a race step).
+                time.sleep(linger)
             while batch[-1] is not None and len(batch) < EVENT_BATCH:
                 try:
                     batch.append(self._events.get_nowait())

@@ -1,0 +1,73 @@
+"""Race events leave a process in batches: one ``task.multi`` publish per linger window.
+
+A publish costs a coordination worker about as much as a race step, so under load events that
+arrive within ``GPUHEDGE_EVENT_LINGER_MS`` of each other go out together. Checked on a real
+Redis broker, in a fresh process (the Celery app reads its broker from the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+from gpuhedge_celery.race.settings import RaceSettings
+
+CODE = """
+import base64, json, sys, time
+import redis
+from gpuhedge_celery.tasks.race_runtime import CeleryEffects, race_settings
+
+client = redis.Redis.from_url(sys.argv[1])
+sub = client.pubsub()
+sub.psubscribe("*celeryev/task.multi")
+sub.get_message(timeout=1)  # the psubscribe confirmation
+effects = CeleryEffects(race_settings())
+effects.hostname = "batch-test@localhost"
+n = int(sys.argv[2])
+for i in range(n):
+    effects.event("race-1", "queued", {"i": i})
+    time.sleep(0.005)  # events of a busy worker trickle in
+effects.close()
+messages, deadline = [], time.monotonic() + 5
+while sum(len(m) for m in messages) < n and time.monotonic() < deadline:
+    got = sub.get_message(timeout=0.5)
+    if got and got["type"] == "pmessage":
+        body = json.loads(got["data"])["body"]
+
+        messages.append(json.loads(base64.b64decode(body)))
+print(json.dumps([[e["i"] for e in m] for m in messages]))
+"""
+
+
+def _run(redis_url: str, linger_ms: str, n: int) -> list[list[int]]:
+    env = {
+        **os.environ,
+        "GPUHEDGE_REDIS_URL": redis_url,
+        "GPUHEDGE_BROKER_PREFIX": f"t{uuid.uuid4().hex[:8]}:",
+        "GPUHEDGE_EVENT_LINGER_MS": linger_ms,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", CODE, redis_url, str(n)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_events_within_the_linger_go_out_as_one_publish(redis_url):
+    batches = _run(redis_url, "1000", 40)
+    assert batches == [list(range(40))]  # one message, every event, in order
+
+
+def test_without_a_linger_events_go_out_as_they_come_in_order(redis_url):
+    batches = _run(redis_url, "0", 40)
+    assert [i for b in batches for i in b] == list(range(40))
+    assert len(batches) > 1  # the linger above is what made it one publish
+
+
+def test_the_linger_is_a_validated_setting():
+    assert RaceSettings().event_linger_ms == 20.0
+    assert RaceSettings.from_env({"GPUHEDGE_EVENT_LINGER_MS": "0"}).event_linger_ms == 0.0
