@@ -293,8 +293,19 @@ class SimProvider(Provider):
 
     def next_change_at(self, handle: JobHandle) -> float | None:
         """Epoch seconds of the job's next state change, or None once it is terminal."""
+        return self.status_and_next_change(handle)[1]
+
+    def status_and_next_change(self, handle: JobHandle) -> tuple[JobState, float | None]:
+        """:meth:`status` and :meth:`next_change_at` from one look at the ledger.
+
+        A watch poll asks for both; one ledger read instead of two.
+        """
+        self.check_handle(handle)
         view = self._view(handle, self.clock.now())
-        return None if view.state.terminal else self._next_change(handle, view)
+        state = view.state
+        if state is JobState.QUEUED and not self.spec.reports_queue_state:
+            state = JobState.IN_PROGRESS
+        return state, None if view.state.terminal else self._next_change(handle, view)
 
     def _cancel_record(self, handle: JobHandle) -> dict[str, float] | None:
         raw = self.ledger.get(cancel_key(self.name, handle.job_id))

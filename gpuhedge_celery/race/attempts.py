@@ -77,7 +77,7 @@ class AttemptWork:
     def prefix(self) -> str:
         return self.store.prefix
 
-    def step(self, race_id: str, event: Any, update: Any = None) -> Race | None:
+    def step(self, race_id: str, event: Any, update: Any = None, before: Any = None) -> Race | None:
         raise NotImplementedError
 
     def resume(self, race_id: str) -> None:
@@ -91,7 +91,10 @@ class AttemptWork:
         ``new_race``: called by the process that just created the race, in the same thread
         (its saved state is current and no job can be registered yet: two reads saved).
         """
-        record = self.store.load(race_id, fresh=new_race)
+        if new_race:
+            record, jobs = self.store.load(race_id, fresh=True), {}
+        else:
+            record, jobs = self.store.load_with_jobs(race_id)
         if record is None:
             return
         race = Race.from_dict(record.state["race"], self.clock)
@@ -103,7 +106,7 @@ class AttemptWork:
             # save and the actions (timers, watch) that step asked for. Re-perform them.
             self.resume(race_id)
             return
-        known = None if new_race else self.store.live_jobs(race_id).get(attempt_id)
+        known = jobs.get(attempt_id)
         if known is not None and known.get("submitting"):
             # A submit was in flight when its worker died: the provider may hold a job we have
             # no id for. Never submit blindly again: end the attempt (the policy moves on).
@@ -283,8 +286,14 @@ class AttemptWork:
         """
         provider = self.providers(provider_name)
         handle = JobHandle.from_dict(handle_data)
+        both = getattr(provider, "status_and_next_change", None)
+        hint = getattr(provider, "next_change_at", None)
+        at: float | None = None
         try:
-            state: JobState | None = provider.status(handle)
+            if callable(both):  # one provider call instead of two
+                state, at = both(handle)
+            else:
+                state = provider.status(handle)
             error = None
         except Exception as e:
             state, error = None, f"{type(e).__name__}: {e}"
@@ -294,18 +303,7 @@ class AttemptWork:
             self.conclude(race_id, attempt_id, provider, handle, cap_s, spec)
             return
         label = state.value if state is not None else "poll_error"
-        if label != last:
-            saved = self.step(race_id, StatusObserved(attempt_id, state, error))
-            if saved is None:
-                return
-            a = find_attempt(saved, attempt_id)
-            if saved.finished and (a is None or not a.live):
-                return
-        else:
-            self.store.touch(race_id)  # a quiet race is alive: keep it off the janitor's list
-        hint = getattr(provider, "next_change_at", None)
-        at = None
-        if callable(hint) and state is not None:
+        if at is None and callable(hint) and not callable(both) and state is not None:
             try:
                 at = hint(handle)
             except Exception:
@@ -313,9 +311,25 @@ class AttemptWork:
         if at is None:
             at = now + self.settings.watch_interval_s
         at = max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
-        self.arm_watch(
+        # The next poll is armed in the same round trip as the step (or the heartbeat) below.
+        arm = self._watch_arm(
             race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
         )
+        armed: list[bool] = []
+
+        def before(pipe: Any) -> None:
+            armed.append(True)
+            arm(pipe)
+
+        if label != last:
+            saved = self.step(race_id, StatusObserved(attempt_id, state, error), None, before)
+            if saved is None or armed:
+                return
+            a = find_attempt(saved, attempt_id)
+            if saved.finished and (a is None or not a.live):
+                return
+        # A quiet race is alive: its heartbeat keeps it off the janitor's list.
+        self.store.touch(race_id, also=arm, scripts=(self.timers.arm_script,))
 
     def arm_watch(
         self,
@@ -328,6 +342,35 @@ class AttemptWork:
         at: float,
     ) -> None:
         """Arm the durable timer of the next watch poll of one job."""
+        key, due, payload, timer_id = self._watch_timer(
+            race_id, attempt_id, provider_name, handle_data, last, cap_s, at
+        )
+        self.timers.arm(key, due, payload, timer_id=timer_id)
+
+    def _watch_arm(self, *args: Any) -> Callable[[Any], None]:
+        """Queue the arm of a watch timer on a pipeline (its id makes a repeat harmless)."""
+        key, due, payload, timer_id = self._watch_timer(*args)
+
+        def arm(pipe: Any) -> None:
+            self.timers.queue_arm(pipe, key, due, payload, timer_id)
+
+        return arm
+
+    def _watch_timer(
+        self,
+        race_id: str,
+        attempt_id: str,
+        provider_name: str,
+        handle_data: dict[str, Any],
+        last: str | None,
+        cap_s: float,
+        at: float,
+    ) -> tuple[str, int, dict[str, Any], str]:
+        """Key, due ms, payload and id of the watch timer of one job's next poll.
+
+        The id names the due millisecond, so arming the same poll twice (a step that retried
+        after a version conflict) arms it once.
+        """
         payload = {
             "race": race_id,
             "kind": "watch",
@@ -337,7 +380,8 @@ class AttemptWork:
             "last": last,
             "cap_s": cap_s,
         }
-        self.timers.arm(f"{race_id}:w:{attempt_id}", due_ms(at), payload)
+        key, due = f"{race_id}:w:{attempt_id}", due_ms(at)
+        return key, due, payload, f"{key}|{due}"
 
     def conclude(
         self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float,

@@ -351,11 +351,11 @@ class RaceDriver(AttemptWork):
     def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         spec = spec_from_state(state)
         receipt = assemble_receipt(race, state, spec, now=self.clock.now())
-        for a in race.attempts:
-            # a capped job stays registered until its own cancel confirms it stopped
-            if not a.live and a.result_state != JobState.TIMEOUT.value:
-                self.store.remove_job(race_id, a.id)
-        self.store.finish(race_id, receipt, self.settings.receipt_ttl_s)
+        # a capped job stays registered until its own cancel confirms it stopped
+        ended = [
+            a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
+        ]
+        self.store.finish(race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended)
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
             self.effects.failed(race_id, message, receipt, state.get("caller") or {})

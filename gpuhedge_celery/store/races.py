@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +226,19 @@ class RaceStore:
             return None
         return RaceRecord(race_id, int(version), json.loads(as_text(data)))
 
+    def load_with_jobs(self, race_id: str) -> tuple[RaceRecord | None, dict[str, dict[str, Any]]]:
+        """:meth:`load` and :meth:`live_jobs` in one round trip."""
+        keys = race_keys(self.prefix, race_id)
+        with store_errors(f"loading race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(keys.state, ["v", "data"])
+            pipe.hgetall(keys.jobs)
+            (version, data), raw = pipe.execute()
+        jobs = {as_text(k): json.loads(as_text(v)) for k, v in raw.items()}
+        if version is None:
+            return None, jobs
+        return RaceRecord(race_id, int(version), json.loads(as_text(data))), jobs
+
     def update(
         self,
         race_id: str,
@@ -296,12 +309,26 @@ class RaceStore:
             raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
         return {as_text(k): json.loads(as_text(v)) for k, v in raw.items()}
 
-    def touch(self, race_id: str) -> None:
-        """Record that the race is being advanced (its heartbeat for the janitor)."""
-        with store_errors(f"touching race {race_id!r}"):
-            pipe = self.client.pipeline(transaction=False)
+    def touch(
+        self,
+        race_id: str,
+        *,
+        also: Callable[[Any], None] | None = None,
+        scripts: Iterable[Any] = (),
+    ) -> None:
+        """Record that the race is being advanced (its heartbeat for the janitor).
+
+        ``also(pipe)`` may queue more commands in the same round trip (``scripts``: the
+        scripts they use), as for :meth:`save`.
+        """
+
+        def build(pipe: Any) -> None:
             self._touch(pipe, race_id)
-            pipe.execute()
+            if also is not None:
+                also(pipe)
+
+        with store_errors(f"touching race {race_id!r}"):
+            run_pipeline(self.client, build, scripts)
 
     def last_seen_ms(self, race_id: str) -> int | None:
         """The race's last heartbeat (epoch ms), None if it is not in the live index."""
@@ -384,22 +411,37 @@ class RaceStore:
 
     # -- receipts ----------------------------------------------------------------------------
 
-    def finish(self, race_id: str, receipt: dict[str, Any], ttl_s: float | None = None) -> int:
+    def finish(
+        self,
+        race_id: str,
+        receipt: dict[str, Any],
+        ttl_s: float | None = None,
+        *,
+        drop_jobs: Iterable[str] = (),
+    ) -> int:
         """Store the final receipt and let the race's keys expire with it after ``ttl_s``.
 
-        Returns how many jobs are still registered as live; with none the race also leaves the
-        live index, otherwise it stays there for the janitor.
+        ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered in the same
+        round trip (as :meth:`remove_job` would, one by one). Returns how many jobs are still
+        registered as live; with none the race also leaves the live index, otherwise it stays
+        there for the janitor.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(receipt, f"receipt of race {race_id!r}")
         ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
+        drop = list(drop_jobs)
+
+        def build(pipe: Any) -> None:
+            if drop:
+                pipe.hdel(keys.jobs, *drop)
+            queue_script(
+                pipe, self._finish,
+                [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
+                [data, ttl_ms],
+            )  # fmt: skip
+
         with store_errors(f"finishing race {race_id!r}"):
-            live = int(
-                self._finish(
-                    keys=[keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
-                    args=[data, ttl_ms],
-                )
-            )
+            live = int(run_pipeline(self.client, build, [self._finish])[-1])
             if live == 0:
                 self.client.zrem(self.live_key, race_id)
         return live
