@@ -352,8 +352,8 @@ class TimerService:
                 done.append(timer)
         if done:
             self.store.ack_many(done)
-        if claim.timers:
-            return self.now_ms()  # there may be more due than one batch held
+        # The claim says when the next timer is due (now or earlier when one batch did not hold
+        # all that were due): no second claim just to learn that nothing else is due yet.
         return claim.next_ms
 
     def _fire(self, timer: Timer) -> bool:
@@ -393,9 +393,7 @@ class TimerService:
             with self._slots:
                 self._running += 1
             self._jobs.put(timer)
-        if claim.timers:
-            return self.now_ms()  # there may be more due than this claim held
-        return claim.next_ms
+        return claim.next_ms  # as in run_once: now (or earlier) when more are already due
 
     def _wait_for_slot(self) -> None:
         """Block until a worker is free or stop() is called (notified, not polled)."""
