@@ -197,3 +197,39 @@ def test_a_job_past_its_cap_ends_its_attempt_and_is_still_cancelled(race_cluster
     cap_cancel = attempt(receipt, "c")["cap_cancel"]
     assert cap_cancel["terminal_status"] == "CANCELLED" and cap_cancel["leaked"] is False
     assert_clean(rc, receipt)
+
+
+def test_a_failed_race_runs_its_error_links_and_fails_the_rest_of_its_chain(race_cluster):
+    from celery import chain, signature
+
+    from tests.support.fixtures_races import ERRBACK_LIST
+
+    app = race_cluster.app
+    request = {
+        "sim": {
+            "p": {"queue_s": 0.2, "run_s": 0.5, "outcome": "failed"},
+            "h": {"queue_s": 0.2, "run_s": 0.5, "outcome": "failed"},
+        }
+    }
+    errback = signature("tests.record_errback", app=app)
+    res = app.send_task(
+        "gpuhedge.hedged_infer", (request,), queue="gpuhedge.coord", link_error=errback
+    )
+    with pytest.raises(RaceFailed):
+        res.get(timeout=20)
+    key = f"{race_cluster.prefix}:{ERRBACK_LIST}"
+    deadline = time.monotonic() + 10
+    while not race_cluster.client.lrange(key, 0, -1) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [record] = race_cluster.client.lrange(key, 0, -1)
+    race_id, kind, message = record.split("|", 2)
+    assert (race_id, kind) == (res.id, "RaceFailed")
+    assert "no attempt returned a valid result" in message
+
+    # In a chain, the step after a failed race never runs and its result is the failure.
+    after = signature("gpuhedge.race_step", args=("no-such-race",), app=app)
+    workflow = chain(signature("gpuhedge.hedged_infer", args=(request,), app=app), after)
+    last = workflow.apply_async()
+    with pytest.raises(RaceFailed):
+        last.get(timeout=20)
+    assert race_cluster.store.receipt(last.parent.id)["winner"] is None

@@ -111,9 +111,14 @@ class CeleryEffects:
     def failed(
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
     ) -> None:
+        backend = _app().backend
+        if backend.get_task_meta(race_id).get("status") == "FAILURE":
+            return  # a resumed race re-finishes: error links must not run twice
         error = RaceFailed(message, receipt)
         error.args = (message, receipt)  # Celery rebuilds exceptions as cls(*args)
-        _app().backend.mark_as_failure(race_id, error)
+        # Given the caller's request, Celery's backend does what its tracer does for any failed
+        # task: the rest of a chain is marked failed and the error links (link_error) run.
+        backend.mark_as_failure(race_id, error, request=_request(race_id, caller))
         self.send(race_id, "task-failed", {"exception": message, "traceback": ""})
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
@@ -183,7 +188,8 @@ def _cancel_now(race_id: str, attempt_id: str, provider: str) -> None:
 def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
     """Do what Celery's tracer would have done on success: run links and the next chain step.
 
-    ``hedged_infer`` ends with ``Ignore`` (its result comes later), so Celery itself does not.
+    ``hedged_infer`` returns before its result exists (and hands its links to the race), so
+    Celery itself does not.
     """
     from celery import signature
 
@@ -195,6 +201,23 @@ def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> N
     if chain:
         following = signature(chain.pop(), app=app)
         following.apply_async((result,), chain=chain or None, **options)
+
+
+def _request(race_id: str, caller: dict[str, Any]) -> Any:
+    """The parts of ``hedged_infer``'s request that a failure's follow-ups need."""
+    from celery.app.task import Context
+
+    return Context(
+        id=race_id,
+        task=TASK_HEDGED_INFER,
+        root_id=caller.get("root_id") or race_id,
+        parent_id=caller.get("parent_id"),
+        errbacks=caller.get("errbacks") or None,
+        chain=caller.get("chain") or None,
+        chord=None,
+        group=None,
+        delivery_info={},
+    )
 
 
 def _short(result: dict[str, Any]) -> str:

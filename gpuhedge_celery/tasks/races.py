@@ -135,8 +135,10 @@ def _caller(task: Task) -> dict[str, Any]:
     request = task.request
     return {
         "callbacks": list(request.callbacks or []),
+        "errbacks": list(request.errbacks or []),
         "chain": list(request.chain or []),
         "root_id": request.root_id,
+        "parent_id": request.parent_id,
     }
 
 
@@ -183,11 +185,14 @@ def hedged_infer(
             rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})
         raise celery_safe(e) from None
     caller = _caller(self)
-    # The winner runs the links and the rest of the chain (see CeleryEffects.won); Celery's
-    # tracer must not run them now with the marker as their argument.
-    self.request.callbacks = None
-    self.request.chain = None
     rt.driver.create(race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline)
+    # The race runs the links and the rest of the chain with the winner's result, or the
+    # error links and the chain's failure when it has none (see CeleryEffects.won/failed);
+    # Celery's tracer must not run them now with the marker. (If create raised, it still does
+    # what Celery does for any failed task: error links, chain marked failed.)
+    self.request.callbacks = None
+    self.request.errbacks = None
+    self.request.chain = None
     return RaceStarted("race started; the winner's result is stored under this id later")
 
 

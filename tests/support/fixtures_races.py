@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import shared_task
 
 from gpuhedge_celery.core.policy_base import (
     DURATION_RE,
@@ -225,3 +226,18 @@ def race_cluster(redis_url, tmp_path_factory):
     rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("races"))
     yield rc
     stop_race_cluster(rc)
+
+
+ERRBACK_LIST = "test:errbacks"  # under the cluster's prefix: "<prefix>:test:errbacks"
+
+
+@shared_task(name="tests.record_errback")
+def record_errback(request: Any, exc: Any, traceback: Any) -> None:
+    """A ``link_error`` for the workers (imported as a plugin): records who failed and why."""
+    import os
+
+    import redis
+
+    client = redis.Redis.from_url(os.environ["GPUHEDGE_REDIS_URL"])
+    key = f"{os.environ['GPUHEDGE_PREFIX']}:{ERRBACK_LIST}"
+    client.rpush(key, f"{request.id}|{type(exc).__name__}|{exc}")
