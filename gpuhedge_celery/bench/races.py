@@ -310,6 +310,11 @@ def capacity_row(
     hedge_after_s = 15.0 * scale  # provider second 15: races with a slow primary hedge
     if ramp_s is None:
         ramp_s = 15.0 * scale
+    pings = []
+    for _ in range(200):  # this machine's speed today, to compare runs on other days
+        t0 = time.perf_counter()
+        bench.client.ping()
+        pings.append((time.perf_counter() - t0) * 1000.0)
     used0 = int(bench.client.info("memory")["used_memory"])
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
     workers0, redis0 = sum(_cpu_s(p) for p in bench.worker_pids()), bench.redis_cpu_s()
@@ -386,6 +391,7 @@ def capacity_row(
         "cpu_ms_per_race_by": {k: round(1000.0 * v / races, 1) for k, v in parts.items()},
         "cpu_pct": round(100.0 * cpu / wall / (os.cpu_count() or 1), 1),
         "cpus": os.cpu_count(),
+        "redis_ping_p50_ms": round(statistics.median(pings), 3),
         "redis_bytes_per_race": round((peak_used - used0) / max(peak, 1)),
         "worker_rss_bytes_per_race": round((peak_rss - rss0) / max(peak, 1)),
         "worker_rss_bytes": peak_rss,
@@ -398,7 +404,7 @@ def capacity_row(
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--overhead-races", type=click.IntRange(1), default=1000, show_default=True,
               help="Races (and round trips) in the overhead row.")  # fmt: skip
-@click.option("--races", default="500,1000,2000", show_default=True,
+@click.option("--races", default="1000,2400,2800", show_default=True,
               help="Races in the capacity row (a comma list: one row each).")  # fmt: skip
 @click.option("--duration-s", type=click.FloatRange(0.5), default=30.0, show_default=True,
               help="Real seconds of the longest (30 provider s) capacity-row job.")  # fmt: skip
