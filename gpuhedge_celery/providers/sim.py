@@ -73,6 +73,9 @@ def _audio_b64(seconds: float, sample_rate: int, silent: bool) -> str:
     return base64.b64encode(tone_wav(seconds, sample_rate, amplitude)).decode("ascii")
 
 
+_UNREAD = object()  # _view: the cancel record was not read yet
+
+
 @dataclass(frozen=True)
 class _Fate:
     """A sim job's drawn fate, read back from ``handle.extra['sim']``."""
@@ -260,11 +263,12 @@ class SimProvider(Provider):
         self.sleep(max(0.0, ack_at - now))
         receipt.cancel_ack_ms = max(ack_at, now) * 1000.0
         receipt.upgrade(Evidence.PROVIDER_ACK)
-        view = self._view(handle, self.clock.now())
+        # The record that won the ledger is the job's cancel from now on: no need to re-read it.
+        view = self._view(handle, self.clock.now(), record)
         while not view.state.terminal:  # the sim always reaches terminal: confirm it
             self.sleep(max(0.0, self._next_change(handle, view) - self.clock.now()))
-            view = self._view(handle, self.clock.now())
-        queued = not self._view(handle, record["sent"]).started
+            view = self._view(handle, self.clock.now(), record)
+        queued = not self._view(handle, record["sent"], record).started
         receipt.was_running = None if not self.spec.reports_queue_state else not queued
         receipt.scope = CancelScope.QUEUED_JOB if queued else CancelScope.REQUEST
         receipt.confirm_terminal(view.state, (view.terminal_at or self.clock.now()) * 1000.0)
@@ -311,12 +315,15 @@ class SimProvider(Provider):
         raw = self.ledger.get(cancel_key(self.name, handle.job_id))
         return json.loads(raw) if raw else None
 
-    def _view(self, handle: JobHandle, now: float) -> _View:
+    def _view(self, handle: JobHandle, now: float, cancel: Any = _UNREAD) -> _View:
+        """The job at ``now``; ``cancel``: its cancel record when the caller already knows it
+        (a record, once written, never changes), else it is read from the ledger."""
         fate = _Fate.of(handle)
         t0, scale = handle.submitted_at, fate.time_scale
         start, end = t0 + fate.queue_s * scale, t0 + fate.end_s * scale
         natural_end = JobState.FAILED if fate.outcome == "failed" else JobState.COMPLETED
-        cancel = self._cancel_record(handle)
+        if cancel is _UNREAD:
+            cancel = self._cancel_record(handle)
         if cancel is not None and cancel["sent"] < end:
             if cancel["sent"] < start:
                 # a queued job leaves the queue at once: it never starts, costs nothing

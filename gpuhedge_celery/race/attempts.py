@@ -396,7 +396,8 @@ class AttemptWork:
                 error=f"{type(e).__name__}: {e}",
             )  # fmt: skip
         if spec is None:
-            record = self.store.load(race_id)
+            # A race's spec never changes: this process's last saved copy serves (no read).
+            record = self.store.load(race_id, fresh=True)
             if record is None:
                 return
             spec = record.state["spec"]
