@@ -331,20 +331,10 @@ class AttemptWork:
         # A quiet race is alive: its heartbeat keeps it off the janitor's list.
         self.store.touch(race_id, also=arm, scripts=(self.timers.arm_script,))
 
-    def arm_watch(
-        self,
-        race_id: str,
-        attempt_id: str,
-        provider_name: str,
-        handle_data: dict[str, Any],
-        last: str | None,
-        cap_s: float,
-        at: float,
-    ) -> None:
-        """Arm the durable timer of the next watch poll of one job."""
-        key, due, payload, timer_id = self._watch_timer(
-            race_id, attempt_id, provider_name, handle_data, last, cap_s, at
-        )
+    def arm_watch(self, *args: Any) -> None:
+        """Arm the durable timer of one job's next watch poll (arguments of
+        :meth:`_watch_timer`: race, attempt, provider, handle, last label, cap, when)."""
+        key, due, payload, timer_id = self._watch_timer(*args)
         self.timers.arm(key, due, payload, timer_id=timer_id)
 
     def _watch_arm(self, *args: Any) -> Callable[[Any], None]:
