@@ -29,14 +29,13 @@ effects.hostname = "batch-test@localhost"
 n = int(sys.argv[2])
 for i in range(n):
     effects.event("race-1", "queued", {"i": i})
-    time.sleep(0.005)  # events of a busy worker trickle in
+    time.sleep(0.01)  # events of a busy worker trickle in
 effects.close()
 messages, deadline = [], time.monotonic() + 5
 while sum(len(m) for m in messages) < n and time.monotonic() < deadline:
     got = sub.get_message(timeout=0.5)
     if got and got["type"] == "pmessage":
         body = json.loads(got["data"])["body"]
-
         messages.append(json.loads(base64.b64decode(body)))
 print(json.dumps([[e["i"] for e in m] for m in messages]))
 """
@@ -58,7 +57,7 @@ def _run(redis_url: str, linger_ms: str, n: int) -> list[list[int]]:
 
 
 def test_events_within_the_linger_go_out_as_one_publish(redis_url):
-    batches = _run(redis_url, "1000", 40)
+    batches = _run(redis_url, "2000", 40)
     assert batches == [list(range(40))]  # one message, every event, in order
 
 
