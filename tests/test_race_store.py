@@ -251,6 +251,24 @@ def test_finish_with_a_live_job_leaves_the_race_to_the_janitor(races):
     assert races.last_seen_ms("r") is not None
 
 
+def test_finish_drops_ended_jobs_in_its_own_round_trip(races):
+    races.create("r", {})
+    for attempt in ("a1", "a2", "a3"):
+        races.add_job("r", attempt, {"provider": "sim", "job_id": attempt})
+    assert races.finish("r", {"leaks": 1}, drop_jobs=["a1", "a2"]) == 1  # a3 is still live
+    assert list(races.live_jobs("r")) == ["a3"] and races.last_seen_ms("r") is not None
+    assert races.finish("r", {"leaks": 0}, drop_jobs=["a3"]) == 0
+    assert races.live_jobs("r") == {} and races.last_seen_ms("r") is None
+
+
+def test_load_with_jobs_reads_state_and_jobs_together(races):
+    assert races.load_with_jobs("nope") == (None, {})
+    races.create("r", {"x": 1})
+    races.add_job("r", "a1", {"provider": "sim", "job_id": "j"})
+    record, jobs = races.load_with_jobs("r")
+    assert (record.version, record.state, jobs) == (1, {"x": 1}, races.live_jobs("r"))
+
+
 def test_receipt_ttl_is_configurable(redis_client, prefix):
     store = RaceStore(redis_client, prefix, receipt_ttl_s=300)
     store.put_receipt("r", {"ok": True})
