@@ -52,6 +52,8 @@ CRASH_ENV = {
     # a loser's cancel whose process died is taken over after 1 s (the cancel itself takes
     # 0.25 s here), not after the 2 s visibility timeout: cancels are not broker messages
     "GPUHEDGE_CANCEL_BACKSTOP_S": "1",
+    # likewise a hedge launch whose process died (its submit takes milliseconds here)
+    "GPUHEDGE_LAUNCH_BACKSTOP_S": "1",
 }
 COORDINATOR_POINTS = ("received", "primary_submitted", "hedge_timer", "winner", "cancelling")
 ATTEMPT_POINTS = ("submit_received", "hedge_submitted", "winner", "cancel_received", "cancel_sent")
@@ -271,6 +273,30 @@ def test_a_cancel_dies_with_its_worker_and_the_backstop_timer_finishes_it(crash_
         assert f"race {res.id}: cancel of a1 taken over by the backstop timer" in survivors
         return
     pytest.fail(f"never caught a cancel in flight: {crasher.kills}")
+
+
+def test_a_hedge_launch_dies_with_its_worker_and_the_backstop_timer_ends_it(crash_cluster):
+    """Killed while it submits the hedge (a slow job API), the launch is taken over by a
+    survivor's backstop timer; the submit's outcome is unknown, so it is never repeated."""
+    rc = crash_cluster
+    crasher = Crasher(rc, seed=13)
+    slow_api = {**REQUEST["sim"]["h"], "submit_s": 100}  # the submit call takes 1 s real
+    request = {"sim": {**REQUEST["sim"], "h": slow_api}}
+    crasher.ensure_ready(3)
+    crasher.mark_logs()
+    before = crasher.submits()
+    res = rc.send(request)
+    crasher.wait_and_kill(res.id, "submit_received")
+    assert not crasher.kills[-1].endswith("missed"), crasher.kills
+    assert res.get(timeout=30)["winner"] == "p"  # the primary ends at 1.5 s
+    receipt = rc.receipt(res.id, timeout=30)
+    hedge = receipt["attempts"][1]
+    assert hedge["handle"] is None and any("outcome unknown" in r for r in hedge["reasons"])
+    now = crasher.submits()  # the hedge's request may or may not have reached the provider
+    assert now["p"] == before["p"] + 1 and before["h"] <= now["h"] <= before["h"] + 1
+    assert rc.running_sim_jobs(receipt) == [] and rc.store.live_jobs(res.id) == {}
+    survivors = "".join(w.log() for w in crasher.workers())
+    assert f"race {res.id}: launch of a2 taken over by the backstop timer" in survivors
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ real time. Costs and provider metrics stay in provider time.
 Tests and demos may force a job's fate per provider with ``request["sim"][<provider name>]``,
 e.g. ``{"queue_s": 20, "run_s": 5, "outcome": "invalid"}`` (outcome ``submit_error`` makes
 ``submit`` raise; ``cancel_ack_s`` / ``cancel_terminal_s`` make this job's cancel slow, so it
-can still complete, and win, while its cancel is unconfirmed).
+can still complete, and win, while its cancel is unconfirmed; ``submit_s`` makes the submit
+call itself take that long, like a slow job API: the request is counted when the call starts
+and the job exists when it returns).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import base64
 import functools
 import json
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,7 +53,9 @@ if TYPE_CHECKING:
 
 OUTCOMES = ("ok", "invalid", "failed", "submit_error")
 # per-request overrides of a job's fate (tests, demos): request["sim"][provider] = {...}
-_OVERRIDES = ("queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_terminal_s")
+_OVERRIDES = (
+    "queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_terminal_s", "submit_s",
+)  # fmt: skip
 
 __all__ = [
     "OUTCOMES",
@@ -206,6 +211,9 @@ class SimProvider(Provider):
         if fate["outcome"] == "submit_error":
             raise SubmitError(self.name, "simulated submit failure")
         fate["time_scale"] = self.spec.time_scale
+        submit_s = float(fate.pop("submit_s", 0.0))
+        if submit_s > 0:
+            time.sleep(submit_s * self.spec.time_scale)  # a slow job API (simulated)
         job_id = f"sim-{self.name}-{uuid.uuid4().hex[:12]}"
         return JobHandle(self.name, job_id, self.clock.now(), {"sim": fate})
 

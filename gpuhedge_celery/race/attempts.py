@@ -7,6 +7,7 @@ to the race through ``step`` and never decides anything itself (the engine does)
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -30,12 +31,19 @@ from ..providers.base import Provider
 from .base import due_ms, find_attempt
 from .receipt import result_key, store_attempt_result
 
+log = logging.getLogger(__name__)
+
 MIN_WATCH_GAP_S = 0.002
 
 
 def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
     """The fixed id of an attempt's cancel backstop timer."""
     return f"{race_id}|cancel|{attempt_id}"
+
+
+def launch_backstop_id(race_id: str, attempt_id: str) -> str:
+    """The fixed id of an attempt's launch backstop timer (see ``submit_attempt``)."""
+    return f"{race_id}|launch|{attempt_id}"
 
 
 MAX_DECIDED = 10_000  # entries of each in-process memo (decided cancels, fresh results)
@@ -47,6 +55,27 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     if len(memo) > MAX_DECIDED:
         memo.clear()
     memo[key] = value
+
+
+class _Drop:
+    """A launch backstop timer to drop once its launch is safe: in a round trip already being
+    made (``queue``), or on its own (``now``, ``unless_queued``). Without an id it does nothing."""
+
+    __slots__ = ("timers", "timer_id", "queued")
+
+    def __init__(self, timers: TimerStore, timer_id: str | None):
+        self.timers, self.timer_id, self.queued = timers, timer_id, False
+
+    def queue(self, pipe: Any) -> None:
+        if self.timer_id is not None:
+            self.timers.queue_cancel(pipe, self.timer_id)
+            self.queued = True
+
+    def now(self) -> None:
+        """Drop it on its own, unless a round trip already carried the drop."""
+        if self.timer_id is not None and not self.queued:
+            self.timers.cancel(self.timer_id)
+            self.queued = True
 
 
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
@@ -83,62 +112,137 @@ class AttemptWork:
     def resume(self, race_id: str) -> None:
         raise NotImplementedError
 
-    def submit_attempt(self, race_id: str, attempt_id: str, *, new_race: bool = False) -> None:
+    def submit_attempt(
+        self, race_id: str, attempt_id: str, *, new_race: bool = False,
+        backstop: str | None = None, takeover: bool = False,
+    ) -> None:  # fmt: skip
         """Submit a launched attempt's job once, register it, report it, start watching it.
 
         Idempotent: a redelivered submit whose job was registered before a crash reports that
         job instead of submitting another; a submit after the race stopped needing it is skipped.
+        Of two processes submitting the same attempt at once, one submits (an atomic claim of
+        the submit intent) and the other leaves it to the first.
         ``new_race``: called by the process that just created the race, in the same thread
-        (its saved state is current and no job can be registered yet: two reads saved).
+        (its saved state is current and no job can be registered yet: one read saved).
+        ``backstop``: the id of this launch's backstop timer (an inline launch, see
+        :meth:`Effects.launch`), dropped in the round trip that arms the job's first watch
+        poll, or once the attempt ended: until then a crash of this process leaves the timer
+        to finish the launch. ``takeover``: called by that timer.
         """
+        drop = _Drop(self.timers, backstop)
         if new_race:
             record, jobs = self.store.load(race_id, fresh=True), {}
         else:
             record, jobs = self.store.load_with_jobs(race_id)
         if record is None:
+            drop.now()
             return
         race = Race.from_dict(record.state["race"], self.clock)
         a = find_attempt(race, attempt_id)
         if a is None:
+            drop.now()
             return
         if a.phase is not Phase.LAUNCHING:
             # Already reported: a redelivery, whose first run may have died between its step's
             # save and the actions (timers, watch) that step asked for. Re-perform them.
             self.resume(race_id)
+            drop.now()
             return
         known = jobs.get(attempt_id)
-        if known is not None and known.get("submitting"):
-            # A submit was in flight when its worker died: the provider may hold a job we have
-            # no id for. Never submit blindly again: end the attempt (the policy moves on).
-            self.step(race_id, SubmitFailed(attempt_id, UNKNOWN_SUBMIT))
-            return
-        if known is not None:
-            handle = JobHandle.from_dict(known)
-        elif race.finished or race.has_winner or a.cancel_requested:
+        if known is None and (race.finished or race.has_winner or a.cancel_requested):
             self.step(
-                race_id, SubmitFailed(attempt_id, "not submitted: the race no longer needs it")
-            )
+                race_id, SubmitFailed(attempt_id, "not submitted: the race no longer needs it"),
+                None, drop.queue,
+            )  # fmt: skip
+            drop.now()
             return
-        else:
-            provider = self.providers(a.provider)
+        if known is None:
             # The intent first: a crash between the provider's reply and the handle's
-            # registration must not look like "never submitted" to a redelivery.
-            self.store.add_job(race_id, attempt_id, {"submitting": True, "at": self.clock.now()})
+            # registration must not look like "never submitted" to a redelivery. Its window
+            # tells a late-comer whether the submitter may still be at work.
+            now = self.clock.now()
+            intent = {"submitting": True, "at": now, "until": now + self.settings.launch_backstop_s}
+            known = self.store.claim_submit(race_id, attempt_id, intent)
+        if known is None:  # the claim is ours: submit
+            provider = self.providers(a.provider)
             try:
                 handle = provider.submit(record.state.get("request") or {})
             except ProviderError as e:
-                self.step(race_id, SubmitFailed(attempt_id, str(e)))
+                self.step(race_id, SubmitFailed(attempt_id, str(e)), None, drop.queue)
+                drop.now()
                 return
             except Exception as e:  # an adapter bug must end the attempt, not hang the race
-                self.step(race_id, SubmitFailed(attempt_id, f"{type(e).__name__}: {e}"))
+                error = f"{type(e).__name__}: {e}"
+                self.step(race_id, SubmitFailed(attempt_id, error), None, drop.queue)
+                drop.now()
                 return
             # Registered before it is reported: a crash now leaves the janitor a handle.
             self.store.add_job(race_id, attempt_id, handle.to_dict())
+        elif known.get("submitting"):
+            until = known.get("until")
+            if until is not None and self.clock.now() < float(until):
+                # Another process is submitting it now and will report the job; should it die,
+                # the launch's backstop (or the janitor) finds the intent past its window.
+                if takeover:
+                    self._rearm_launch_backstop(race_id, attempt_id, float(until))
+                return
+            # A submit was in flight when its worker died: the provider may hold a job we have
+            # no id for. Never submit blindly again: end the attempt (the policy moves on).
+            self.step(race_id, SubmitFailed(attempt_id, UNKNOWN_SUBMIT), None, drop.queue)
+            drop.now()
+            return
+        else:
+            handle = JobHandle.from_dict(known)
         saved = self.step(race_id, AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()))
-        if saved is not None:
-            cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
-            spec = record.state["spec"]
-            self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec)
+        if saved is None:
+            drop.now()
+            return
+        reported = find_attempt(saved, attempt_id)
+        if reported is None or reported.job_id != handle.job_id:
+            # The attempt ended before this report (its submit outlived the launch window and
+            # was taken for dead): nobody else knows this job. Stop it now.
+            self._cancel_orphan(race_id, attempt_id, self.providers(a.provider), handle)
+            drop.now()
+            return
+        cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
+        spec = record.state["spec"]
+        self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop)
+
+    def _rearm_launch_backstop(self, race_id: str, attempt_id: str, until: float) -> None:
+        """Look at an attempt's launch again when its submitter's window ends."""
+        at = until + MIN_WATCH_GAP_S
+        payload = {"race": race_id, "kind": "launch", "attempt": attempt_id}
+        timer_id = f"{launch_backstop_id(race_id, attempt_id)}|{due_ms(at)}"
+        self.timers.arm(f"{race_id}:l:{attempt_id}", due_ms(at), payload, timer_id=timer_id)
+
+    def _launch_backstop(
+        self, race_id: str, attempt_id: str
+    ) -> tuple[str, int, dict[str, Any], str]:
+        """Key, due time, payload and fixed id of an attempt's launch backstop timer."""
+        at = self.clock.now() + self.settings.launch_backstop_s
+        payload = {"race": race_id, "kind": "launch", "attempt": attempt_id}
+        timer_id = launch_backstop_id(race_id, attempt_id)
+        return f"{race_id}:l:{attempt_id}", due_ms(at), payload, timer_id
+
+    def _cancel_orphan(
+        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle
+    ) -> None:
+        """Cancel a job whose report came after its attempt ended; unregister it once stopped.
+
+        Left registered when the cancel is not confirmed: the janitor cancels the registered
+        jobs of finished races.
+        """
+        log.error(
+            "race %s: %s's submit returned job %s after the attempt ended (its launch window "
+            "passed); cancelling it", race_id, attempt_id, handle.job_id,
+        )  # fmt: skip
+        try:
+            receipt = provider.cancel(handle)
+        except Exception:
+            log.exception("race %s: cancel of orphan job %s failed", race_id, handle.job_id)
+            return
+        if receipt.confirmed_terminal:
+            self.store.remove_job(race_id, attempt_id)
 
     def request_cancel(
         self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,
@@ -278,11 +382,12 @@ class AttemptWork:
         last: str | None,
         cap_s: float,
         spec: dict[str, Any] | None = None,
+        drop: _Drop | None = None,
     ) -> None:
         """Poll a job once: report a state change, conclude it when terminal, else re-arm.
 
         ``spec``: the race's spec when the caller has it at hand (a terminal job's validation
-        then needs no read).
+        then needs no read). ``drop``: a launch backstop to drop with the first arm.
         """
         provider = self.providers(provider_name)
         handle = JobHandle.from_dict(handle_data)
@@ -301,6 +406,8 @@ class AttemptWork:
         deadline = handle.submitted_at + cap_s
         if (state is not None and state.terminal) or now >= deadline:
             self.conclude(race_id, attempt_id, provider, handle, cap_s, spec)
+            if drop is not None:
+                drop.now()
             return
         label = state.value if state is not None else "poll_error"
         if at is None and callable(hint) and not callable(both) and state is not None:
@@ -312,10 +419,15 @@ class AttemptWork:
             at = now + self.settings.watch_interval_s
         at = max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
         # The next poll is armed in the same round trip as the step (or the heartbeat) below.
-        arm = self._watch_arm(
+        arm_next = self._watch_arm(
             race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
         )
         armed: list[bool] = []
+
+        def arm(pipe: Any) -> None:
+            arm_next(pipe)
+            if drop is not None:
+                drop.queue(pipe)
 
         def before(pipe: Any) -> None:
             armed.append(True)
@@ -329,7 +441,9 @@ class AttemptWork:
             if saved.finished and (a is None or not a.live):
                 return
         # A quiet race is alive: its heartbeat keeps it off the janitor's list.
-        self.store.touch(race_id, also=arm, scripts=(self.timers.arm_script,))
+        self.store.touch(
+            race_id, also=arm, scripts=(self.timers.arm_script, self.timers.cancel_script)
+        )
 
     def arm_watch(self, *args: Any) -> None:
         """Arm the durable timer of one job's next watch poll (arguments of

@@ -13,7 +13,13 @@ class Effects(Protocol):
     """Work the driver hands to other processes, and what it tells the caller and Flower."""
 
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
-        """Submit the attempt's job somewhere that may block (then call submit_attempt)."""
+        """Submit the attempt's job somewhere that may block (then call submit_attempt).
+
+        Effects with a true ``launches_here`` attribute run the submit in this process (it
+        may die with it): the driver then arms the attempt's launch backstop timer first, and
+        they pass its id (``launch_backstop_id``) to ``submit_attempt(..., backstop=...)``.
+        Without it (a task queue's redelivery covers a crash) no backstop is armed.
+        """
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
         """Cancel the attempt's job somewhere that may block (then call cancel_attempt)."""

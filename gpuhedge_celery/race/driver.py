@@ -186,8 +186,8 @@ class RaceDriver(AttemptWork):
             arms = self._arms(race_id, new, actions)
             try:
                 self.store.save(
-                    race_id, new, record.version, also=arms,
-                    scripts=(self.timers.arm_script,), before=before,
+                    race_id, new, record.version, also=arms, before=before,
+                    scripts=(self.timers.arm_script, self.timers.cancel_script),
                 )  # fmt: skip
             except VersionConflict:
                 continue
@@ -216,10 +216,11 @@ class RaceDriver(AttemptWork):
     ) -> Callable[[Any], None] | None:
         """The timer arms a step's actions need, to ride in the save's round trip.
 
-        Policy timers and cancel backstops have fixed ids, so arming is idempotent, and one
-        armed by a save that then loses its version check is harmless: the engine ignores a
-        timer it no longer wants (or re-arms it, if it came early), and a backstop only ever
-        cancels what the race still has in ``cancelling``.
+        Policy timers and cancel and launch backstops have fixed ids, so arming is idempotent,
+        and one armed by a save that then loses its version check is harmless: the engine
+        ignores a timer it no longer wants (or re-arms it, if it came early), a cancel backstop
+        only ever cancels what the race still has in ``cancelling``, and a launch backstop only
+        submits an attempt still ``launching`` (once, through the submit claim).
         """
         queued: list[tuple[str, int, dict[str, Any], str]] = []
         for action in actions:
@@ -231,6 +232,8 @@ class RaceDriver(AttemptWork):
                 )  # fmt: skip
             elif isinstance(action, Cancel):
                 queued.append(self._backstop(race_id, action.attempt_id))
+            elif isinstance(action, Launch) and self._launches_here:
+                queued.append(self._launch_backstop(race_id, action.attempt_id))
         if not queued:
             return None
 
@@ -261,7 +264,7 @@ class RaceDriver(AttemptWork):
         ordered = sorted(actions, key=lambda a: not isinstance(a, Cancel))
         for action in ordered:
             if isinstance(action, Launch):
-                self.effects.launch(race_id, action.attempt_id, action.provider)
+                self._launch(race_id, action.attempt_id, action.provider, armed)
                 if action.role == "hedge":
                     self._event(race_id, "hedge_launched", race, action.attempt_id)
                 elif action.role == "fallback":
@@ -311,6 +314,18 @@ class RaceDriver(AttemptWork):
                 self._event(race_id, "loser_cancelled", race, a.id)
             elif a.phase is Phase.LEAKED:
                 self._event(race_id, "leaked", race, a.id)
+
+    @property
+    def _launches_here(self) -> bool:
+        return bool(getattr(self.effects, "launches_here", False))
+
+    def _launch(self, race_id: str, attempt_id: str, provider: str, armed: bool = False) -> None:
+        """Hand a launched attempt to the effects; one run in this process gets its backstop
+        timer first (``armed``: it rode in the deciding step's save)."""
+        if self._launches_here and not armed:
+            key, due, payload, timer_id = self._launch_backstop(race_id, attempt_id)
+            self.timers.arm(key, due, payload, timer_id=timer_id)
+        self.effects.launch(race_id, attempt_id, provider)
 
     def _event(self, race_id: str, name: str, race: Race, attempt_id: str | None) -> None:
         if not self.settings.events:
@@ -392,6 +407,14 @@ class RaceDriver(AttemptWork):
                 payload["race"], payload["attempt"],
             )  # fmt: skip
             self.cancel_attempt(payload["race"], payload["attempt"])
+        elif kind == "launch":
+            # The process that launched this attempt did not get its job watched in time: it
+            # died (before, during or after the submit). The submit claim decides what to do.
+            log.warning(
+                "race %s: launch of %s taken over by the backstop timer",
+                payload["race"], payload["attempt"],
+            )  # fmt: skip
+            self.submit_attempt(payload["race"], payload["attempt"], takeover=True)
         elif kind == "watch":
             self.watch(
                 payload["race"], payload["attempt"], payload["provider"], payload["handle"],
@@ -419,7 +442,7 @@ class RaceDriver(AttemptWork):
         now = self.clock.now()
         for a in race.attempts:
             if a.phase is Phase.LAUNCHING:
-                self.effects.launch(race_id, a.id, a.provider)
+                self._launch(race_id, a.id, a.provider)
             elif a.result_state == JobState.TIMEOUT.value and a.handle:
                 self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:

@@ -18,10 +18,21 @@ GPUHEDGE_EVENT_LINGER_MS           20          how long a process gathers race e
 GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
 GPUHEDGE_SUBMIT_PRIMARY_INLINE     1           hedged_infer submits the first attempt
                                                itself instead of through a race_submit task
+GPUHEDGE_LAUNCH_INLINE             1           a race submits the attempts it launches later
+                                               (hedges, fallbacks) on the deciding process's
+                                               launch threads, behind a durable backstop
+                                               timer; 0: through race_submit tasks
+GPUHEDGE_LAUNCH_BACKSTOP_S         60          a launch on a process that died is taken over
+                                               by any live worker's timers after this long;
+                                               a submit still in flight then ends as "outcome
+                                               unknown" (never submitted twice), so keep it
+                                               longer than any provider's submit (connect +
+                                               read timeout)
 GPUHEDGE_TIMER_THREADS             8           threads per process that run due timers (race
                                                steps, status polls, backstop cancels)
 GPUHEDGE_CANCEL_THREADS            32          threads per process that call providers' native
-                                               cancels the moment a race decides them
+                                               cancels the moment a race decides them (and as
+                                               many again for inline launches' submits)
 GPUHEDGE_CANCEL_BACKSTOP_S         30          a decided cancel not reported done by then is
                                                taken over by any live worker's timers (its
                                                process died); longer than any provider's own
@@ -100,6 +111,8 @@ class RaceSettings:
     event_linger_ms: float = 20.0
     timer_namespace: str = "races"
     submit_primary_inline: bool = True
+    launch_inline: bool = True
+    launch_backstop_s: float = 60.0
     timer_threads: int = 8
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
@@ -146,6 +159,8 @@ class RaceSettings:
             event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 20.0, minimum=-1),
             timer_namespace=namespace,
             submit_primary_inline=_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
+            launch_inline=_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
+            launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),
             cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),

@@ -298,6 +298,26 @@ class RaceStore:
             self._touch(pipe, race_id)
             pipe.execute()
 
+    def claim_submit(
+        self, race_id: str, attempt_id: str, intent: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Record the intent to submit an attempt's job, unless something is recorded already.
+
+        Atomic (``HSETNX``): of two processes about to submit the same attempt, one gets None
+        (go ahead) and the other what the first recorded (its intent, or the job's handle).
+        """
+        keys = race_keys(self.prefix, race_id)
+        data = _dumps(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
+        with store_errors(f"claiming the submit of race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hsetnx(keys.jobs, attempt_id, data)
+            pipe.hget(keys.jobs, attempt_id)
+            self._touch(pipe, race_id)
+            claimed, found, _ = pipe.execute()
+        if claimed or found is None:
+            return None
+        return json.loads(as_text(found))
+
     def remove_job(self, race_id: str, attempt_id: str) -> bool:
         """Forget a job that reached a terminal state; False if it was not registered."""
         with store_errors(f"removing a job of race {race_id!r}"):

@@ -149,6 +149,15 @@ class TimerStore:
     def arm_script(self) -> Any:
         return self._arm
 
+    def queue_cancel(self, pipe: Any, timer_id: str) -> None:
+        """Queue :meth:`cancel` on someone else's pipeline (pass :attr:`cancel_script`)."""
+        k = self.keys
+        queue_script(pipe, self._cancel, [k.due, k.inflight, k.data, k.deliveries], [timer_id])
+
+    @property
+    def cancel_script(self) -> Any:
+        return self._cancel
+
     def cancel(self, timer_id: str) -> bool:
         """Remove a timer, waiting or in flight; False when it already fired or never existed."""
         k = self.keys
