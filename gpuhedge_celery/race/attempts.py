@@ -193,20 +193,28 @@ class AttemptWork:
             return
         else:
             handle = JobHandle.from_dict(known)
-        saved = self.step(race_id, AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()))
-        if saved is None:
-            drop.now()
-            return
-        reported = find_attempt(saved, attempt_id)
-        if reported is None or reported.job_id != handle.job_id:
-            # The attempt ended before this report (its submit outlived the launch window and
-            # was taken for dead): nobody else knows this job. Stop it now.
-            self._cancel_orphan(race_id, attempt_id, self.providers(a.provider), handle)
-            drop.now()
-            return
+        # Reported together with the job's first status (one save): see watch.
         cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
         spec = record.state["spec"]
-        self.watch(race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop)
+        submitted = AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict())
+        self.watch(
+            race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
+        )
+
+    def _reported(
+        self, race_id: str, attempt_id: str, saved: Race | None, handle: JobHandle,
+        provider: Provider,
+    ) -> bool:  # fmt: skip
+        """Whether the race took a submit's report; if it had ended the attempt before the
+        report (its submit outlived the launch window and was taken for dead), nobody else
+        knows this job: it is cancelled now."""
+        if saved is None:
+            return False
+        a = find_attempt(saved, attempt_id)
+        if a is not None and a.job_id == handle.job_id:
+            return True
+        self._cancel_orphan(race_id, attempt_id, provider, handle)
+        return False
 
     def _rearm_launch_backstop(self, race_id: str, attempt_id: str, until: float) -> None:
         """Look at an attempt's launch again when its submitter's window ends."""
@@ -383,11 +391,14 @@ class AttemptWork:
         cap_s: float,
         spec: dict[str, Any] | None = None,
         drop: _Drop | None = None,
+        submitted: AttemptSubmitted | None = None,
     ) -> None:
         """Poll a job once: report a state change, conclude it when terminal, else re-arm.
 
         ``spec``: the race's spec when the caller has it at hand (a terminal job's validation
         then needs no read). ``drop``: a launch backstop to drop with the first arm.
+        ``submitted``: the job was just submitted and this report is still to be made: it is
+        saved in the same step as the job's first status (one save less per attempt).
         """
         provider = self.providers(provider_name)
         handle = JobHandle.from_dict(handle_data)
@@ -405,7 +416,10 @@ class AttemptWork:
         now = self.clock.now()
         deadline = handle.submitted_at + cap_s
         if (state is not None and state.terminal) or now >= deadline:
-            self.conclude(race_id, attempt_id, provider, handle, cap_s, spec)
+            if submitted is None or self._reported(
+                race_id, attempt_id, self.step(race_id, submitted), handle, provider
+            ):
+                self.conclude(race_id, attempt_id, provider, handle, cap_s, spec)
             if drop is not None:
                 drop.now()
             return
@@ -434,7 +448,16 @@ class AttemptWork:
             arm(pipe)
 
         if label != last:
-            saved = self.step(race_id, StatusObserved(attempt_id, state, error), None, before)
+            observed = StatusObserved(attempt_id, state, error)
+            saved = self.step(
+                race_id, observed if submitted is None else (submitted, observed), None, before
+            )
+            if submitted is not None and not self._reported(
+                race_id, attempt_id, saved, handle, provider
+            ):
+                if drop is not None:
+                    drop.now()
+                return
             if saved is None or armed:
                 return
             a = find_attempt(saved, attempt_id)

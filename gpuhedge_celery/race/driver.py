@@ -50,7 +50,9 @@ from .spec import RaceSpec, spec_from_state
 
 log = logging.getLogger(__name__)
 
-EventSource = Event | Callable[[Race], Event | None]
+# One event, several applied in order in one step (one save), or a function of the race.
+Events = Event | tuple[Event, ...]
+EventSource = Events | Callable[[Race], Events | None]
 StateUpdate = Callable[[dict[str, Any]], None]
 MAX_CONFLICTS = 50
 
@@ -112,7 +114,7 @@ class RaceDriver(AttemptWork):
             return False
         first = next((a for a in actions if isinstance(a, Launch)), None) if submit_first else None
         rest = [a for a in actions if a is not first]
-        self._perform(race_id, race, state, rest, before, [], [], None)
+        self._perform(race_id, race, state, rest, before, [], [], ())
         if first is not None:
             self.submit_attempt(race_id, first.attempt_id, new_race=True)
         return True
@@ -166,12 +168,13 @@ class RaceDriver(AttemptWork):
                 return race, []
             phases = {a.id: a.phase for a in race.attempts}
             flags = list(race.flags)
+            events = event if isinstance(event, tuple) else (event,)
             try:
-                actions = race.handle(event)
+                actions = [action for e in events for action in race.handle(e)]
             except ValueError as e:  # an event for an attempt this race never had
                 if record.cached:
                     continue
-                log.warning("race %s: %s ignored: %s", race_id, event.kind, e)
+                log.warning("race %s: %s ignored: %s", race_id, events[0].kind, e)
                 return race, []
             after = race.to_dict()
             if not actions and change is None and after == state["race"]:
@@ -192,7 +195,7 @@ class RaceDriver(AttemptWork):
             except VersionConflict:
                 continue
             follow = self._perform(
-                race_id, race, new, actions, phases, flags, gone, event, armed=arms is not None
+                race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None
             )
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
@@ -253,7 +256,7 @@ class RaceDriver(AttemptWork):
         phases: dict[str, Phase],
         flags: list[str],
         gone: list[str],
-        event: Event | None,
+        events: tuple[Event, ...],
         *,
         armed: bool = False,
     ) -> list[Event]:
@@ -289,7 +292,7 @@ class RaceDriver(AttemptWork):
                 self._finish(race_id, race, state)
         for timer_id in gone:
             self.timers.cancel(timer_id)
-        self._lifecycle(race_id, race, phases, flags, event)
+        self._lifecycle(race_id, race, phases, flags, events)
         return follow
 
     def _lifecycle(
@@ -298,14 +301,16 @@ class RaceDriver(AttemptWork):
         race: Race,
         phases: dict[str, Phase],
         flags: list[str],
-        event: Event | None,
+        events: tuple[Event, ...],
     ) -> None:
         if "cut_over" in race.flags and "cut_over" not in flags:
             self._event(race_id, "cut_over", race, None)
-        if isinstance(event, StatusObserved) and event.state is not None:
-            name = {JobState.QUEUED: "queued", JobState.IN_PROGRESS: "running"}.get(event.state)
-            if name:
-                self._event(race_id, name, race, event.attempt_id)
+        for event in events:
+            if isinstance(event, StatusObserved) and event.state is not None:
+                states = {JobState.QUEUED: "queued", JobState.IN_PROGRESS: "running"}
+                name = states.get(event.state)
+                if name:
+                    self._event(race_id, name, race, event.attempt_id)
         for a in race.attempts:
             was = phases.get(a.id)
             if was == a.phase:
