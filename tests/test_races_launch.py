@@ -188,3 +188,29 @@ def test_a_submit_that_returns_after_its_attempt_ended_cancels_its_job(setup):
     assert not sim_job_running(providers["h"], handle.to_dict())
     assert ledger.get(f"sim:cancel:h:{handle.job_id}")  # stopped by its native cancel
     assert driver.timers.due_time(launch_backstop_id("l7", "a2")) is None
+
+
+def test_a_watch_reports_a_job_whose_submit_report_was_lost(setup):
+    """The first watch poll was armed (and the backstop dropped) in a save that lost its
+    version check, and the submitter died before retrying: the watch reports the job."""
+    driver, _, cfg, ledger, providers = setup
+    start(driver, cfg, "l8")
+    handle = providers["h"].submit(SLOW)
+    driver.store.add_job("l8", "a2", handle.to_dict())
+    assert hedge(driver, "l8")["phase"] == "launching"
+    driver.watch("l8", "a2", "h", handle.to_dict(), "QUEUED-unseen", 180.0)
+    a2 = hedge(driver, "l8")
+    assert a2["phase"] == "running" and a2["job_id"] == handle.job_id
+    assert submits(ledger) == 1
+
+
+def test_a_conclusion_reports_a_job_whose_submit_report_was_lost(setup):
+    driver, effects, cfg, _, providers = setup
+    start(driver, cfg, "l9")
+    fast = {"sim": {"h": {"queue_s": 0, "run_s": 0}}}
+    handle = providers["h"].submit(fast)
+    driver.store.add_job("l9", "a2", handle.to_dict())
+    driver.watch("l9", "a2", "h", handle.to_dict(), None, 180.0)  # terminal: concluded at once
+    a2 = hedge(driver, "l9")
+    assert a2["job_id"] == handle.job_id and a2["valid"] is True
+    assert [r["winner"] for r in effects.results] == ["h"]

@@ -449,9 +449,16 @@ class AttemptWork:
 
         if label != last:
             observed = StatusObserved(attempt_id, state, error)
-            saved = self.step(
-                race_id, observed if submitted is None else (submitted, observed), None, before
-            )
+
+            def source(race: Race) -> Event | tuple[Event, ...]:
+                # A job not yet reported (just submitted; or its submitter died after arming
+                # this poll, in a save that then lost its version check) is reported first.
+                a = find_attempt(race, attempt_id)
+                if a is not None and a.phase is Phase.LAUNCHING:
+                    return (AttemptSubmitted(attempt_id, handle.job_id, handle_data), observed)
+                return observed
+
+            saved = self.step(race_id, source, None, before)
             if submitted is not None and not self._reported(
                 race_id, attempt_id, saved, handle, provider
             ):
@@ -563,7 +570,10 @@ class AttemptWork:
                 if result.state is JobState.TIMEOUT:
                     return None  # right-censored, not observed terminal: the cancel decides
                 return StatusObserved(attempt_id, result.state)  # confirms the cancel
-            return ResultArrived(attempt_id, result.state, valid, tuple(reasons))
+            arrived = ResultArrived(attempt_id, result.state, valid, tuple(reasons))
+            if a.phase is Phase.LAUNCHING:  # its submit's report died with its process
+                return (AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()), arrived)
+            return arrived
 
         def remember(state: dict[str, Any]) -> None:
             state["results"] = {**(state.get("results") or {}), attempt_id: summary}
