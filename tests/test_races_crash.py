@@ -287,7 +287,10 @@ def test_a_hedge_launch_dies_with_its_worker_and_the_backstop_timer_ends_it(cras
     before = crasher.submits()
     res = rc.send(request)
     deadline = time.monotonic() + 10
-    while (launcher := crasher.holder(f"race_submit[{res.id}:a2]")) is None:
+    # the launching worker has claimed the submit (its intent is registered) and is in the call
+    while (launcher := crasher.holder(f"race_submit[{res.id}:a2]")) is None or not (
+        rc.store.live_jobs(res.id).get("a2") or {}
+    ).get("submitting"):
         assert time.monotonic() < deadline, rc.logs()
         time.sleep(0.005)
     crasher.kill(launcher, "launching")

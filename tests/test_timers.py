@@ -155,3 +155,23 @@ def test_keys_of_a_namespace_share_one_cluster_slot(timers):
     k = timers.keys
     tags = {key[key.index("{") : key.index("}") + 1] for key in (k.due, k.inflight, k.data)}
     assert tags == {"{timers}"}
+
+
+def test_a_claim_with_look_ahead_takes_timers_due_within_it(timers, redis_client):
+    for i, due in enumerate([T0 - 5, T0 + 10, T0 + 20, T0 + 21, T0 + 500]):
+        timers.arm(f"r{i}|t", due, {})
+    claim = timers.claim(T0, limit=100, lease_ms=1000, ahead_ms=20)
+    assert [t.due_ms for t in claim.timers] == [T0 - 5, T0 + 10, T0 + 20]
+    assert claim.next_ms == T0 + 21 and timers.pending() == 2
+
+
+def test_released_timers_wait_again_at_their_due_time_uncounted(timers, redis_client):
+    timers.arm("r|early", T0 + 15, {"x": 1})
+    (held,) = timers.claim(T0, limit=10, lease_ms=1000, ahead_ms=20).timers
+    assert timers.release([held]) == 1
+    assert timers.pending() == 1 and timers.in_flight() == 0
+    assert timers.claim(T0, limit=10, lease_ms=1000).timers == []  # not due yet: no early fire
+    (again,) = timers.claim(T0 + 15, limit=10, lease_ms=1000).timers
+    assert again.id == held.id and again.deliveries == 1  # the released claim does not count
+    assert timers.release([held]) == 0  # a stale claim gives nothing back
+    assert timers.in_flight() == 1

@@ -434,3 +434,70 @@ def test_pooled_service_never_has_more_than_threads_in_flight(redis_client, pref
 def test_threads_below_one_or_not_an_int_is_rejected(redis_client, prefix, threads):
     with pytest.raises(ValueError, match="threads must be an int >= 1"):
         TimerService(TimerStore(redis_client, prefix), lambda t: None, threads=threads)
+
+
+# -- look-ahead: one claim for a window of timers, each still fired at its due time ----------
+
+
+def test_timers_claimed_ahead_fire_at_their_due_time_never_before(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+    claims = []
+    real_claim = store.claim
+
+    def counting_claim(*args, **kwargs):
+        claims.append(args)
+        return real_claim(*args, **kwargs)
+
+    store.claim = counting_claim
+    service = TimerService(store, recorder, threads=4, ahead_ms=50).start()
+    try:
+        time.sleep(0.3)  # idle re-reads settle
+        base = now_ms() + 300
+        dues = [base + 7 * i for i in range(8)]  # eight timers within 50 ms
+        store.arm_many([(f"race{i}|t", due, {}) for i, due in enumerate(dues)])
+        wait_for(lambda: len(recorder.fired) >= 8, 10, "eight firings")
+        during = [c for c in claims if base - 5 <= c[0] <= dues[-1]]
+    finally:
+        service.stop()
+    fired = {t.due_ms: at for t, at in recorder.fired}
+    assert sorted(fired) == dues
+    assert all(at >= due for due, at in fired.items())  # never early...
+    assert max(at - due for due, at in fired.items()) < 200  # ...and on time (loaded machine)
+    assert len(during) <= 3, during  # not one claim per timer
+
+
+def test_two_services_with_look_ahead_fire_each_timer_once(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+    services = [TimerService(store, recorder, threads=4, ahead_ms=20).start() for _ in range(2)]
+    try:
+        base = now_ms() + 200
+        ids = store.arm_many([(f"race{i}|t", base + 3 * i, {}) for i in range(60)])
+        wait_for(lambda: len(recorder.fired) >= 60, 15, "sixty firings")
+        time.sleep(0.2)
+    finally:
+        for service in services:
+            service.stop()
+    assert sorted(t.id for t, _ in recorder.fired) == sorted(ids)
+    assert all(at >= t.due_ms for t, at in recorder.fired)
+
+
+def test_stop_gives_timers_held_ahead_back_for_anyone(redis_client, prefix):
+    store = TimerStore(redis_client, prefix)
+    recorder = Recorder()
+    service = TimerService(store, recorder, threads=2, ahead_ms=5000).start()
+    due = now_ms() + 2000
+    store.arm("race|later", due, {})
+    wait_for(lambda: store.in_flight() == 1, 5, "the timer held ahead")
+    service.stop(timeout=5)
+    assert recorder.fired == [] and service.running == 0
+    assert store.pending() == 1 and store.in_flight() == 0
+    assert store.claim(due - 1, 10, 1000).timers == []  # waiting again, until its due time
+    (again,) = store.claim(due, 10, 1000).timers
+    assert again.deliveries == 1
+
+
+def test_look_ahead_needs_a_pool_of_threads(redis_client, prefix):
+    with pytest.raises(ValueError, match="ahead_ms"):
+        TimerService(TimerStore(redis_client, prefix), lambda t: None, ahead_ms=10)

@@ -21,6 +21,8 @@ overlap instead of queueing behind each other.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import queue
@@ -93,6 +95,7 @@ class TimerStore:
         self._claim = lua_script(client, "timer_claim")
         self._ack = lua_script(client, "timer_ack")
         self._cancel = lua_script(client, "timer_cancel")
+        self._release = lua_script(client, "timer_release")
 
     def _arm_args(
         self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None
@@ -165,18 +168,25 @@ class TimerStore:
             found = self._cancel(keys=[k.due, k.inflight, k.data, k.deliveries], args=[timer_id])
         return bool(found)
 
-    def claim(self, now_ms: int, limit: int = 100, lease_ms: int = 10_000) -> Claim:
+    def claim(
+        self, now_ms: int, limit: int = 100, lease_ms: int = 10_000, ahead_ms: int = 0
+    ) -> Claim:
         """Atomically take up to ``limit`` timers due at ``now_ms``, each leased for ``lease_ms``.
 
         Timers whose earlier claim's lease has passed are taken first. Nothing else can claim a
-        taken timer until ``now + lease_ms``; acknowledge it before then.
+        taken timer until ``now + lease_ms``; acknowledge it before then. With ``ahead_ms`` it
+        also takes timers due up to that much later: the caller fires each at its due time.
         """
-        if limit < 1 or lease_ms < 1:
-            raise ValueError(f"claim needs limit >= 1 and lease_ms >= 1, got {limit}, {lease_ms}")
+        if limit < 1 or lease_ms < 1 or ahead_ms < 0:
+            raise ValueError(
+                f"claim needs limit >= 1, lease_ms >= 1 and ahead_ms >= 0, "
+                f"got {limit}, {lease_ms}, {ahead_ms}"
+            )
         k = self.keys
         with store_errors("claiming due timers"):
             raw = self._claim(
-                keys=[k.due, k.inflight, k.data, k.deliveries], args=[now_ms, limit, lease_ms]
+                keys=[k.due, k.inflight, k.data, k.deliveries],
+                args=[now_ms, limit, lease_ms, ahead_ms],
             )
         deadline, next_ms = int(raw[0]), int(raw[1])
         timers = []
@@ -218,6 +228,18 @@ class TimerStore:
         with store_errors("acknowledging timers"):
             return [int(c) for c in self._ack(keys=[k.inflight, k.data, k.deliveries], args=args)]
 
+    def release(self, timers: list[Timer]) -> int:
+        """Give claimed timers back unfired (to wait again at their due time, this delivery not
+        counted), where the claim is still current; returns how many were given back."""
+        if not timers:
+            return 0
+        args: list[Any] = []
+        for t in timers:
+            args += [t.id, t.lease_deadline_ms, t.due_ms]
+        k = self.keys
+        with store_errors("releasing timers"):
+            return int(self._release(keys=[k.due, k.inflight, k.deliveries], args=args))
+
     def pending(self) -> int:
         """How many timers wait to become due (not counting those in flight)."""
         with store_errors("counting timers"):
@@ -256,6 +278,12 @@ class TimerService:
     handler), hands them over earliest due first, and sleeps until a slot frees when all are
     busy. A finished timer is acknowledged at once by the worker that ran it, together with any
     others that finished meanwhile (one ``ack_many``).
+
+    With ``ahead_ms`` (a pool only) a claim also takes the timers due within that many ms; the
+    service thread holds them (each holds a slot) and hands each over at its due time, so a
+    window of timers costs one claim instead of one each, and processes that wake for the same
+    due time do not each claim once per timer. On stop, held timers are given back to wait in
+    Redis again (this delivery not counted).
     """
 
     def __init__(
@@ -269,6 +297,7 @@ class TimerService:
         use_pubsub: bool = True,
         max_deliveries: int = 10,
         threads: int = 1,
+        ahead_ms: int = 0,
         clock: Clock | None = None,
         name: str = "gpuhedge-timers",
     ):
@@ -276,6 +305,8 @@ class TimerService:
             raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if ahead_ms < 0 or (ahead_ms and threads == 1):
+            raise ValueError(f"ahead_ms must be >= 0, and 0 with one thread; got {ahead_ms}")
         self.store = store
         self.handler = handler
         self.batch = batch
@@ -285,6 +316,7 @@ class TimerService:
         self.use_pubsub = use_pubsub
         self.max_deliveries = max_deliveries
         self.threads = threads
+        self.ahead_ms = ahead_ms
         self.clock = clock or WallClock()
         self.fired = 0
         self.failed = 0
@@ -301,6 +333,10 @@ class TimerService:
         self._workers: list[threading.Thread] = []
         self._finished: list[Timer] = []  # waiting for an ack; guarded by _slots
         self._acking = False  # a worker is acknowledging _finished; guarded by _slots
+        # Timers claimed ahead of their due time (ahead_ms), held here until due; each holds a
+        # slot. Only the service thread touches it.
+        self._early: list[tuple[int, int, Timer]] = []
+        self._early_seq = itertools.count()
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -397,18 +433,42 @@ class TimerService:
             free = self.threads - self._running
         if free <= 0:
             return self.now_ms()
-        claim = self.store.claim(self.now_ms(), min(self.batch, free), self.lease_ms)
+        claim = self.store.claim(self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms)
+        with self._slots:
+            self._running += len(claim.timers)
         for timer in claim.timers:  # earliest due first
-            with self._slots:
-                self._running += 1
-            self._jobs.put(timer)
+            heapq.heappush(self._early, (timer.due_ms, next(self._early_seq), timer))
+        self._hand_over_due(self.now_ms())
         return claim.next_ms  # as in run_once: now (or earlier) when more are already due
 
+    def _hand_over_due(self, now_ms: int) -> None:
+        """Hand every held timer that is due to the workers (its slot is already counted)."""
+        while self._early and self._early[0][0] <= now_ms:
+            self._jobs.put(heapq.heappop(self._early)[2])
+
+    def _give_back_early(self) -> None:
+        """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
+        early, self._early = [t for _, _, t in self._early], []
+        if not early:
+            return
+        try:
+            self.store.release(early)
+        except Exception as e:  # they stay in flight: delivered again after their lease
+            log.warning("timer service: giving back %d timers failed: %s", len(early), e)
+        self._free(len(early))
+
     def _wait_for_slot(self) -> None:
-        """Block until a worker is free or stop() is called (notified, not polled)."""
-        with self._slots:
-            while self._running >= self.threads and not self._stop.is_set():
-                self._slots.wait(1.0)
+        """Block until a worker is free or stop() is called (notified, not polled); timers
+        held ahead are handed over as they come due meanwhile."""
+        while True:
+            self._hand_over_due(self.now_ms())
+            with self._slots:
+                if self._running < self.threads or self._stop.is_set():
+                    return
+                timeout = 1.0
+                if self._early:
+                    timeout = min(timeout, max(0.0005, (self._early[0][0] - self.now_ms()) / 1000))
+                self._slots.wait(timeout)
 
     def _free(self, n: int) -> None:
         with self._slots:
@@ -461,23 +521,25 @@ class TimerService:
             finally:
                 self._free(len(done))
 
-    def _wait(self, ms: int) -> None:
+    def _wait(self, ms: int) -> bool:
+        """Sleep ``ms``; True when a wake-up message (an earlier timer was armed) ended it."""
         if ms <= 0:
-            return
+            return False
         if self._pubsub is None:
             self._stop.wait(ms / 1000)
-            return
+            return False
         # Wait in slices so stop() is honoured promptly even during a long idle wait.
         until = time.monotonic() + ms / 1000
         while not self._stop.is_set():
             left = until - time.monotonic()
             if left <= 0:
-                return
+                return False
             if self._pubsub.get_message(timeout=min(left, 0.25)) is not None:
                 # An earlier timer was armed; drain the rest so a burst costs one claim.
                 while self._pubsub.get_message(timeout=0) is not None:
                     pass
-                return
+                return True
+        return False
 
     def _subscribe(self) -> None:
         if not self.use_pubsub:
@@ -495,6 +557,7 @@ class TimerService:
 
     def _run(self) -> None:
         backoff = 0.0
+        claim_at = 0  # epoch ms of the next claim (0: at once)
         while not self._stop.is_set():
             try:
                 if self.threads > 1:
@@ -504,15 +567,24 @@ class TimerService:
                 if self.use_pubsub and self._pubsub is None:
                     # Subscribe before claiming, so no wake-up between the two is missed.
                     self._subscribe()
-                next_ms = self.run_once()
-                backoff = 0.0
+                    claim_at = 0
                 now = self.now_ms()
-                wait = self.idle_ms if next_ms is None else min(next_ms - now, self.idle_ms)
-                self._wait(wait)
+                if now >= claim_at:
+                    next_ms = self.run_once()
+                    now = self.now_ms()
+                    idle = now + self.idle_ms
+                    claim_at = idle if next_ms is None else min(next_ms, idle)
+                else:  # woken for a timer held ahead: hand it over, no claim
+                    self._hand_over_due(now)
+                backoff = 0.0
+                wake = min(claim_at, self._early[0][0]) if self._early else claim_at
+                if self._wait(wake - self.now_ms()):
+                    claim_at = 0
             except Exception as e:  # the thread must not die silently: log, back off, retry
                 self.last_error = e
                 log.warning("timer service: %s; retrying", e)
                 self._close_pubsub()
                 backoff = min(max(backoff * 2, 0.05), 2.0)
                 self._stop.wait(backoff)
+        self._give_back_early()
         self._close_pubsub()

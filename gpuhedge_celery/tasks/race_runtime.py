@@ -311,6 +311,7 @@ class RaceRuntime:
                     self.driver.on_timer,
                     name="gpuhedge-race-timers",
                     threads=self.settings.timer_threads,
+                    ahead_ms=self.settings.timer_ahead_ms if self.settings.timer_threads > 1 else 0,
                 ).start()
             return self.service
 

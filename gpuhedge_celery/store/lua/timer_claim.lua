@@ -3,12 +3,15 @@
 -- KEYS[3] data HASH (id -> JSON record) KEYS[4] deliveries HASH (id -> claim count)
 -- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim
 -- ARGV[3] lease in ms: unacknowledged claims become claimable again after it
+-- ARGV[4] look-ahead in ms (optional, 0): also take timers due up to now + this; the claimer
+--         holds them and fires each at its due time (one claim for a window of timers)
 -- Returns {deadline, next_ms, id1, record1, deliveries1, id2, ...}
 --   deadline  the lease deadline of this claim (the token ack compares)
 --   next_ms   the earliest due time or lease deadline left after this claim, -1 if none
 local now = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
+local horizon = now + (tonumber(ARGV[4]) or 0)
 local out = {deadline, -1}
 
 local function take(id)
@@ -32,7 +35,7 @@ for _, id in ipairs(expired) do
 end
 local room = limit - #expired
 if room > 0 then
-  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, room)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', horizon, 'LIMIT', 0, room)
   for _, id in ipairs(due) do
     redis.call('ZREM', KEYS[1], id)
     take(id)
