@@ -52,20 +52,25 @@ class Recorder:
         self.events.append(name)
 
 
-@pytest.fixture
-def setup(redis_client, prefix):
+def build_driver(redis_client, prefix, effects, settings=None):
+    """A driver on the test config's sim providers (a Redis ledger) with ``effects``; returns
+    the driver, the effects, the config, the ledger and the providers by name."""
     cfg = parse_config_text(RACE_CONFIG)
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
-    effects = Recorder()
     driver = RaceDriver(
         RaceStore(redis_client, prefix),
         TimerStore(redis_client, prefix, "races"),
         providers.__getitem__,
         effects,
-        RaceSettings(),
+        settings or RaceSettings(),
     )
     return driver, effects, cfg, ledger, providers
+
+
+@pytest.fixture
+def setup(redis_client, prefix):
+    return build_driver(redis_client, prefix, Recorder())
 
 
 def submissions(ledger, provider="p") -> int:

@@ -12,17 +12,14 @@ import time
 
 import pytest
 
-from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.race_events import SubmitFailed
 from gpuhedge_celery.providers.redis_ledger import sim_job_running
-from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
+from gpuhedge_celery.providers.simledger import seq_key
 from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT, launch_backstop_id
-from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import Timer, TimerStore
-from tests.support.fixtures_races import RACE_CONFIG
+from gpuhedge_celery.store.timers import Timer
+from tests.test_races_driver import Recorder, build_driver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,46 +27,15 @@ SLOW = {"sim": {"p": {"queue_s": 5, "run_s": 100}, "h": {"queue_s": 5, "run_s": 
 BOTH_AT_ONCE = "hedge:p->h@0s"  # the hedge is launched together with the primary
 
 
-class InlineRecorder:
+class InlineRecorder(Recorder):
     """Effects that launch in this process (so the driver arms launch backstops): recorded."""
 
     launches_here = True
 
-    def __init__(self) -> None:
-        self.launched: list[tuple[str, str]] = []
-        self.cancelled: list[tuple[str, str]] = []
-        self.results: list[dict] = []
-
-    def launch(self, race_id, attempt_id, provider):
-        self.launched.append((race_id, attempt_id))
-
-    def cancel(self, race_id, attempt_id, provider):
-        self.cancelled.append((race_id, attempt_id))
-
-    def won(self, race_id, result, caller):
-        self.results.append(result)
-
-    def failed(self, race_id, message, receipt, caller):
-        pass
-
-    def event(self, race_id, name, fields):
-        pass
-
 
 @pytest.fixture
 def setup(redis_client, prefix):
-    cfg = parse_config_text(RACE_CONFIG)
-    ledger = RedisLedger(redis_client, prefix)
-    providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
-    effects = InlineRecorder()
-    driver = RaceDriver(
-        RaceStore(redis_client, prefix),
-        TimerStore(redis_client, prefix, "races"),
-        providers.__getitem__,
-        effects,
-        RaceSettings(launch_backstop_s=60.0),
-    )
-    return driver, effects, cfg, ledger, providers
+    return build_driver(redis_client, prefix, InlineRecorder(), RaceSettings(launch_backstop_s=60))
 
 
 def submits(ledger, provider: str = "h") -> int:

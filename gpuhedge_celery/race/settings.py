@@ -30,9 +30,10 @@ GPUHEDGE_LAUNCH_BACKSTOP_S         60          a launch on a process that died i
                                                read timeout)
 GPUHEDGE_TIMER_THREADS             8           threads per process that run due timers (race
                                                steps, status polls, backstop cancels)
-GPUHEDGE_TIMER_AHEAD_MS            10          a timer claim also takes timers due within this
-                                               many ms, each fired at its due time (one claim
-                                               per window instead of one per timer; 0: off)
+GPUHEDGE_TIMER_AHEAD_MS            0           a timer claim also takes timers due within this
+                                               many ms, each fired at its due time: fewer
+                                               empty claims when many processes claim (more
+                                               hosts), a little more timer lag; 0: off
 GPUHEDGE_CANCEL_THREADS            32          threads per process that call providers' native
                                                cancels the moment a race decides them (and as
                                                many again for inline launches' submits)
@@ -117,7 +118,7 @@ class RaceSettings:
     launch_inline: bool = True
     launch_backstop_s: float = 60.0
     timer_threads: int = 8
-    timer_ahead_ms: int = 10
+    timer_ahead_ms: int = 0
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
     switch_interval_ms: float = 1.0
@@ -166,7 +167,7 @@ class RaceSettings:
             launch_inline=_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
             launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),
-            timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 10.0, minimum=-1)),
+            timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 0.0, minimum=-1)),
             cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
             switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),
