@@ -180,3 +180,17 @@ def test_a_conclusion_reports_a_job_whose_submit_report_was_lost(setup):
     a2 = hedge(driver, "l9")
     assert a2["job_id"] == handle.job_id and a2["valid"] is True
     assert [r["winner"] for r in effects.results] == ["h"]
+
+
+def test_a_launch_from_a_stale_copy_finds_the_job_another_process_submitted(
+    setup, redis_client, prefix
+):
+    driver, _, cfg, ledger, providers = setup
+    start(driver, cfg, "l10")  # this process's copy: a2 launching
+    other, *_ = build_driver(redis_client, prefix, InlineRecorder())
+    other.providers = providers.__getitem__
+    other.submit_attempt("l10", "a2")  # another process got there first
+    assert driver.store.load("l10", fresh=True).cached  # ours is now stale
+    driver.submit_attempt("l10", "a2", backstop=launch_backstop_id("l10", "a2"), decided_here=True)
+    assert submits(ledger) == 1 and hedge(driver, "l10")["phase"] == "running"
+    assert driver.timers.due_time(launch_backstop_id("l10", "a2")) is None

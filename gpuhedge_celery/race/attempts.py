@@ -114,7 +114,7 @@ class AttemptWork:
 
     def submit_attempt(
         self, race_id: str, attempt_id: str, *, new_race: bool = False,
-        backstop: str | None = None, takeover: bool = False,
+        backstop: str | None = None, takeover: bool = False, decided_here: bool = False,
     ) -> None:  # fmt: skip
         """Submit a launched attempt's job once, register it, report it, start watching it.
 
@@ -127,10 +127,12 @@ class AttemptWork:
         ``backstop``: the id of this launch's backstop timer (an inline launch, see
         :meth:`Effects.launch`), dropped in the round trip that arms the job's first watch
         poll, or once the attempt ended: until then a crash of this process leaves the timer
-        to finish the launch. ``takeover``: called by that timer.
+        to finish the launch. ``takeover``: called by that timer. ``decided_here``: this
+        process saved the step that launched the attempt just now, so its copy of the race
+        serves (no read; a job registered meanwhile is found by the submit claim).
         """
         drop = _Drop(self.timers, backstop)
-        if new_race:
+        if new_race or decided_here:
             record, jobs = self.store.load(race_id, fresh=True), {}
         else:
             record, jobs = self.store.load_with_jobs(race_id)
@@ -288,14 +290,15 @@ class AttemptWork:
     def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
         """Cancel an attempt's job natively and report the receipt (never Celery's revoke).
 
-        Returns once the outcome (confirmed, acknowledged, failed) is saved in the race, and
-        only then drops the attempt's backstop timer: a crash before that leaves the timer to
-        finish the job elsewhere.
+        Returns once the outcome (confirmed, acknowledged, failed) is saved in the race; the
+        attempt's backstop timer is dropped in that save's round trip (or after it), so a crash
+        before it leaves the timer to finish the job elsewhere.
         """
-        self._cancel_attempt(race_id, attempt_id)
-        self.timers.cancel(cancel_backstop_id(race_id, attempt_id))
+        drop = _Drop(self.timers, cancel_backstop_id(race_id, attempt_id))
+        self._cancel_attempt(race_id, attempt_id, drop)
+        drop.now()  # unless the report's save carried it
 
-    def _cancel_attempt(self, race_id: str, attempt_id: str) -> None:
+    def _cancel_attempt(self, race_id: str, attempt_id: str, drop: _Drop) -> None:
         decided = self._decided.pop((race_id, attempt_id), None)
         if decided is not None and decided[0].phase is Phase.CANCELLING:
             a, caps = decided  # as the deciding step saved it: no read on the way to the call
@@ -322,7 +325,8 @@ class AttemptWork:
         try:
             receipt = provider.cancel(handle)
         except Exception as e:
-            self.step(race_id, CancelFailed(attempt_id, f"{type(e).__name__}: {e}"))
+            failure = CancelFailed(attempt_id, f"{type(e).__name__}: {e}")
+            self.step(race_id, failure, None, drop.queue)
             return
         if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
             # It finished before the cancel took effect: its result may still win the race.
@@ -334,11 +338,12 @@ class AttemptWork:
             cap = float((caps or {}).get(a.provider, 180.0))
             self.conclude(race_id, attempt_id, provider, handle, cap)
             return
-        self.step(race_id, CancelAcknowledged(attempt_id, receipt))
-        if not receipt.confirmed_terminal:
-            self.step(
-                race_id, CancelFailed(attempt_id, "no terminal state within the cancel window")
-            )
+        acknowledged = CancelAcknowledged(attempt_id, receipt)
+        if receipt.confirmed_terminal:
+            self.step(race_id, acknowledged, None, drop.queue)
+        else:  # both in one save
+            failed = CancelFailed(attempt_id, "no terminal state within the cancel window")
+            self.step(race_id, (acknowledged, failed), None, drop.queue)
 
     def _cancel_capped(self, race_id: str, a: Attempt) -> None:
         """Cancel a job that passed its cap, and record the receipt beside the race's own.

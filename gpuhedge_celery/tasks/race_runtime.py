@@ -208,8 +208,9 @@ def _launch_now(race_id: str, attempt_id: str, provider: str) -> None:
     rt.effects.send(uuid, "task-started", {})
     try:
         rt.driver.submit_attempt(
-            race_id, attempt_id, backstop=launch_backstop_id(race_id, attempt_id)
-        )
+            race_id, attempt_id, backstop=launch_backstop_id(race_id, attempt_id),
+            decided_here=True,
+        )  # fmt: skip
     except Exception as e:  # the backstop timer takes it over; say why here
         log.exception("race %s: launch of %s failed; the backstop timer takes it over",
                       race_id, attempt_id)  # fmt: skip
