@@ -6,7 +6,6 @@ to the race through ``step`` and never decides anything itself (the engine does)
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,6 +27,7 @@ from ..core.receipts import CancelReceipt, Evidence
 from ..core.validators import validate
 from ..errors import ProviderError
 from ..providers.base import Provider
+from ..store import codec
 from .base import due_ms, find_attempt
 from .receipt import result_key, store_attempt_result
 
@@ -553,7 +553,7 @@ class AttemptWork:
                 # Stored in the step's own round trip, ahead of the state that reports it, so
                 # any process that sees the report can serve the result (see below).
                 key = result_key(self.prefix, race_id, attempt_id)
-                data = json.dumps(stored)
+                data = codec.dumps(stored)
                 ttl_ms = int(self.settings.receipt_ttl_s * 1000)
 
                 def keep(pipe: Any) -> None:

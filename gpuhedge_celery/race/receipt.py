@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..core.race import Race
+from ..store import codec
 from ..store.race_keys import race_keys
 from ..store.races import RaceStore
-from ..store.timers import _text, store_errors
+from ..store.timers import store_errors
 from .spec import RaceSpec
 
 RECEIPT_VERSION = 1
@@ -35,7 +35,7 @@ def store_attempt_result(
     """Keep a valid attempt result in Redis (before it is reported, so any process can serve it)."""
     with store_errors(f"storing a result of race {race_id!r}"):
         client.set(
-            result_key(prefix, race_id, attempt_id), json.dumps(result), px=int(ttl_s * 1000)
+            result_key(prefix, race_id, attempt_id), codec.dumps(result), px=int(ttl_s * 1000)
         )
 
 
@@ -45,7 +45,7 @@ def load_attempt_result(
     """An attempt's stored result, None when it was never stored or has expired."""
     with store_errors(f"reading a result of race {race_id!r}"):
         raw = client.get(result_key(prefix, race_id, attempt_id))
-    return None if raw is None else json.loads(_text(raw))
+    return None if raw is None else codec.loads(raw)
 
 
 def load_payload(result: dict[str, Any], client: Any) -> Any:
@@ -56,7 +56,7 @@ def load_payload(result: dict[str, Any], client: Any) -> Any:
         raw = client.get(result["payload_ref"])
     if raw is None:
         raise LookupError(f"payload {result['payload_ref']!r} has expired or never existed")
-    return json.loads(_text(raw)).get("payload")
+    return codec.loads(raw).get("payload")
 
 
 def winner_result(
@@ -84,7 +84,7 @@ def winner_result(
         "job_id": won.job_id,
     }
     payload = stored.get("payload")
-    size = len(json.dumps(payload)) if inline_max >= 0 else 0
+    size = codec.size(payload) if inline_max >= 0 else 0
     if size > inline_max >= 0:
         result["payload_ref"] = ref
         result["payload_bytes"] = size

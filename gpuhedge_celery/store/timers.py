@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -36,6 +35,7 @@ import redis
 
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError
+from . import codec
 from .connection import translate_errors
 from .race_keys import timer_keys
 from .scripts import lua_script, queue_script, run_pipeline
@@ -62,7 +62,6 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-_text = as_text  # the old name, still imported by gpuhedge_celery/race/receipt.py
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class TimerStore:
         if not isinstance(payload, dict):
             raise ValueError(f"invalid timer payload for {key!r}: expected a dict")
         try:
-            record = json.dumps({"key": key, "due": due_ms, "payload": payload})
+            record = codec.dumps({"key": key, "due": due_ms, "payload": payload})
         except (TypeError, ValueError) as e:
             raise ValueError(f"timer payload for {key!r} is not JSON-serialisable: {e}") from None
         k = self.keys
@@ -191,7 +190,7 @@ class TimerStore:
         deadline, next_ms = int(raw[0]), int(raw[1])
         timers = []
         for i in range(2, len(raw), 3):
-            record = json.loads(as_text(raw[i + 1]))
+            record = codec.loads(raw[i + 1])
             timers.append(
                 Timer(
                     id=as_text(raw[i]),

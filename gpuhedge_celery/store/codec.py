@@ -1,0 +1,30 @@
+"""JSON for what the race store writes and reads on every step (states, jobs, timers, results).
+
+orjson, not the standard library: a race's state (about 2 KB) is encoded on every save and
+decoded on every read, nine or so times per race, and orjson does both several times faster
+(encode 2.8 against 21.7 µs for a finished race's state, measured) with the same compact text.
+Non-string keys become strings, as ``json`` makes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_OPTIONS = orjson.OPT_NON_STR_KEYS
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON text; ``TypeError`` (orjson's ``JSONEncodeError``) for what JSON cannot hold."""
+    return orjson.dumps(value, option=_OPTIONS).decode("utf-8")
+
+
+def size(value: Any) -> int:
+    """Bytes of ``value`` as compact UTF-8 JSON."""
+    return len(orjson.dumps(value, option=_OPTIONS))
+
+
+def loads(data: str | bytes) -> Any:
+    """Parse JSON text (``ValueError`` when it is not JSON)."""
+    return orjson.loads(data)
