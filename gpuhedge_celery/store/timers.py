@@ -62,8 +62,6 @@ def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-
-
 @dataclass(frozen=True)
 class Timer:
     """One claimed timer. ``lease_deadline_ms`` identifies the claim when acknowledging it."""
