@@ -58,8 +58,9 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
 
 
 class _Drop:
-    """A launch backstop timer to drop once its launch is safe: in a round trip already being
-    made (``queue``), or on its own (``now``, ``unless_queued``). Without an id it does nothing."""
+    """A backstop timer (a launch's or a cancel's) to drop once its work is reported: in a
+    round trip already being made (``queue``), or on its own (``now``). Without an id it does
+    nothing."""
 
     __slots__ = ("timers", "timer_id", "queued")
 

@@ -79,13 +79,7 @@ class CeleryEffects:
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
         args = (race_id, attempt_id, provider)
         if self.launches_here:
-            with self._lock:
-                if self._launches is None:
-                    self._launches = ThreadPoolExecutor(
-                        self.settings.cancel_threads, thread_name_prefix="gpuhedge-launch"
-                    )
-                pool = self._launches
-            pool.submit(_launch_now, *args)
+            self._pool("_launches", "gpuhedge-launch").submit(_launch_now, *args)
             return
         # Nobody waits on a launch's own result (the race's state is the record), so it is not
         # stored: a result write and its publish less per attempt. An operator's send_task of
@@ -93,13 +87,16 @@ class CeleryEffects:
         _app().send_task(TASK_RACE_SUBMIT, args, queue=QUEUE_ATTEMPTS, ignore_result=True)
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
+        self._pool("_cancels", "gpuhedge-cancel").submit(_cancel_now, race_id, attempt_id, provider)
+
+    def _pool(self, attr: str, name: str) -> ThreadPoolExecutor:
+        """The launch or cancel thread pool, started on first use (after any fork)."""
         with self._lock:
-            if self._cancels is None:
-                self._cancels = ThreadPoolExecutor(
-                    self.settings.cancel_threads, thread_name_prefix="gpuhedge-cancel"
-                )
-            pool = self._cancels
-        pool.submit(_cancel_now, race_id, attempt_id, provider)
+            pool = getattr(self, attr)
+            if pool is None:
+                pool = ThreadPoolExecutor(self.settings.cancel_threads, thread_name_prefix=name)
+                setattr(self, attr, pool)
+            return pool
 
     def close(self, timeout: float = 5.0) -> None:
         """Finish queued launches, cancels and events (worker shutdown); backstops cover the
