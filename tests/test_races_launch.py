@@ -194,3 +194,24 @@ def test_a_launch_from_a_stale_copy_finds_the_job_another_process_submitted(
     driver.submit_attempt("l10", "a2", backstop=launch_backstop_id("l10", "a2"), decided_here=True)
     assert submits(ledger) == 1 and hedge(driver, "l10")["phase"] == "running"
     assert driver.timers.due_time(launch_backstop_id("l10", "a2")) is None
+
+
+def test_an_orphan_job_whose_cancel_fails_stays_registered_for_the_janitor(setup):
+    driver, _, cfg, _, providers = setup
+    start(driver, cfg, "l11")
+    real_submit = providers["h"].submit
+
+    def slow_submit(request):
+        driver.step("l11", SubmitFailed("a2", UNKNOWN_SUBMIT))  # taken for dead meanwhile
+        return real_submit(request)
+
+    def broken_cancel(handle):
+        driver.store.remove_job("l11", "a2")  # the race's finish dropped its ended attempt's job
+        raise RuntimeError("provider API down")
+
+    providers["h"].submit = slow_submit
+    providers["h"].cancel = broken_cancel
+    driver.submit_attempt("l11", "a2", backstop=launch_backstop_id("l11", "a2"))
+    assert hedge(driver, "l11")["phase"] == "ended"
+    registered = driver.store.live_jobs("l11")["a2"]
+    assert registered["job_id"].startswith("sim-h-") and not registered.get("submitting")

@@ -240,20 +240,23 @@ class AttemptWork:
     ) -> None:
         """Cancel a job whose report came after its attempt ended; unregister it once stopped.
 
-        Left registered when the cancel is not confirmed: the janitor cancels the registered
-        jobs of finished races.
+        Registered again when the cancel is not confirmed (the race's finish may have dropped
+        it meanwhile, with its ended attempt): the janitor cancels the registered jobs of races
+        nobody advances, with receipts.
         """
         log.error(
             "race %s: %s's submit returned job %s after the attempt ended (its launch window "
             "passed); cancelling it", race_id, attempt_id, handle.job_id,
         )  # fmt: skip
         try:
-            receipt = provider.cancel(handle)
+            confirmed = provider.cancel(handle).confirmed_terminal
         except Exception:
             log.exception("race %s: cancel of orphan job %s failed", race_id, handle.job_id)
-            return
-        if receipt.confirmed_terminal:
+            confirmed = False
+        if confirmed:
             self.store.remove_job(race_id, attempt_id)
+        else:
+            self.store.add_job(race_id, attempt_id, handle.to_dict())
 
     def request_cancel(
         self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,

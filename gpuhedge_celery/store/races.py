@@ -224,7 +224,7 @@ class RaceStore:
             version, data = self.client.hmget(keys.state, ["v", "data"])
         if version is None:
             return None
-        return RaceRecord(race_id, int(version), codec.loads(as_text(data)))
+        return RaceRecord(race_id, int(version), codec.loads(data))
 
     def load_with_jobs(self, race_id: str) -> tuple[RaceRecord | None, dict[str, dict[str, Any]]]:
         """:meth:`load` and :meth:`live_jobs` in one round trip."""
@@ -234,10 +234,10 @@ class RaceStore:
             pipe.hmget(keys.state, ["v", "data"])
             pipe.hgetall(keys.jobs)
             (version, data), raw = pipe.execute()
-        jobs = {as_text(k): codec.loads(as_text(v)) for k, v in raw.items()}
+        jobs = {as_text(k): codec.loads(v) for k, v in raw.items()}
         if version is None:
             return None, jobs
-        return RaceRecord(race_id, int(version), codec.loads(as_text(data))), jobs
+        return RaceRecord(race_id, int(version), codec.loads(data)), jobs
 
     def update(
         self,
@@ -316,7 +316,7 @@ class RaceStore:
             claimed, found, _ = pipe.execute()
         if claimed or found is None:
             return None
-        return codec.loads(as_text(found))
+        return codec.loads(found)
 
     def remove_job(self, race_id: str, attempt_id: str) -> bool:
         """Forget a job that reached a terminal state; False if it was not registered."""
@@ -327,7 +327,7 @@ class RaceStore:
         """Attempt id -> job handle of every job of the race still registered as live."""
         with store_errors(f"reading the jobs of race {race_id!r}"):
             raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
-        return {as_text(k): codec.loads(as_text(v)) for k, v in raw.items()}
+        return {as_text(k): codec.loads(v) for k, v in raw.items()}
 
     def touch(
         self,
@@ -383,7 +383,7 @@ class RaceStore:
             owned, jobs = answers[2 * i], answers[2 * i + 1]
             if owned:
                 continue
-            live = {as_text(k): codec.loads(as_text(v)) for k, v in jobs.items()}
+            live = {as_text(k): codec.loads(v) for k, v in jobs.items()}
             stale.append(StaleRace(as_text(race_id), int(score), live))
         return stale
 
@@ -480,7 +480,7 @@ class RaceStore:
         """The race's receipt, None if it was never written or has expired."""
         with store_errors(f"reading the receipt of race {race_id!r}"):
             found = self.client.get(race_keys(self.prefix, race_id).receipt)
-        return None if found is None else codec.loads(as_text(found))
+        return None if found is None else codec.loads(found)
 
     def delete(self, race_id: str) -> None:
         """Remove every key of the race and its heartbeat (tests, manual clean-up)."""
