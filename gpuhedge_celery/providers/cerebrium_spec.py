@@ -1,0 +1,82 @@
+"""Configuration of the ``cerebrium`` adapter: the ``providers.<name>.cerebrium`` YAML block.
+
+::
+
+    cerebrium:
+      project_id: "${CEREBRIUM_PROJECT_ID}"    # p-xxxxxxxx
+      app: tts                                 # the app's name
+      function: predict                        # the function called
+      app_id: null                             # for cancels; default "<project_id>-<app>"
+      api_key: "${CEREBRIUM_API_KEY}"          # a bearer key; must come from the environment
+      api_url: https://api.cortex.cerebrium.ai # inference (submit); tests: the fake
+      rest_url: https://rest.cerebrium.ai      # management (cancel); tests: the fake
+      payload: result                          # dotted path of the payload in the webhook
+                                               # body ("": the whole body)
+      timeouts: {connect_s: 5, read_s: 30}
+
+Every key but ``project_id``, ``app``, ``function`` and ``api_key`` is optional.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .options import Block
+
+DEFAULT_API_URL = "https://api.cortex.cerebrium.ai"
+DEFAULT_REST_URL = "https://rest.cerebrium.ai"
+_ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}$")
+_SEGMENT = re.compile(r"^(\$\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z0-9_.\-]+)$")
+
+
+@dataclass(frozen=True)
+class CerebriumSpec:
+    project_id: str
+    app: str
+    function: str
+    api_key: str
+    app_id: str | None = None
+    api_url: str = DEFAULT_API_URL
+    rest_url: str = DEFAULT_REST_URL
+    payload: str = "result"
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    where: str = ""
+    file: str | None = None
+
+    @classmethod
+    def from_block(cls, block: Block) -> CerebriumSpec:
+        names = {k: block.string(k) for k in ("project_id", "app", "function")}
+        for key, value in names.items():
+            if not _SEGMENT.match(value):
+                raise block.error(key, f"expected letters, digits, '_', '-', '.' or a ${{VAR}}, "
+                                  f"got {value!r}")  # fmt: skip
+        api_key = block.string("api_key")
+        if not _ENV_ONLY.match(api_key.strip()):
+            raise block.error("api_key", "expected a ${VAR} reference (keep the key out of the "
+                              "file: \"${CEREBRIUM_API_KEY}\"), got a literal value")  # fmt: skip
+        urls = {}
+        for key, default in (("api_url", DEFAULT_API_URL), ("rest_url", DEFAULT_REST_URL)):
+            url = block.string(key, default).rstrip("/")
+            if not url.startswith(("http://", "https://", "${")):
+                raise block.error(key, f"expected an http(s):// URL, got {url!r}")
+            urls[key] = url
+        payload = block.raw("payload", "result")
+        if not isinstance(payload, str):
+            raise block.error("payload", f'expected a dotted path or "", got {payload!r}')
+        timeouts = block.mapping("timeouts")
+        spec = cls(
+            **names,
+            api_key=api_key,
+            app_id=block.string("app_id", None),
+            **urls,
+            payload=payload,
+            connect_timeout_s=timeouts.number("connect_s", 5.0, positive=True),
+            read_timeout_s=timeouts.number("read_s", 30.0, positive=True),
+            where=block.where,
+            file=block.file,
+        )
+        timeouts.finish()
+        block.finish()
+        return spec

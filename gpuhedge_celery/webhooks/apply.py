@@ -1,0 +1,78 @@
+"""A webhook delivery, turned into the engine event a poll would have produced.
+
+The provider parses the body (``webhook_result(handle, body)``: the job's ``AttemptResult``, or
+None while the body says the job has not ended), and the race driver's :meth:`conclude` applies
+it, exactly as a watch poll that saw the job end: the result validated, stored, reported with
+one versioned save of the race, and the engine's actions (a winner, the losers' cancels)
+performed. :func:`apply_delivery` returns only after that save, so a provider's retry covers a
+receiver that dies first; a repeated delivery finds the attempt ended and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..core.jobs import JobHandle
+from ..core.race import Race
+from ..errors import GpuHedgeError
+from ..race.base import find_attempt
+
+if TYPE_CHECKING:
+    from ..race.driver import RaceDriver
+
+log = logging.getLogger(__name__)
+
+HANDLE_WAIT_S = 2.0  # a fast job's delivery may beat its submit's registration
+HANDLE_POLL_S = 0.05
+
+Answer = tuple[int, dict[str, Any]]
+
+
+def apply_delivery(
+    driver: RaceDriver, race_id: str, attempt_id: str, body: Any,
+    *, handle_wait_s: float = HANDLE_WAIT_S,
+) -> Answer:  # fmt: skip
+    """Apply one authenticated delivery; the HTTP status and a small JSON answer."""
+    deadline = time.monotonic() + handle_wait_s
+    while True:
+        record, jobs = driver.store.load_with_jobs(race_id)
+        if record is None:
+            return 200, {"ignored": "no such race (finished and expired, or never created)"}
+        race = Race.from_dict(record.state["race"], driver.clock)
+        a = find_attempt(race, attempt_id)
+        if a is None:
+            return 200, {"ignored": f"race has no attempt {attempt_id!r}"}
+        if race.finished or not a.live:
+            return 200, {"ignored": "race finished" if race.finished else "attempt already ended"}
+        data = a.handle or jobs.get(attempt_id)
+        if data and not data.get("submitting"):
+            break
+        if time.monotonic() >= deadline:
+            # Not a 5xx: some platforms never retry one. The watch's fallback poll (or the
+            # race's deadline) settles the attempt if no retry comes.
+            return 409, {"error": "the job's submit is not registered yet; retry later"}
+        time.sleep(HANDLE_POLL_S)
+    handle = JobHandle.from_dict(data)
+    provider = driver.providers(a.provider)
+    parse = getattr(provider, "webhook_result", None)
+    if not callable(parse):
+        return 400, {"error": f"provider {a.provider!r} ({provider.adapter}) takes no webhooks"}
+    try:
+        result = parse(handle, body)
+    except GpuHedgeError as e:
+        return 400, {"error": _line(str(e))}
+    except Exception as e:  # an unforeseen body shape: refused, never a crash of the receiver
+        log.warning("race %s: unreadable webhook for %s: %r", race_id, attempt_id, e)
+        return 400, {"error": f"unreadable body ({type(e).__name__})"}
+    if result is None:
+        return 200, {"ignored": "the job has not ended"}
+    spec = record.state["spec"]
+    cap = float((spec.get("caps_s") or {}).get(a.provider, 180.0))
+    driver.conclude(race_id, attempt_id, provider, handle, cap, spec, result=result)
+    return 200, {"applied": str(result.state)}
+
+
+def _line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
