@@ -1,0 +1,204 @@
+"""Budget rules, pure: caps, an attempt's worst-case cost, which caps apply, the UTC day.
+
+Money is counted in integer nano-dollars (1e-9 USD) wherever it is added up, so a ledger that
+sums thousands of reservations and settlements stays exact (Redis ``HINCRBY`` is integer). A
+reservation rounds up (it is a bound), a settlement rounds to the nearest nano-dollar.
+
+Every reservation charges a set of *scopes* (counters): the lifetime total, the UTC day, the
+provider (lifetime and day) and, when the caller named one, the budget key (lifetime and day).
+A cap is a limit on one scope's reserved + spent nano-dollars; :func:`limits` lists them for one
+attempt. The per-request cap is a limit on the race's own counter (its attempts together).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+NANO = 1_000_000_000  # nano-dollars per dollar
+ANY_KEY = "*"  # budget.keys entry that caps every key not listed on its own
+KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
+
+
+def to_nano(usd: float, *, round_up: bool = False) -> int:
+    """USD as integer nano-dollars (``round_up`` for bounds such as reservations)."""
+    scaled = float(usd) * NANO
+    return int(math.ceil(scaled - 1e-6)) if round_up else int(round(scaled))
+
+
+def to_usd(nano: int | float) -> float:
+    """Nano-dollars as USD (rounded to the nano-dollar, so sums print cleanly)."""
+    return round(float(nano) / NANO, 9)
+
+
+def utc_day(epoch_s: float | None = None) -> str:
+    """The UTC calendar day of ``epoch_s`` (now by default) as ``YYYY-MM-DD``: the day bucket."""
+    return time.strftime("%Y-%m-%d", time.gmtime(time.time() if epoch_s is None else epoch_s))
+
+
+@dataclass(frozen=True)
+class ScopeCap:
+    """Caps on one provider's or one budget key's spend: per UTC day and over the ledger's life."""
+
+    max_usd_per_day: float | None = None
+    max_usd_total: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_usd_per_day": self.max_usd_per_day, "max_usd_total": self.max_usd_total}
+
+
+@dataclass(frozen=True)
+class BudgetCaps:
+    """The ``budget:`` block: every cap is optional; none set means budgets are off."""
+
+    max_usd_per_request: float | None = None
+    max_usd_per_day: float | None = None
+    ceiling_usd: float | None = None
+    providers: Mapping[str, ScopeCap] = field(default_factory=dict)
+    keys: Mapping[str, ScopeCap] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any cap is set (then every submit reserves, and the ledger records it)."""
+        scoped = [c for c in (*self.providers.values(), *self.keys.values())]
+        return (
+            any(
+                v is not None
+                for v in (self.max_usd_per_request, self.max_usd_per_day, self.ceiling_usd)
+            )  # fmt: skip
+            or any(c.max_usd_per_day is not None or c.max_usd_total is not None for c in scoped)
+        )
+
+    def key_cap(self, key: str | None) -> ScopeCap | None:
+        """The caps of budget key ``key`` (its own entry, else the ``"*"`` entry), or None."""
+        if key is None:
+            return None
+        return self.keys.get(key) or self.keys.get(ANY_KEY)
+
+    def key_problem(self, key: Any) -> str | None:
+        """Why ``key`` cannot be used as a budget key, or None when it can."""
+        if key is None:
+            return None
+        if not isinstance(key, str) or not KEY_RE.match(key) or key == ANY_KEY:
+            return f"expected 1-100 letters, digits, '_', '-', '.' or ':', got {key!r}"
+        if self.keys and self.key_cap(key) is None:
+            known = ", ".join(sorted(self.keys))
+            return f"no budget for key {key!r} in budget.keys (known: {known}; '*' covers any)"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_usd_per_request": self.max_usd_per_request,
+            "max_usd_per_day": self.max_usd_per_day,
+            "ceiling_usd": self.ceiling_usd,
+            "providers": {k: v.to_dict() for k, v in self.providers.items()},
+            "keys": {k: v.to_dict() for k, v in self.keys.items()},
+        }
+
+
+def worst_case_usd(cap_s: float, rate_per_s: float, idle_s: float) -> float:
+    """The most one attempt can cost: billed to its cap, plus one worker start's idle window.
+
+    ``cap_s`` is the attempt's cap (the race stops waiting and cancels the job then),
+    ``rate_per_s`` the provider's billed rate and ``idle_s`` the seconds it bills per worker
+    start after the job (all in the same time unit).
+    """
+    return max(0.0, cap_s) * max(0.0, rate_per_s) + max(0.0, idle_s) * max(0.0, rate_per_s)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One cap that applies to an attempt: a counter (``scope``) and its limit in nano-dollars.
+
+    ``scope`` is ``request`` (the race's own counter) or a counter name (see :func:`scopes`).
+    ``name`` says which cap it is, for refusals and reports.
+    """
+
+    name: str
+    scope: str
+    limit_nano: int
+
+
+def scopes(day: str, provider: str, key: str | None) -> list[str]:
+    """The counters one reservation charges, in slot order: lifetime, day, provider,
+    provider-day, and with a budget key, key and key-day. ``budget_reserve.lua`` builds the
+    same names from the day, provider and key it is given."""
+    found = ["all", f"d:{day}", f"p:{provider}", f"d:{day}:p:{provider}"]
+    if key is not None:
+        found += [f"k:{key}", f"d:{day}:k:{key}"]
+    return found
+
+
+def _slot_caps(caps: BudgetCaps, provider: str, key: str | None) -> list[tuple[str, float | None]]:
+    """(cap name, USD or None) per slot: the request, then each scope of :func:`scopes`."""
+    own = caps.providers.get(provider)
+    slots: list[tuple[str, float | None]] = [
+        ("max_usd_per_request", caps.max_usd_per_request),
+        ("ceiling_usd", caps.ceiling_usd),
+        ("max_usd_per_day", caps.max_usd_per_day),
+        (f"providers.{provider}.max_usd_total", own.max_usd_total if own else None),
+        (f"providers.{provider}.max_usd_per_day", own.max_usd_per_day if own else None),
+    ]
+    if key is not None:
+        cap = caps.key_cap(key)
+        entry = key if key in caps.keys else ANY_KEY
+        slots += [
+            (f"keys.{entry}.max_usd_total", cap.max_usd_total if cap else None),
+            (f"keys.{entry}.max_usd_per_day", cap.max_usd_per_day if cap else None),
+        ]
+    return slots
+
+
+def cap_slots(caps: BudgetCaps, provider: str, key: str | None) -> list[int]:
+    """Each slot's cap in nano-dollars, -1 where none applies (what the reserve script takes)."""
+    return [-1 if usd is None else to_nano(usd) for _, usd in _slot_caps(caps, provider, key)]
+
+
+def cap_name(caps: BudgetCaps, provider: str, key: str | None, slot: int) -> str:
+    """The name of the cap in ``slot`` (0: per request, i: the i-th scope), for refusals."""
+    slots = _slot_caps(caps, provider, key)
+    return slots[slot][0] if 0 <= slot < len(slots) else f"cap {slot}"
+
+
+def limits(caps: BudgetCaps, day: str, provider: str, key: str | None) -> list[Limit]:
+    """Every cap that applies to one attempt of ``provider`` for budget key ``key`` on ``day``."""
+    names = ["request", *scopes(day, provider, key)]
+    return [
+        Limit(name, names[i], to_nano(usd))
+        for i, (name, usd) in enumerate(_slot_caps(caps, provider, key))
+        if usd is not None
+    ]
+
+
+def refusal_text(cap: str, limit_nano: int, used_nano: int, amount_nano: int) -> str:
+    """The one line a refused attempt carries (its receipt's reason)."""
+    return (
+        f"budget: refused by {cap}: ${to_usd(limit_nano):g} cap, ${to_usd(used_nano):g} "
+        f"reserved or spent, this attempt's worst case ${to_usd(amount_nano):g}"
+    )
+
+
+REFUSED_PREFIX = "budget: refused"
+
+CAP_KINDS = ("request", "ceiling", "day", "provider", "key", "settled", "other")
+
+
+def cap_kind(cap: str) -> str:
+    """Which kind of cap ``cap`` (a name from :func:`cap_name`) is, as one of
+    :data:`CAP_KINDS` (a metric's label: never a provider or key name). ``settled`` is the
+    refusal of an attempt whose reservation was settled already (a redelivered submit)."""
+    if cap == "max_usd_per_request":
+        return "request"
+    if cap == "ceiling_usd":
+        return "ceiling"
+    if cap == "max_usd_per_day":
+        return "day"
+    if cap.startswith("providers."):
+        return "provider"
+    if cap.startswith("keys."):
+        return "key"
+    return "settled" if cap == "settled" else "other"

@@ -1,0 +1,51 @@
+-- budget_settle: settle reservations of one race to what their attempts actually cost: each
+-- scope's reserved counter drops by the reservation, its spent counter grows by the cost, and
+-- the settlement is appended to the ledger stream. A reservation settles once; a repeat, or an
+-- attempt that never reserved, changes nothing.
+-- KEYS[1] totals HASH   KEYS[2] open ZSET   KEYS[3] ledger STREAM
+-- KEYS[4] the race's request counter STRING
+-- KEYS[5] with a save mark only (ARGV[3]): the race's state HASH (race_save.lua)
+-- KEYS[5 or 6 ..] the reservation records (HASH), one per reservation to settle
+-- ARGV[1] how long a settled record stays (ms)   ARGV[2] now, epoch ms
+-- ARGV[3] '' (settle), or the mark 'version:save id' of the race save this settlement rides
+--         with: it settles only if that save won, i.e. the mark is in the state's history of
+--         saves (field s). A save that lost its version check was computed from an old copy
+--         of the race, and a reservation settles once: its figure would stick.
+-- ARGV[4 ..] per reservation, in KEYS order: cost in integer nano-dollars, and its source
+--            (reconciled | estimated | unproven | not_submitted)
+-- Returns {settled, nano}: how many reservations settled now, and their cost together
+local first = 5
+if ARGV[3] ~= '' then
+  first = 6
+  local history = redis.call('HGET', KEYS[5], 's') or ''
+  if not string.find(' ' .. history .. ' ', ' ' .. ARGV[3] .. ' ', 1, true) then
+    return {0, 0}
+  end
+end
+local settled, total = 0, 0
+for k = first, #KEYS do
+  local a = 4 + (k - first) * 2
+  local cost, source = tonumber(ARGV[a]), ARGV[a + 1]
+  local r = redis.call('HMGET', KEYS[k], 'amount', 'settled', 'scopes', 'race', 'attempt',
+    'provider', 'key', 'role', 'day')
+  if r[1] and not r[2] then
+    local amount = tonumber(r[1])
+    for scope in string.gmatch(r[3], '[^,]+') do
+      redis.call('HINCRBY', KEYS[1], 'r|' .. scope, -amount)
+      redis.call('HINCRBY', KEYS[1], 's|' .. scope, cost)
+    end
+    if redis.call('EXISTS', KEYS[4]) == 1 then
+      redis.call('INCRBY', KEYS[4], cost - amount)
+    end
+    redis.call('HSET', KEYS[k], 'settled', cost, 'source', source, 'settled_at', ARGV[2])
+    redis.call('PEXPIRE', KEYS[k], ARGV[1])
+    local id = r[4] .. '/' .. r[5]
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('XADD', KEYS[3], '*', 'type', 'settle', 'id', id, 'nano', cost,
+      'reserved_nano', amount, 'source', source, 'race', r[4], 'attempt', r[5],
+      'provider', r[6], 'key', r[7], 'role', r[8], 'day', r[9])
+    settled = settled + 1
+    total = total + cost
+  end
+end
+return {settled, total}
