@@ -1,0 +1,33 @@
+-- pooled_take: a worker takes a pooled request, unless a live delivery already has it.
+-- KEYS[1] the request's record (hash: data, state, taker, delivery)
+-- KEYS[2] untaken index (zset id -> sent ms)   KEYS[3] taken index (zset id -> taken ms)
+-- KEYS[4] missing index (zset)                   KEYS[5] processes zset (id -> heartbeat ms)
+-- ARGV[1] request id   ARGV[2] this process id   ARGV[3] this delivery (unique per run)
+-- ARGV[4] a heartbeat older than this (ms) is a dead process
+-- ARGV[5] prefix of the processes' liveness channels
+-- ARGV[6] this delivery's attempt (a request sent back to waiting after its GPU was lost comes
+--         with a higher attempt: it always takes the request, and the older delivery is stale)
+-- Returns 'taken' (go on), 'duplicate' (another live delivery has it: drop this one),
+-- 'handed' (already handed to a GPU: drop this one) or 'unrecorded' (no record: go on).
+-- A taker counts as alive as in wait_claim.lua: a fresh heartbeat and its channel subscribed.
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'unrecorded' end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local state, taker, delivery, attempt =
+  unpack(redis.call('HMGET', KEYS[1], 'state', 'taker', 'delivery', 'attempt'))
+if tonumber(ARGV[6]) <= tonumber(attempt or '-1') then
+  if state == 'handed' then return 'handed' end
+  if state == 'taken' and taker and delivery ~= ARGV[3] then
+    local beat = tonumber(redis.call('ZSCORE', KEYS[5], taker))
+    if beat ~= nil and now - beat <= tonumber(ARGV[4])
+        and redis.call('PUBSUB', 'NUMSUB', ARGV[5] .. taker)[2] > 0 then
+      return 'duplicate'
+    end
+  end
+end
+redis.call('HSET', KEYS[1], 'state', 'taken', 'taker', ARGV[2], 'delivery', ARGV[3],
+  'attempt', ARGV[6])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+return 'taken'

@@ -1,0 +1,148 @@
+"""The reconcile pass's sweep: send again a pooled request that nobody will ever finish.
+
+A pooled request is recorded before its message is sent, and marked taken by the process of
+the delivery that takes it (``store/pooled.py``). Two ways it can be orphaned:
+
+* **Lost before any worker took it.** A record still untaken :data:`STALE_S` after it was
+  sent is looked for in the broker: its queue's lists and the unacknowledged messages (one Lua
+  script on the broker's Redis, so nothing is copied out). A request found on neither, on two
+  sweeps at least :data:`MISSING_S` apart, is sent again. Two sweeps apart, because a message
+  is briefly on neither while a worker moves it from the queue to its unacknowledged set. Only
+  the Redis broker loses a message this way (``appendfsync everysec`` losing its last writes
+  at a crash; kombu's pop-then-record-unacked at a worker's ``kill -9``), and only there can
+  the sweep see what the broker holds; with RabbitMQ this half does nothing (a persistent
+  message is written before the broker confirms it).
+* **Its process died while it waited for a GPU.** A request taken by a process that is no
+  longer alive (the wait queue's own liveness: heartbeat and subscription,
+  ``store/liveness.py``) is sent again at once. Without this the Redis broker would redeliver
+  it only after its visibility timeout (an hour by default); RabbitMQ redelivers it when the
+  connection drops, and the second copy then finds the request taken by a live process and is
+  dropped.
+
+A request sent again keeps its task id, so the caller's ``.get()`` gets its result as if
+nothing had happened; a copy of the old message that turns up later is dropped as a duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from ..store.pooled import PooledRecords
+from .app import QUEUE_POOL, TASK_POOLED_INFER
+
+log = logging.getLogger(__name__)
+
+STALE_S = 10.0  # an untaken request younger than this is left alone: its message is on its way
+MISSING_S = 2.0  # found missing on two sweeps at least this far apart: sent again
+ORPHAN_MIN_AGE_S = 1.0  # a request taken this recently is left to its taker
+LIMIT = 100  # requests looked at per pass, of each kind
+
+# KEYS: the lists to search, then the hashes; ARGV[1]: how many lists; ARGV[2..]: task ids.
+# Returns the ids found in any element (the id is in the message's headers, as text).
+FIND_IDS = """
+local nlists = tonumber(ARGV[1])
+local want, found = {}, {}
+for i = 2, #ARGV do want[#want + 1] = ARGV[i] end
+local function scan(items)
+  for _, item in ipairs(items) do
+    for j = #want, 1, -1 do
+      if string.find(item, want[j], 1, true) then
+        found[#found + 1] = want[j]
+        table.remove(want, j)
+      end
+    end
+    if #want == 0 then return end
+  end
+end
+for k = 1, #KEYS do
+  if #want == 0 then break end
+  if k <= nlists then
+    scan(redis.call('LRANGE', KEYS[k], 0, -1))
+  else
+    scan(redis.call('HVALS', KEYS[k]))
+  end
+end
+return found
+"""
+
+
+def resend_lost(celery_app: Any, records: PooledRecords, now_ms: int | None = None) -> list[str]:
+    """One sweep; returns the ids of the requests sent again."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return resend_orphaned(celery_app, records, now_ms) + resend_unseen(celery_app, records, now_ms)
+
+
+def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
+    """Send again the requests whose taking process died while they waited."""
+    resent = []
+    for request_id in records.dead_takers(int(ORPHAN_MIN_AGE_S * 1000), LIMIT):
+        taker = records.taker(request_id)
+        if taker and _send_again(celery_app, records, request_id, "taken", taker, now_ms):
+            log.warning("pooled request %s: its process %s died while it waited for a GPU; "
+                        "sent again", request_id, taker)  # fmt: skip
+            resent.append(request_id)
+    return resent
+
+
+def resend_unseen(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
+    """Send again the untaken requests whose message is nowhere in a Redis broker."""
+    waiting: dict[str, str] = {}  # request id -> its queue
+    for request_id in records.untaken_since(now_ms - int(STALE_S * 1000), LIMIT):
+        arguments = records.arguments(request_id)
+        if arguments is None:  # its record expired or ended
+            records.drop(request_id)
+        else:
+            waiting[request_id] = arguments[2] or QUEUE_POOL
+    if not waiting:
+        return []
+    present = in_redis_broker(celery_app, sorted(set(waiting.values())), list(waiting))
+    if present is None:
+        return []  # not a Redis broker: nothing is lost there this way, nothing can be seen
+    resent = []
+    for request_id in waiting:
+        if request_id in present:
+            records.found(request_id)
+        elif now_ms - records.missing_since(request_id, now_ms) >= MISSING_S * 1000:
+            if _send_again(celery_app, records, request_id, "sent", "", now_ms):
+                log.warning("pooled request %s: its message was on no queue and "
+                            "unacknowledged by no worker on two sweeps, and no worker took it; "
+                            "sent again", request_id)  # fmt: skip
+                resent.append(request_id)
+    return resent
+
+
+def _send_again(
+    celery_app: Any, records: PooledRecords, request_id: str, state: str, taker: str, now_ms: int
+) -> bool:
+    """Mark the request sent (if it is still as the sweep saw it) and send it, same task id."""
+    arguments = records.requeue(request_id, state, taker, now_ms)
+    if arguments is None:
+        return False
+    args, kwargs, queue = arguments
+    celery_app.send_task(TASK_POOLED_INFER, args=args, kwargs=kwargs, task_id=request_id,
+                         queue=queue or QUEUE_POOL)  # fmt: skip
+    return True
+
+
+def in_redis_broker(celery_app: Any, queues: list[str], task_ids: list[str]) -> set[str] | None:
+    """Which of ``task_ids`` have a message in one of ``queues`` or among the unacknowledged
+    messages of a Redis broker; None when the broker is not Redis."""
+    with celery_app.connection_for_read() as conn:
+        channel = conn.default_channel
+        if not hasattr(channel, "_q_for_pri") or not hasattr(channel, "unacked_key"):
+            return None
+        prefix = getattr(channel, "global_keyprefix", "") or ""
+        lists = [
+            prefix + channel._q_for_pri(queue, pri)
+            for queue in queues
+            for pri in channel.priority_steps
+        ]
+        hashes = [prefix + channel.unacked_key]
+        plain = redis.Redis(connection_pool=channel.client.connection_pool)  # no key prefixing
+        found = plain.eval(FIND_IDS, len(lists) + len(hashes), *lists, *hashes, len(lists),
+                           *task_ids)  # fmt: skip
+    return {v.decode() if isinstance(v, bytes) else str(v) for v in found}
