@@ -1,0 +1,151 @@
+"""A terminal job's result: fetched, validated once, stored once, reported to its race.
+
+Mixed into the race driver (through :class:`~gpuhedge_celery.race.attempts.AttemptWork`).
+
+* **Validated once.** The process that fetched the result runs the race's validator on it, here
+  and nowhere else, and only when the race takes the report (a late or duplicate result of an
+  attempt that already ended is never decoded). The verdict travels with the result: a valid
+  result is stored (at :func:`~gpuhedge_celery.race.receipt.result_key`) with its ``verdict``
+  and its payload's JSON size (``payload_bytes``), and the race's state keeps the summary
+  (valid, reasons). The step that declares the winner, the receipt and the caller's result
+  read those; none of them decodes or validates the payload again.
+* **Stored once.** The valid result is written in the round trip of the step that reports it,
+  ahead of the state (so any process that sees the report can serve it). A report the race
+  does not take (the attempt had already ended, the race had finished) is not stored: that
+  result can never win. The caller's Celery result refers to this key rather than carrying a
+  second copy (``tasks/race_backend.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..core.attempts import Phase
+from ..core.jobs import AttemptResult, JobHandle, JobState
+from ..core.race import Race
+from ..core.race_events import AttemptSubmitted, Event, ResultArrived, StatusObserved
+from ..core.validators import validate
+from ..providers.base import Provider
+from ..store import codec
+from .base import find_attempt, remember
+from .receipt import result_key
+
+if TYPE_CHECKING:
+    from ..store.races import RaceStore
+    from .settings import RaceSettings
+
+
+def checked_result(
+    result: AttemptResult, spec: dict[str, Any]
+) -> tuple[bool, list[str], dict[str, Any] | None]:
+    """``(valid, reasons, stored)``: the one validation of a result; ``stored`` is what a valid
+    result is kept as (the result, its verdict and its payload's JSON size), else None."""
+    if result.state is not JobState.COMPLETED:
+        return False, [result.error or f"ended {result.state}"], None
+    verdict = validate(spec["validator"], result.payload, **(spec.get("validator_options") or {}))
+    if not verdict.ok:
+        return False, list(verdict.reasons), None
+    stored = result.to_dict()
+    stored["payload_bytes"] = codec.size(result.payload)
+    stored["verdict"] = verdict.to_dict()
+    return True, [], stored
+
+
+class ResultWork:
+    """``conclude``; needs the driver's store, settings, ``step`` and ``request_cancel``."""
+
+    store: RaceStore
+    settings: RaceSettings
+    _fresh_results: dict[tuple[str, str], dict[str, Any]]
+
+    def step(self, race_id: str, event: Any, update: Any = None, before: Any = None) -> Race | None:
+        raise NotImplementedError
+
+    def request_cancel(self, race_id: str, attempt_id: str, provider: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def conclude(
+        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float,
+        spec: dict[str, Any] | None = None, result: AttemptResult | None = None,
+    ) -> None:  # fmt: skip
+        """Fetch a terminal (or capped) job's result, validate it and report it to the race.
+
+        ``result``: the job's result as its webhook delivered it (nothing to fetch).
+        """
+        try:
+            if result is None:  # returns at once: terminal or past the cap
+                result = provider.result(handle, cap_s)
+        except Exception as e:
+            result = AttemptResult(
+                provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
+                error=f"{type(e).__name__}: {e}",
+            )  # fmt: skip
+        if spec is None:
+            # A race's spec never changes: this process's last saved copy serves (no read).
+            record = self.store.load(race_id, fresh=True)
+            if record is None:
+                return
+            spec = record.state["spec"]
+        # Validated when the race takes the report, and only then (a late or duplicate result
+        # of an attempt that already ended is never decoded): once, whatever the step retries.
+        checked: list[tuple[bool, list[str], dict[str, Any] | None, str | None]] = []
+        key = result_key(self.store.prefix, race_id, attempt_id)
+
+        def check() -> tuple[bool, list[str], dict[str, Any] | None, str | None]:
+            if not checked:
+                valid, reasons, stored = checked_result(result, spec)
+                data = None
+                if stored is not None:
+                    data = codec.dumps(stored)
+                    # The step may declare this attempt the winner: spare it the read back.
+                    remember(self._fresh_results, (race_id, attempt_id), stored)
+                checked.append((valid, reasons, stored, data))
+            return checked[0]
+
+        tries: list[int] = [0, 0]  # step attempts seen by ``event``; the one ``keep`` wrote in
+
+        def event(race: Race) -> Event | tuple[Event, ...] | None:
+            tries[0] += 1
+            a = find_attempt(race, attempt_id)
+            if a is None or not a.live:
+                return None
+            if (
+                a.phase in (Phase.CANCELLING, Phase.LEAKED)
+                and result.state is not JobState.COMPLETED
+            ):
+                if result.state is JobState.TIMEOUT:
+                    return None  # right-censored, not observed terminal: the cancel decides
+                return StatusObserved(attempt_id, result.state)  # confirms the cancel
+            valid, reasons, _, _ = check()
+            arrived = ResultArrived(attempt_id, result.state, valid, tuple(reasons))
+            if a.phase is Phase.LAUNCHING:  # its submit's report died with its process
+                return (AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()), arrived)
+            return arrived
+
+        def note(state: dict[str, Any]) -> None:
+            valid, reasons, _, _ = check()
+            summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
+            state["results"] = {**(state.get("results") or {}), attempt_id: summary}
+
+        ttl_ms = int(self.settings.receipt_ttl_s * 1000)
+
+        def keep(pipe: Any) -> None:
+            # In the round trip of the save that reports the result, ahead of the state; a
+            # step that saves nothing took no report and stores nothing (a result that cannot
+            # win). A step that tries again after a version conflict does not send it again:
+            # the conflicting save's round trip ran whole (Redis runs every command of a
+            # pipeline; the conflict is the save script's answer), so the result is stored.
+            data = check()[3]
+            if data is None or 0 < tries[1] < tries[0]:
+                return
+            tries[1] = tries[0]
+            pipe.set(key, data, px=ttl_ms)
+
+        completed = result.state is JobState.COMPLETED
+        saved = self.step(race_id, event, note, keep if completed else None)
+        # A winner's step has used it (a later declaration reads the stored result back).
+        self._fresh_results.pop((race_id, attempt_id), None)
+        a = find_attempt(saved, attempt_id) if saved is not None else None
+        if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
+            # Capped, not stopped: the job may still be running (and billing) at the provider.
+            self.request_cancel(race_id, attempt_id, provider.name)

@@ -1,0 +1,48 @@
+"""Finding races without their full id: recently finished races, and races by id prefix.
+
+``gpuhedge-celery watch --all`` lists recently finished races, and ``gpuhedge-celery receipt``
+accepts the shortened ids ``watch`` prints. Both read the two cross-race indexes the store
+keeps (races in flight: the heartbeat ZSET; recently finished: the ZSET :meth:`RaceStore.finish`
+writes), and a prefix not found there falls back to a SCAN of the race keys still in Redis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .race_keys import check_name
+from .timers import as_text, store_errors
+
+
+def recently_finished(store: Any, limit: int = 100) -> list[tuple[str, int]]:
+    """``(race id, finish epoch ms)`` of the most recently finished races, newest first (the
+    newest ``RECENT_FINISHED`` within the receipt TTL; some receipts may have expired)."""
+    with store_errors("reading recently finished races"):
+        found = store.client.zrevrange(store.finished_key, 0, limit - 1, withscores=True)
+    return [(as_text(r), int(score)) for r, score in found]
+
+
+def races_starting_with(store: Any, id_prefix: str, limit: int = 10) -> list[str]:
+    """Race ids that start with ``id_prefix`` (at most ``limit``, sorted).
+
+    Races in flight and recently finished first; only when neither index knows a match, any
+    race whose state or receipt is still in Redis (a SCAN: slower on a large database).
+    ``ValueError`` for a prefix that could never start a race id.
+    """
+    check_name(id_prefix, "race id prefix")
+    pattern = f"{id_prefix}*"
+    found: set[str] = set()
+    with store_errors(f"looking up races starting with {id_prefix!r}"):
+        for key in (store.live_key, store.finished_key):
+            for member, _ in store.client.zscan_iter(key, match=pattern, count=1000):
+                found.add(as_text(member))
+        if not found:
+            head = f"{store.prefix}:race:{{"
+            for raw in store.client.scan_iter(f"{head}{pattern}", count=1000):
+                key = as_text(raw)
+                race_id = key[len(head) :].split("}", 1)[0]
+                if race_id.startswith(id_prefix) and key.endswith(("}:state", "}:receipt")):
+                    found.add(race_id)
+                if len(found) > limit:
+                    break
+    return sorted(found)[:limit]

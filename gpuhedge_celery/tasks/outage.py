@@ -1,0 +1,56 @@
+"""Redis calls of the pooled path that wait out an outage instead of failing the request.
+
+A pooled request must end with a result or an explicit failure, never with "Redis was away for
+a moment". Every Redis call ``pooled_infer`` and ``gpu_run`` make outside the lease waiter and
+keeper (which have their own outage handling) goes through :func:`through_outage`: on
+:class:`StoreUnavailable` it waits for Redis to answer PING again and repeats the call, for at
+most ``OUTAGE_WAIT_S`` in all, then lets the error through.
+
+The calls it wraps are reads, or writes whose repetition is harmless (``SET`` of the same
+value, a delete of our own record); a release whose first answer was lost is handled by
+``gpu.py``'s ``_finish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import StoreUnavailable
+from ..store.connection import wait_for_redis
+
+OUTAGE_WAIT_S = 120.0  # how long a pooled request waits for Redis to come back, in all
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def through_outage(
+    client: Any,
+    what: str,
+    call: Callable[[], T],
+    *,
+    limit_s: float = OUTAGE_WAIT_S,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """``call()``, repeated once Redis answers again while it raises StoreUnavailable.
+
+    ``what`` names the step in the warning; ``on_retry`` runs before each repeat (to note that
+    the first answer may have been lost).
+    """
+    give_up = time.monotonic() + limit_s
+    while True:
+        try:
+            return call()
+        except StoreUnavailable as e:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise
+            log.warning("%s: %s; waiting up to %.0f s for Redis to come back", what, e, left)
+            if not wait_for_redis(client, left):
+                raise
+            if on_retry is not None:
+                on_retry()
