@@ -23,6 +23,8 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import running_on
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.brokers  # the real-pool rows run on Redis and on RabbitMQ
+
 POOL = "pp"
 
 # --------------------------------------------------------------------------- pure tables
@@ -55,6 +57,7 @@ def test_bad_pool_blocks_are_one_line_errors(block, message):
 def test_pool_block_builds_a_pool_provider_with_its_rate():
     cfg = parse_config_text(
         _config("    billed_rate_per_s: 0.0004\n    pool: {name: a100, labels: {model: x}}\n")
+        + "budget: {ceiling_usd: 100}\n"  # the pool counts as spending money
     )
     spec = cfg.providers["gp"].spec
     assert spec == PoolSpec("a100", {"model": "x"}, 0.5, 10.0)
@@ -103,15 +106,16 @@ def test_date_done_is_read_as_utc():
 
 
 @pytest.fixture(scope="module")
-def pool(redis_url, tmp_path_factory):
+def pool(redis_url, tmp_path_factory, broker, request):
     """One coordinator and one CPU-runner GPU worker in pool ``pp`` (module-wide)."""
     import redis
 
     from gpuhedge_celery.store.listener import enable_notifications
-    from tests.support.fixtures_celery import CeleryCluster
+    from tests.support.fixtures_celery import CeleryCluster, broker_url_for
 
     enable_notifications(redis.Redis.from_url(redis_url))
-    cluster = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("pp"))
+    prefix, tmp = f"t{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("pp")
+    cluster = CeleryCluster(redis_url, prefix, tmp, broker_url_for(broker, request))
     try:
         started = [
             cluster.start_gpu(0, pool=POOL, wait=False),
