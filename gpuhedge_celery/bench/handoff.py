@@ -11,14 +11,22 @@ Methods, all in one run on loopback Redis (a private redis-server when one is in
 * ``expiry``: the holder dies (never releases) while Redis holds 10,000 other keys with TTLs.
   Measured from the lease's TTL deadline (taken from when the claim was sent, so never early)
   to the waiter holding the GPU.
+* ``dead-head``: the waiter at the head of the queue is a process killed with SIGKILL just
+  before the release; the live waiter queued behind it must take the GPU. Measured from just
+  before the release call to the live waiter holding the lease.
+* ``dead-head-lapsed``: the same, released ``--lapse-s`` after the kill.
+* ``paused-head``: the head waiter's process is paused with SIGSTOP instead (its socket stays
+  open, its heartbeat is still fresh) just before the release.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -90,6 +98,16 @@ def _poller(url: str, key: str, interval_s: float, conn) -> None:
         conn.send(held_at)
 
 
+def _doomed_head(url: str, prefix: str, holder: str) -> None:
+    """Queue as ``holder`` and wait; the parent kills this (forked) process with SIGKILL."""
+    from ..store.waiter import LeaseWaiter
+
+    try:
+        LeaseWaiter(_store(url, prefix), recheck_s=1.0).acquire(POOL, holder, timeout_s=60)
+    finally:
+        os._exit(1)
+
+
 def _spawn(target, *args):
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -108,11 +126,11 @@ def _finish(proc, conn) -> None:
         proc.kill()
 
 
-def _wait_queued(store) -> None:
+def _wait_queued(store, expected: tuple[str, ...] = (WAITER,)) -> None:
     deadline = time.monotonic() + 10
-    while store.queue(POOL) != [WAITER]:
+    while store.queue(POOL) != list(expected):
         if time.monotonic() > deadline:
-            raise click.ClickException("the waiter never queued")
+            raise click.ClickException(f"the queue never became {list(expected)}")
         time.sleep(0.0002)
     time.sleep(0.001)  # let it reach its wait; an earlier release would be a plain claim
 
@@ -203,6 +221,46 @@ def bench_expiry(
     return out, volatile
 
 
+def bench_dead_head(
+    url: str, prefix: str, n: int, lapse_s: float, *, pause: bool = False
+) -> list[float]:
+    """Release with a killed (or, with ``pause``, SIGSTOPped) waiter at the head of the queue;
+    the live one behind must take the GPU."""
+    store = _store(url, prefix)
+    proc, conn = _spawn(_lease_waiter, url, prefix)
+    fork = multiprocessing.get_context("fork")  # this process runs no threads; forking is cheap
+    out = []
+    try:
+        lease = _claim(store, "bench-holder", 30_000)
+        for i in range(n):
+            victim = f"bench-dead-{i}"
+            head = fork.Process(target=_doomed_head, args=(url, prefix, victim), daemon=True)
+            head.start()
+            _wait_queued(store, (victim,))
+            conn.send("go")
+            _wait_queued(store, (victim, WAITER))
+            if pause:
+                os.kill(head.pid, signal.SIGSTOP)
+            else:
+                head.kill()
+                head.join(10)
+            time.sleep(lapse_s)
+            released = time.monotonic()
+            store.release(lease)
+            out.append(conn.recv() - released)
+            if pause:
+                head.kill()  # SIGKILL ends a stopped process too
+                head.join(10)
+            # Clear what the dead process left behind, so every sample starts alike.
+            store.client.zrem(store.keys.waiters(POOL), victim)
+            store.client.hdel(store.keys.waitinfo(POOL), victim)
+            lease = _claim(store, "bench-holder", 30_000)
+        store.release(lease)
+    finally:
+        _finish(proc, conn)
+    return out
+
+
 # -- plumbing --------------------------------------------------------------------------------
 def _private_redis() -> tuple[str, subprocess.Popen, str] | None:
     binary = shutil.which("redis-server")
@@ -232,15 +290,31 @@ def _private_redis() -> tuple[str, subprocess.Popen, str] | None:
 @click.option("--expiries", default=200, show_default=True, help="Expiry samples.")
 @click.option("--background-keys", default=10_000, show_default=True, help="Other TTL keys.")
 @click.option("--expiry-ttl-ms", default=50, show_default=True, help="Dying holder's TTL.")
+@click.option("--dead-heads", default=100, show_default=True, help="Releases past a dead head.")
+@click.option("--lapsed-heads", default=20, show_default=True, help="... released after --lapse-s.")
+@click.option("--lapse-s", default=1.5, show_default=True, help="Kill-to-release delay, lapsed.")
 @click.option("--shared", is_flag=True, help="Use --redis-url even if redis-server exists.")
 def command(
-    as_json: bool, n: int, expiries: int, background_keys: int, expiry_ttl_ms: int, shared: bool
+    as_json: bool,
+    n: int,
+    expiries: int,
+    background_keys: int,
+    expiry_ttl_ms: int,
+    dead_heads: int,
+    lapsed_heads: int,
+    lapse_s: float,
+    shared: bool,
 ) -> None:
-    """Handoff latency: keyspace events vs polling vs RTT, and after an unreleased lease expires."""
+    """Handoff latency: keyspace events vs polling vs RTT, after an unreleased lease expires,
+    and past a dead waiter at the head of the queue."""
     from ..store.leases import GpuInfo
 
-    if n < 1 or expiries < 1 or background_keys < 0 or expiry_ttl_ms < 1:
-        raise click.BadParameter("--n, --expiries, --expiry-ttl-ms must be >= 1")
+    if min(n, expiries, expiry_ttl_ms, dead_heads, lapsed_heads) < 1 or background_keys < 0:
+        raise click.BadParameter(
+            "--n, --expiries, --expiry-ttl-ms, --dead-heads, --lapsed-heads must be >= 1"
+        )
+    if not lapse_s >= 0:
+        raise click.BadParameter(f"--lapse-s must be >= 0, got {lapse_s!r}")
     private = None if shared else _private_redis()
     settings = click.get_current_context().find_root().obj.settings
     url = private[0] if private else settings.redis_url
@@ -261,6 +335,12 @@ def command(
         expiry = _ms_stats("expiry", samples)
         expiry.update(volatile_keys=volatile, lease_ttl_ms=expiry_ttl_ms)
         results.append(expiry)
+        results.append(_ms_stats("dead-head", bench_dead_head(url, prefix, dead_heads, 0.0)))
+        lapsed = _ms_stats("dead-head-lapsed", bench_dead_head(url, prefix, lapsed_heads, lapse_s))
+        lapsed.update(released_after_kill_s=lapse_s)
+        results.append(lapsed)
+        paused = bench_dead_head(url, prefix, dead_heads, 0.0, pause=True)
+        results.append(_ms_stats("paused-head", paused))
     finally:
         if private:
             private[1].terminate()
@@ -280,4 +360,4 @@ def command(
         return
     for r in results:
         p50, p99 = r["p50_ms"], r["p99_ms"]
-        click.echo(f"{r['method']:<11} n={r['n']:<5} p50 {p50:>8.3f} ms  p99 {p99:>8.3f} ms")
+        click.echo(f"{r['method']:<16} n={r['n']:<5} p50 {p50:>8.3f} ms  p99 {p99:>8.3f} ms")

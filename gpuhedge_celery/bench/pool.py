@@ -29,6 +29,9 @@ compressed mean job is 1 s (x10 for a 10 s job); measured here, a 0.5 s mean put
 10-12 % above ``ideal`` at rho 0.9 and a 1 s mean ~4 %, for the same few ms of handoff.
 ``idle_while_waiting_s`` integrates min(idle GPUs, waiting requests) over the run: GPU time
 wasted while work was queued.
+
+With ``--runner SPEC`` (repeatable) the bench measures something else: the per-job overhead of
+real GPU workers running each runner, beyond the model's own compute (``_pool_runners.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import click
+
+from ._pool_runners import run_from_cli, runner_options
 
 SCHEDULERS = ("lease", "round_robin", "least_connections", "ideal")
 HARNESS = (
@@ -303,6 +308,7 @@ def _drop(store) -> None:
     help="Run the two balancers on threads in real time instead of computing them.",
 )
 @click.option("--seed", default=1, show_default=True)
+@runner_options
 def command(
     as_json: bool,
     rho: tuple[float, ...],
@@ -314,8 +320,18 @@ def command(
     stale_s: float,
     real_balancers: bool,
     seed: int,
+    runners: tuple[str, ...],
+    jobs: int,
+    warmup: int,
+    request_json: str | None,
+    server_cmd: str | None,
 ) -> None:
-    """Mean and p95 wait of lease / round_robin / least_connections / ideal scheduling."""
+    """Mean and p95 wait of lease / round_robin / least_connections / ideal scheduling; with
+    --runner, the per-job overhead of GPU workers running real runners."""
+    if runners:
+        settings = click.get_current_context().find_root().obj.settings
+        run_from_cli(settings, runners, jobs, warmup, request_json, server_cmd, as_json)
+        return
     loads = rho or (0.5, 0.7, 0.9)
     if k < 1 or n < 1 or mean_job_s <= 0 or sigma < 0 or real_mean_job_s <= 0:
         raise click.BadParameter("--k, --requests, --mean-job-s, --real-mean-job-s must be > 0")

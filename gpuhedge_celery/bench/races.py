@@ -12,9 +12,24 @@ is deleted afterwards) and sim providers from a generated config. Rows:
   seconds (``--duration-s`` compresses them so the longest takes that many real seconds) and a
   hedge timer half-way; measures the peak number of races in flight, timer lag (the hedge
   timer's launch and the watch timer that sees a job finish, against their due times), CPU %
-  of the whole machine (workers, Redis and this client), and Redis and worker memory per race.
+  of the whole machine (workers, Redis and this client), Redis and worker memory per race, and
+  Redis traffic per race: round trips, bytes and commands beside the payload's size
+  (:mod:`.race_capacity`, which holds the row).
 * ``cancel``: races where the hedge wins while the primary still runs; time from the winner's
   validation (``won_at``) to the loser's native cancel call (recorded by the sim ledger).
+* ``records`` (only when asked for): the capacity row's CPU per race with race records on and
+  off (``GPUHEDGE_RECORDS_MAXLEN``), in alternating pairs of fresh clusters
+  (:mod:`._records_pair`).
+* ``memory`` (only when asked for): Redis bytes per race in flight and per finished race
+  (``bench/race_memory.py``).
+
+``--provider runpod-fake`` runs each capacity row a second time on two RunPod endpoints of a
+loopback fake in its own process (``bench/races_runpod.py``): provider HTTP requests per job
+and the most requests per 10 s window per route, against RunPod's limits. ``--webhooks on``
+also runs the webhook receiver (its CPU counted per race): jobs report their end by webhook.
+* ``metrics``: the capacity row's CPU per race with metrics off and on (each worker's endpoint
+  scraped every second), fresh workers per run, alternating pairs
+  (:mod:`gpuhedge_celery.bench.metrics_cost`). Not in the default rows.
 
 Numbers are measured, never estimated; the JSON says what was run.
 """
@@ -23,21 +38,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import click
+
+from . import redis_probe
+from ._procs import cpu_s as _cpu_s
+from ._procs import free_port as _free_port
+from .race_capacity import _summary, capacity_row
 
 CONFIG = """
 time_scale: {scale}
@@ -53,7 +71,7 @@ providers:
     adapter: sim
     billed_rate_per_s: 0.0007
     sim: {{seed: 2, slow_probability: 0, fast: {{queue_s: 0, run_s: 0}},
-          cancel: {{ack_s: 0.05, terminal_s: 0.1}}}}
+          cancel: {{ack_s: 0.05, terminal_s: 0.1}}}}{extra}
 policy:
   name: fixed
   params: {{hedge_after_ms: 10000}}
@@ -63,52 +81,46 @@ validator: wav
 """
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))], 3)
-
-
-def _summary(values: list[float]) -> dict[str, Any]:
-    return {
-        "n": len(values),
-        "p50_ms": _pct(values, 50),
-        "p99_ms": _pct(values, 99),
-        "max_ms": round(max(values), 3) if values else None,
-        "mean_ms": round(statistics.fmean(values), 3) if values else None,
-    }
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used, from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class Bench:
-    """Workers, Redis and a client app for one benchmark run; :meth:`close` cleans up."""
+    """Workers, Redis and a client app for one benchmark run; :meth:`close` cleans up.
 
-    def __init__(self, redis_url: str | None, workers: int, concurrency: int, scale: float):
+    ``metrics``: None leaves the environment's metric settings; False turns metrics off
+    (``GPUHEDGE_METRICS=0``); True gives each worker its own endpoint (``metrics_ports``).
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None,
+        workers: int,
+        concurrency: int,
+        scale: float,
+        extra_env: dict[str, str] | None = None,
+        provider: str = "sim",
+        metrics: bool | None = None,
+        webhooks: bool = False,
+        extra_config: str = "",
+        receiver_workers: int = 1,
+        webhook_senders: int = 8,
+    ):
+        self.metrics = metrics
+        self.metrics_ports: list[int] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="gpuhedge-bench-races-"))
+        self.receiver: subprocess.Popen | None = None  # the webhook receiver (--webhooks on)
+        self.receiver_workers = 0  # its processes
         self.redis_proc: subprocess.Popen | None = None
+        self.fake: Any = None  # the RunPod fake, in its own process (--provider runpod-fake)
         self.redis_url = redis_url or self._start_redis()
         self.prefix = f"bench{uuid.uuid4().hex[:8]}"
         config = self.tmp / "bench.yaml"
-        config.write_text(CONFIG.format(scale=scale))
+        extra = ""
+        if provider == "runpod-fake":
+            from . import races_runpod
+
+            self.fake = races_runpod.start_fake(webhook_senders)
+            extra = races_runpod.providers_yaml(self.fake)
+            if "budget:" not in extra_config:  # a paid adapter needs a ceiling (docs/costs.md)
+                extra_config += "budget: {ceiling_usd: 1000000}\n"
+        config.write_text(CONFIG.format(scale=scale, extra=extra) + extra_config)  # e.g. a budget
         self.env = {
             **os.environ,
             "GPUHEDGE_REDIS_URL": self.redis_url,
@@ -116,10 +128,23 @@ class Bench:
             "GPUHEDGE_BROKER_PREFIX": f"{self.prefix}:",
             "GPUHEDGE_CONFIG": str(config),
             "GPUHEDGE_COORD_CONCURRENCY": str(concurrency),
+            "GPUHEDGE_BENCH_RUNPOD_KEY": "bench-runpod-key",
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
-        for name in ("GPUHEDGE_GPU", "CUDA_VISIBLE_DEVICES"):
+        # each worker counts its Redis round trips into files here (bench/redis_probe.py)
+        self.probe_dir = self.tmp / "probe"
+        plugins = [p for p in self.env.get("GPUHEDGE_PLUGINS", "").split(",") if p.strip()]
+        self.env["GPUHEDGE_PLUGINS"] = ",".join([*plugins, redis_probe.__name__])
+        self.env[redis_probe.DIR_ENV] = str(self.probe_dir)
+        for name in ("GPUHEDGE_GPU", "CUDA_VISIBLE_DEVICES", "GPUHEDGE_METRICS_PORT",
+                     "PROMETHEUS_MULTIPROC_DIR"):  # fmt: skip
             self.env.pop(name, None)
+        if webhooks:
+            from . import races_runpod
+
+            self.receiver = races_runpod.start_receiver(self.env, self.tmp, receiver_workers)
+            self.receiver_workers = receiver_workers
         self.workers: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         for i in range(workers):
@@ -143,11 +168,7 @@ class Bench:
         binary = shutil.which("redis-server")
         if binary is None:
             raise click.UsageError("no redis-server installed: pass --redis-url")
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         self.redis_proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.tmp)],
@@ -167,12 +188,19 @@ class Bench:
 
     def _start_worker(self, i: int) -> None:
         log = self.tmp / f"worker{i}.log"
+        env = dict(self.env)
+        if self.metrics is False:
+            env["GPUHEDGE_METRICS"] = "0"
+        elif self.metrics:
+            self.metrics_ports.append(_free_port())
+            env.update(GPUHEDGE_METRICS="1", GPUHEDGE_METRICS_ADDR="127.0.0.1",
+                       GPUHEDGE_METRICS_PORT=str(self.metrics_ports[-1]))  # fmt: skip
         argv = [sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "worker",
                 "-n", f"bench{i}.{self.prefix}@localhost", "--loglevel", "WARNING",
                 "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
         with open(log, "wb") as out:
             self.workers.append(
-                subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                  cwd=str(self.tmp), start_new_session=True)
             )  # fmt: skip
         self.logs.append(log)
@@ -204,6 +232,12 @@ class Bench:
         )
 
     def close(self) -> None:
+        if self.fake is not None:
+            self.fake.stop()
+        if self.receiver is not None:
+            from .races_runpod import stop_receiver
+
+            stop_receiver(self.receiver)
         for p in self.workers:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -224,10 +258,23 @@ class Bench:
 
 @contextmanager
 def bench_cluster(
-    redis_url: str | None, workers: int, concurrency: int, scale: float
+    redis_url: str | None,
+    workers: int,
+    concurrency: int,
+    scale: float,
+    extra_env: dict[str, str] | None = None,
+    provider: str = "sim",
+    metrics: bool | None = None,
+    webhooks: bool = False,
+    extra_config: str = "",
+    receiver_workers: int = 1,
+    webhook_senders: int = 8,
 ) -> Iterator[Bench]:
     """A :class:`Bench` that is always cleaned up."""
-    bench = Bench(redis_url, workers, concurrency, scale)
+    bench = Bench(
+        redis_url, workers, concurrency, scale, extra_env, provider, metrics, webhooks,
+        extra_config, receiver_workers, webhook_senders,
+    )  # fmt: skip
     try:
         yield bench
     finally:
@@ -302,104 +349,6 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     raise RuntimeError(f"race {race_id} wrote no receipt in {timeout} s")
 
 
-def capacity_row(
-    bench: Bench, races: int, scale: float, seed: int, ramp_s: float | None = None
-) -> dict[str, Any]:
-    """``races`` races in flight at once with 5-30 s jobs (scaled); lag, CPU and memory."""
-    rng = random.Random(seed)
-    hedge_after_s = 15.0 * scale  # provider second 15: races with a slow primary hedge
-    if ramp_s is None:
-        ramp_s = 15.0 * scale
-    pings = []
-    for _ in range(200):  # this machine's speed today, to compare runs on other days
-        t0 = time.perf_counter()
-        bench.client.ping()
-        pings.append((time.perf_counter() - t0) * 1000.0)
-    used0 = int(bench.client.info("memory")["used_memory"])
-    rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
-    workers0, redis0 = sum(_cpu_s(p) for p in bench.worker_pids()), bench.redis_cpu_s()
-    me0 = time.process_time()
-    t_start = time.perf_counter()
-    ids = []
-    for i in range(races):
-        p_total = rng.uniform(5, 30)
-        p_queue = rng.uniform(0, min(5, p_total - 5))
-        h_total = rng.uniform(5, 10)
-        request = {"sim": {"p": {"queue_s": p_queue, "run_s": p_total - p_queue},
-                           "h": {"queue_s": 0.5, "run_s": h_total - 0.5}}}  # fmt: skip
-        ids.append(bench.send(request, policy=f"hedge:p->h@{hedge_after_s:.3f}s").id)
-        due = t_start + ramp_s * (i + 1) / races
-        pause = due - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)
-    # In flight = started and without a receipt yet (the heartbeat index can also hold
-    # finished races that linger there, so it is not counted).
-    peak, peak_used, peak_rss = 0, used0, rss0
-    deadline = time.monotonic() + 30.0 * scale + 120
-    pending = set(ids)
-    while pending and time.monotonic() < deadline:
-        pipe = bench.client.pipeline(transaction=False)
-        batch = list(pending)
-        for race_id in batch:
-            pipe.exists(f"{bench.prefix}:race:{{{race_id}}}:receipt")
-        for race_id, done in zip(batch, pipe.execute(), strict=True):
-            if done:
-                pending.discard(race_id)
-        if len(pending) > peak:
-            peak = len(pending)
-            peak_used = int(bench.client.info("memory")["used_memory"])
-            peak_rss = sum(_rss_bytes(p) for p in bench.worker_pids())
-        time.sleep(0.5)  # each look costs the client and Redis one EXISTS per race
-    wall = time.perf_counter() - t_start
-    parts = {
-        "workers": sum(_cpu_s(p) for p in bench.worker_pids()) - workers0,
-        "redis": bench.redis_cpu_s() - redis0,
-        "client": time.process_time() - me0,
-    }
-    cpu = sum(parts.values())
-    hedge_lag, watch_lag, hedged, won = [], [], 0, 0
-    for race_id in ids:
-        receipt = bench.store.receipt(race_id)
-        if receipt is None:
-            continue
-        won += receipt.get("winner") is not None
-        by_role = {a["role"]: a for a in receipt["attempts"]}
-        primary, hedge = by_role.get("primary"), by_role.get("hedge")
-        if primary and hedge and primary.get("submitted_at_s") is not None:
-            hedged += 1
-            due = primary["submitted_at_s"] + hedge_after_s
-            hedge_lag.append((hedge["launched_at_s"] - due) * 1000.0)
-        for a in receipt["attempts"]:
-            fate = ((a.get("handle") or {}).get("extra") or {}).get("sim") or {}
-            if a.get("state") == "COMPLETED" and a.get("result_at_s") is not None and fate:
-                end = a["submitted_at_s"] + (fate["queue_s"] + fate["run_s"]) * fate["time_scale"]
-                watch_lag.append((a["result_at_s"] - end) * 1000.0)
-    return {
-        "row": "capacity",
-        "races": races,
-        "concurrent_peak": peak,
-        "finished": races - len(pending),
-        "won": won,
-        "hedged": hedged,
-        "job_s": [5 * scale, 30 * scale],
-        "time_scale": scale,
-        "timer_lag_ms": _summary(hedge_lag),
-        "watch_lag_ms": _summary(watch_lag),
-        "ramp_s": ramp_s,
-        "wall_s": round(wall, 2),
-        "cpu_ms_per_race": round(1000.0 * cpu / races, 1),
-        "cpu_ms_per_race_by": {k: round(1000.0 * v / races, 1) for k, v in parts.items()},
-        "cpu_pct": round(100.0 * cpu / wall / (os.cpu_count() or 1), 1),
-        "cpus": os.cpu_count(),
-        "redis_ping_p50_ms": round(statistics.median(pings), 3),
-        "redis_bytes_per_race": round((peak_used - used0) / max(peak, 1)),
-        "worker_rss_bytes_per_race": round((peak_rss - rss0) / max(peak, 1)),
-        "worker_rss_bytes": peak_rss,
-        "what": "races started over a ramp; timer lag = hedge launch - its due time; "
-        "watch lag = a finished job seen - its end; memory: growth at the peak / races in flight",
-    }
-
-
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--overhead-races", type=click.IntRange(1), default=1000, show_default=True,
@@ -417,15 +366,53 @@ def capacity_row(
               help="Coordination worker processes.")  # fmt: skip
 @click.option("--concurrency", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Threads per worker.")  # fmt: skip
-@click.option("--rows", default="overhead,capacity,cancel", show_default=True,
-              help="Comma-separated rows to run.")  # fmt: skip
+@click.option("--memory-races", type=click.IntRange(1), default=200, show_default=True,
+              help="Races in the memory row.")  # fmt: skip
+@click.option("--request-bytes", type=click.IntRange(100), default=1000, show_default=True,
+              help="Size of each memory-row race's request (JSON bytes, about).")  # fmt: skip
+@click.option(
+    "--rows",
+    default="overhead,capacity,cancel",
+    show_default=True,
+    help="Rows to run, comma-separated (also: records, memory, metrics, budget).",
+)
+@click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
+              help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
+@click.option("--metrics-races", type=click.IntRange(1), default=600, show_default=True,
+              help="Races per run in the metrics row.")  # fmt: skip
+@click.option("--metrics-duration-s", type=click.FloatRange(0.5), default=10.0,
+              show_default=True,
+              help="Real seconds of the longest job in the metrics row's runs.")  # fmt: skip
+@click.option("--metrics-pairs", type=click.IntRange(1), default=3, show_default=True,
+              help="Off/on pairs in the metrics row.")  # fmt: skip
+@click.option("--budget-races", type=click.IntRange(10), default=600, show_default=True,
+              help="Hedged races per side in the budget row (budgets off, then on).")  # fmt: skip
+@click.option("--budget-pairs", type=click.IntRange(1, 10), default=2, show_default=True,
+              help="Alternating off/on pairs in the budget row.")  # fmt: skip
 @click.option("--seed", type=int, default=1, show_default=True, help="Random seed.")
+@click.option("--provider", type=click.Choice(["sim", "runpod-fake"]), default="sim",
+              show_default=True, help="runpod-fake: also run each capacity row on RunPod "
+              "endpoints of a loopback fake in its own process (see --webhooks), beside the "
+              "sim row of the same run.")  # fmt: skip
+@click.option("--webhooks", type=click.Choice(["off", "on"]), default="off", show_default=True,
+              help="on: run the webhook receiver too; RunPod jobs report their end by webhook "
+              "and are polled only before decisions and as a 30 s safety net.")  # fmt: skip
+@click.option("--receiver-workers", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="With --webhooks on: receiver processes (webhooks --workers N).")  # fmt: skip
+@click.option("--webhook-senders", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="The RunPod fake's webhook delivery threads.")  # fmt: skip
 def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
-            ramp_s: float | None, cancel_races: int, workers: int, concurrency: int, rows: str,
-            seed: int) -> None:  # fmt: skip
+            ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
+            memory_races: int, request_bytes: int, rows: str, record_pairs: int,
+            metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
+            budget_races: int, budget_pairs: int,
+            seed: int, provider: str, webhooks: str,
+            receiver_workers: int, webhook_senders: int) -> None:  # fmt: skip
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
-    unknown = set(wanted) - {"overhead", "capacity", "cancel"}
+    unknown = set(wanted) - {
+        "overhead", "capacity", "cancel", "records", "memory", "metrics", "budget"
+    }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
     try:
@@ -439,23 +426,74 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
     url = None if shutil.which("redis-server") else root.settings.redis_url
     results: list[dict[str, Any]] = []
     scale = duration_s / 30.0
+    if "records" in wanted:  # fresh clusters of its own, one per run
+        from ._records_pair import records_row
+
+        results.append(
+            records_row(
+                bench_cluster,
+                capacity_row,
+                url,
+                workers,
+                concurrency,
+                scale,
+                levels[0],
+                record_pairs,
+                seed,
+                ramp_s,
+            )  # fmt: skip
+        )
+        wanted.remove("records")
+    setup = {
+        "redis": "private redis-server" if url is None else "--redis-url",
+        "workers": workers,
+        "threads_per_worker": concurrency,
+        "webhooks": webhooks,
+        "receiver_processes": receiver_workers if webhooks == "on" else 0,
+        "fake_webhook_senders": webhook_senders,
+    }
     # The zero-latency rows and the compressed capacity row share one config: time_scale only
     # stretches the capacity row's fates (the others are zero or a few provider seconds).
-    with bench_cluster(url, workers, concurrency, scale) as bench:
+    if "budget" in wanted:  # its own workers: budgets off, then on, in alternating pairs
+        from ._budget_row import Tools, budget_row
+
+        tools = Tools(bench_cluster, _cpu_s, _wait_receipt)
+        results.append(budget_row(tools, url, workers, concurrency, budget_races, budget_pairs))
+        wanted.remove("budget")
+    if "metrics" in wanted:  # fresh workers for each of its runs
+        from .metrics_cost import metrics_row
+
+        def cluster(on: bool, scale: float) -> Any:
+            return bench_cluster(url, workers, concurrency, scale, metrics=on)
+
+        results.append(metrics_row(cluster, capacity_row, metrics_races, metrics_duration_s,
+                                   metrics_pairs, seed))  # fmt: skip
+        wanted.remove("metrics")
+    hooks = {"webhooks": webhooks == "on", "receiver_workers": receiver_workers,
+             "webhook_senders": webhook_senders}  # fmt: skip
+    with (
+        bench_cluster(url, workers, concurrency, scale, provider=provider, **hooks)
+        if wanted
+        else nullcontext()
+    ) as bench:
         if "overhead" in wanted:
             results.extend(overhead_rows(bench, overhead_races))
         if "cancel" in wanted:
             results.append(cancel_row(bench, cancel_races, scale))
+        if "memory" in wanted:
+            from .race_memory import memory_row
+
+            results.append(memory_row(bench, memory_races, request_bytes, scale))
         if "capacity" in wanted:
             for level in levels:
                 row = capacity_row(bench, level, scale, seed, ramp_s)
                 row["meets_target"] = (row["timer_lag_ms"]["p99_ms"] or 0) <= 50.0
                 results.append(row)
-        setup = {
-            "redis": "private redis-server" if url is None else "--redis-url",
-            "workers": workers,
-            "threads_per_worker": concurrency,
-        }
+                if provider == "runpod-fake":  # the same races on RunPod, beside the sim row
+                    rp = capacity_row(bench, level, scale, seed, ramp_s, provider)
+                    rp["meets_target"] = (rp["timer_lag_ms"]["p99_ms"] or 0) <= 50.0
+                    rp["cpu_vs_sim"] = round(rp["cpu_ms_per_race"] / row["cpu_ms_per_race"], 2)
+                    results.append(rp)
     for row in results:
         row["setup"] = setup
     if as_json:

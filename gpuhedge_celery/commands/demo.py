@@ -14,7 +14,14 @@ import click
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the measured figures as JSON at the end."
 )
-def command(races: int, pool_jobs: int, as_json: bool) -> None:
+@click.option(
+    "--plot",
+    "plot_dir",
+    default=None,
+    metavar="DIR",
+    help="Write the final report's latency plots (PNG) here.",
+)
+def command(races: int, pool_jobs: int, as_json: bool, plot_dir: str | None) -> None:
     """Run simulated providers through single, fixed, state_aware and cascade races on real
     Celery workers, then a CPU-runner GPU pool; print what happened and a summary.
 
@@ -39,7 +46,12 @@ def command(races: int, pool_jobs: int, as_json: bool) -> None:
         # With --json the narrative goes to stderr so stdout is one JSON document.
         echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo
         report = run_demo(
-            url, embedded=embedded is not None, races=races, pool_jobs=pool_jobs, echo=echo
+            url,
+            embedded=embedded is not None,
+            races=races,
+            pool_jobs=pool_jobs,
+            echo=echo,
+            plot_dir=plot_dir,
         )
     finally:
         if embedded is not None:

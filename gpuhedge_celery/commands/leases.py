@@ -12,7 +12,8 @@ import click
 from ..core.lease_rules import DEFAULT_MARGIN, DEFAULT_PERCENTILE, suggest_ttl
 from ..errors import ConfigError
 
-COLUMNS = ("GPU", "POOL", "HOST", "STATE", "HOLDER", "TOKEN", "TTL LEFT", "RUNNING SINCE")
+COLUMNS = ("GPU", "POOL", "HOST", "STATE", "HOLDER", "TOKEN", "TTL LEFT", "RUNNING SINCE",
+           "IN POOL", "HEALTH")  # fmt: skip
 
 
 def _settings():
@@ -45,7 +46,8 @@ def _since_text(ms: int | None, now_s: float) -> str:
 @click.option("--pool", default=None, help="Only this pool's GPUs.")
 @click.pass_context
 def command(ctx: click.Context, as_json: bool, pool: str | None) -> None:
-    """Show the lease table: GPU, pool, state (free/held/stale), holder, token, TTL left, since."""
+    """Show the lease table: GPU, pool, state (free/held/stale), holder, token, TTL left, since,
+    whether the GPU takes new leases (draining, drained, out: and why) and its health."""
     if ctx.invoked_subcommand is not None:
         return
     rows = _store().table(pool)
@@ -56,25 +58,62 @@ def command(ctx: click.Context, as_json: bool, pool: str | None) -> None:
     if not rows:
         click.echo("no GPU is registered")
         return
-    now_s = time.time()
-    table = [COLUMNS]
+    for line in lease_table(rows, time.time()):
+        click.echo(line)
+
+
+def in_pool_text(row) -> str:
+    """``yes``, or ``draining``/``drained``/``out`` and why (each reason's detail)."""
+    if not row.out:
+        return "yes"
+    return f"{row.availability}: " + "; ".join(r["detail"] for r in row.out.values())
+
+
+def health_text(health: dict | None) -> str:
+    """A GPU's last health sample in a few words (``-``: no recent sample, e.g. no NVML)."""
+    if not health:
+        return "-"
+    if health.get("error"):
+        return f"unknown: {health['error']}"
+    used, total = health.get("memory_used_mb"), health.get("memory_total_mb")
+    parts = []
+    if used is not None and total:
+        parts.append(f"mem {used / 1024:.1f}/{total / 1024:.1f} GiB")
+    if health.get("utilization_pct") is not None:
+        parts.append(f"util {health['utilization_pct']}%")
+    procs = health.get("processes") or []
+    foreign = [p for p in procs if not p.get("ours")]
+    parts.append(f"{len(procs)} proc" + (f" ({len(foreign)} foreign)" if foreign else ""))
+    if health.get("ecc_uncorrected"):
+        parts.append(f"ECC {health['ecc_uncorrected']}")
+    if health.get("xids"):
+        parts.append("Xid " + ",".join(str(x) for x in health["xids"]))
+    return ", ".join(parts)
+
+
+def lease_table(rows: list, now_s: float, columns: tuple[str, ...] = COLUMNS) -> list[str]:
+    """The lease table's lines (header first), each column as wide as its widest cell;
+    ``columns``: which of :data:`COLUMNS` to show, in that order."""
+    table = [columns]
     for r in rows:
         ttl = f"{r.ttl_left_ms / 1000:.1f} s" if r.ttl_left_ms is not None else "-"
-        table.append(
-            (
-                r.gpu_id,
-                r.pool,
-                f"{r.host} ({'live' if r.host_live else 'down'})",
-                r.state,
-                r.holder or "-",
-                str(r.token) if r.token is not None else "-",
-                ttl,
-                _since_text(r.since_ms, now_s),
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
-    for row in table:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        cells = {
+            "GPU": r.gpu_id,
+            "POOL": r.pool,
+            "HOST": f"{r.host} ({'live' if r.host_live else 'down'})",
+            "STATE": r.state,
+            "HOLDER": r.holder or "-",
+            "TOKEN": str(r.token) if r.token is not None else "-",
+            "TTL LEFT": ttl,
+            "RUNNING SINCE": _since_text(r.since_ms, now_s),
+            "IN POOL": in_pool_text(r),
+            "HEALTH": health_text(r.health),
+        }
+        table.append(tuple(cells[c] for c in columns))
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
+    ]
 
 
 def read_durations(path: str) -> list[float]:

@@ -23,6 +23,7 @@ from ..core.replay import (
     sweep,
 )
 from ..errors import ConfigError
+from ._plots import box_path, write_box
 
 FAMILY_TITLES = {
     "single": "singles",
@@ -121,7 +122,8 @@ def write_plot(
     subset: str,
     deadlines: Sequence[float],
 ) -> None:
-    """A PNG of latency CDFs per policy on a log time axis, SLO deadlines marked."""
+    """A PNG of latency CDFs per policy on a log time axis, SLO deadlines marked, and a box
+    plot per policy beside it (``<path stem>_box.png``)."""
     try:
         import matplotlib
     except ImportError:
@@ -133,8 +135,10 @@ def write_plot(
     styles = {"single": ":", "race": "-.", "fixed": "--", "cutover": "-", "cascade": "-"}
     colours = plt.get_cmap("tab20").colors
     fig, ax = plt.subplots(figsize=(10, 6))
+    by_policy: dict[str, list[float]] = {}
     for i, policy in enumerate(policies):
         latencies = sorted(r.latency_s for r in replay_policy(policy, chosen, rates))
+        by_policy[policy.name] = latencies
         n = len(latencies)
         finite = [v for v in latencies if not math.isinf(v)]
         ys = [(k + 1) / n for k in range(len(finite))]
@@ -164,6 +168,8 @@ def write_plot(
         raise BadInput(f"cannot write plot {path!r}: {e.strerror}") from None
     finally:
         plt.close(fig)
+    title = f"Replayed latency by policy ({subset}, n = {len(chosen)})"
+    write_box(box_path(path), by_policy, deadlines, title)
 
 
 def _plot_selection(rounds: Sequence[Round], policies: Sequence[Policy]) -> list[Policy]:
@@ -197,7 +203,12 @@ def _plot_selection(rounds: Sequence[Round], policies: Sequence[Policy]) -> list
     "cascade:P->H->F@qQs+sSs+eEs (default: the full sweep).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of rows.")
-@click.option("--plot", "plot_path", default=None, help="Write a latency CDF PNG here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    help="Write a latency CDF PNG here, and a box plot per policy beside it (NAME_box.png).",
+)
 @click.option(
     "--deadline",
     "deadlines",
@@ -244,4 +255,4 @@ def command(
     else:
         click.echo(format_text(rounds, rows, families, subsets, deadline_list))
     if plot_path:
-        click.echo(f"wrote {plot_path}", err=True)
+        click.echo(f"wrote {plot_path} and {box_path(plot_path)}", err=True)

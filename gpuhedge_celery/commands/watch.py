@@ -1,7 +1,8 @@
 """``gpuhedge-celery watch [--once] [--json]``: a live terminal table of hedged races in flight.
 
 Reads what any coordinator writes to Redis, so it watches the whole deployment from anywhere:
-the heartbeat index (``<prefix>:{races}:live``) lists the races, each race's state gives its
+the heartbeat index (``<prefix>:{races}:live``) lists the races (with ``--all``, also the
+recently finished ones of ``<prefix>:{races}:finished``), each race's state gives its
 attempts (provider, phase, last provider state), pending policy timers and winner, and its live
 job index and cancel receipts give the leaks. ``--once`` prints one snapshot (for scripts and
 tests); without it the table is redrawn in place every ``--interval`` seconds until Ctrl-C.
@@ -72,16 +73,24 @@ def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: di
 
 
 def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) -> dict[str, Any]:
-    """The races of the heartbeat index (most recent first) as JSON-ready rows."""
+    """The races of the heartbeat index (most recent first) as JSON-ready rows; with
+    ``include_finished`` also the recently finished ones (their receipts' index)."""
     from ..store.race_keys import race_keys
+    from ..store.race_lookup import recently_finished
     from ..store.timers import store_errors
 
     now = time.time()
     with store_errors("reading races in flight"):
-        found = store.client.zrevrange(store.live_key, 0, limit - 1, withscores=True)
+        live = store.client.zrevrange(store.live_key, 0, limit - 1, withscores=True)
+    latest = {as_text(race_id): int(score) for race_id, score in live}
+    if include_finished:
+        for race_id, finished_ms in recently_finished(store, limit):
+            latest[race_id] = max(latest.get(race_id, 0), finished_ms)
+    found = sorted(latest.items(), key=lambda item: item[1], reverse=True)[:limit]
+    with store_errors("reading races in flight"):
         pipe = store.client.pipeline(transaction=False)
         for race_id, _ in found:
-            keys = race_keys(store.prefix, as_text(race_id))
+            keys = race_keys(store.prefix, race_id)
             pipe.hget(keys.state, "data")
             pipe.hgetall(keys.jobs)
             pipe.exists(keys.receipt)
@@ -90,7 +99,9 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
     for i, (race_id, score) in enumerate(found):
         data, jobs, done = answers[3 * i : 3 * i + 3]
         state = json.loads(as_text(data)) if data is not None else None
-        row = _row(as_text(race_id), int(score), state, jobs or {}, now, bool(done))
+        if state is None and not jobs:
+            continue  # expired, and nothing of it is left running
+        row = _row(race_id, score, state, jobs or {}, now, bool(done))
         if row["status"] in ("finished", "failed") and not row["leaks"] and not include_finished:
             continue  # lingering in the index with nothing left to watch
         rows.append(row)
@@ -106,26 +117,51 @@ def _attempt_cell(a: dict[str, Any]) -> str:
     return f"{a['provider']}:{a['phase']}/{state}{mark}"
 
 
+SHORT_ID = 12  # characters of a race id the table shows (``receipt`` accepts any unique prefix)
+
+
+def short_ids(race_ids: list[str]) -> int:
+    """How many leading characters tell the listed race ids apart (at least ``SHORT_ID``)."""
+    width = SHORT_ID
+    while len({r[:width] for r in race_ids}) < len(set(race_ids)):
+        width += 1
+    return width
+
+
+COLUMNS = ("RACE", "STATUS", "POLICY", "AGE", "ATTEMPTS", "TIMERS", "WINNER", "LEAKS")
+
+
 def render(snap: dict[str, Any]) -> str:
-    """The snapshot as a fixed-width table."""
+    """The snapshot as a table whose columns are as wide as their widest cell."""
     stamp = time.strftime("%H:%M:%S", time.localtime(snap["at"]))
     counts = ", ".join(f"{n} {s}" for s, n in sorted(snap["counts"].items())) or "none"
-    lines = [
-        f"gpuhedge races in flight  {stamp}  prefix {snap['prefix']}  ({counts})",
-        f"{'RACE':<12} {'STATUS':<8} {'POLICY':<10} {'AGE':>8}  {'ATTEMPTS':<46} "
-        f"{'TIMERS':<18} {'WINNER':<8} LEAKS",
-    ]
+    title = f"gpuhedge races in flight  {stamp}  prefix {snap['prefix']}  ({counts})"
+    width = short_ids([r["race_id"] for r in snap["races"]])
+    table: list[tuple[str, ...]] = [COLUMNS]
+    expired: list[str] = []
     for r in snap["races"]:
         if r["status"] == "expired":
-            lines.append(f"{r['race_id'][:12]:<12} expired  live jobs: {', '.join(r['live_jobs'])}")
+            expired.append(
+                f"{r['race_id'][:width]} expired  live jobs: {', '.join(r['live_jobs'])}"
+            )
             continue
-        attempts = " ".join(_attempt_cell(a) for a in r["attempts"]) or "-"
-        timers = " ".join(f"{k}@{ms / 1000:+.2f}s" for k, ms in r["timers"].items()) or "-"
-        lines.append(
-            f"{r['race_id'][:12]:<12} {r['status']:<8} {r['policy'] or '-':<10} "
-            f"{r['age_ms'] / 1000:>7.2f}s  {attempts:<46} {timers:<18} "
-            f"{r['winner'] or '-':<8} {','.join(r['leaks']) or '-'}"
+        table.append(
+            (
+                r["race_id"][:width],
+                r["status"],
+                r["policy"] or "-",
+                f"{r['age_ms'] / 1000:.2f}s",
+                " ".join(_attempt_cell(a) for a in r["attempts"]) or "-",
+                " ".join(f"{k}@{ms / 1000:+.2f}s" for k, ms in r["timers"].items()) or "-",
+                r["winner"] or "-",
+                ",".join(r["leaks"]) or "-",
+            )
         )
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = [title]
+    for row in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    lines.extend(expired)
     if not snap["races"]:
         lines.append("(no race in flight)")
     return "\n".join(lines)
@@ -148,7 +184,7 @@ def render(snap: dict[str, Any]) -> str:
     show_default=True,
     help="Most races shown (the most recently active first).",
 )
-@click.option("--all", "include_finished", is_flag=True, help="Also show finished races.")
+@click.option("--all", "include_finished", is_flag=True, help="Also show recently finished races.")
 def command(once: bool, as_json: bool, interval: float, limit: int, include_finished: bool) -> None:
     """Watch hedged races in flight: provider states, timers, winner, leaks."""
     from ..store.connection import translate_errors

@@ -1,9 +1,11 @@
 """The demo's scenarios: hedged races on sim providers and a CPU-runner GPU pool, on Celery.
 
 Everything here is simulated and named so: providers are the packaged ``sim`` adapters
-(``gpuhedge_celery/data/demo.yaml``, time compressed 50x), GPUs are CPU runners that sleep, and
-by default Redis is an embedded fakeredis server. The Celery workers, the race driver, the
-lease store and the receipts are the real ones.
+(``gpuhedge_celery/data/demo.yaml``: ``time_scale`` 0.1, simulated time runs 10x faster than
+the wall clock), GPUs are CPU runners that sleep, and by default Redis is an embedded fakeredis
+server. The Celery workers, the race driver, the lease store and the receipts are the real ones.
+On a real Redis (``--redis-url``) the demo deletes every key it wrote when it ends, except the
+races' receipts, which expire after ``RECEIPT_TTL_S``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.stats import misses, nearest_rank
+from .cleanup import RECEIPT_TTL_S, clean_up
 from .workers import LocalWorkers
 
 Echo = Callable[[str], None]
@@ -40,10 +43,13 @@ class DemoReport:
     """What the demo measured, for ``--json`` and the tests."""
 
     redis: str
+    prefix: str = ""
     scenarios: list[dict[str, Any]] = field(default_factory=list)
     summary: list[dict[str, Any]] = field(default_factory=list)
     pool: list[dict[str, Any]] = field(default_factory=list)
     pool_races: list[dict[str, Any]] = field(default_factory=list)
+    records_report: list[dict[str, Any]] = field(default_factory=list)  # `report` by policy
+    cleanup: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -61,6 +67,7 @@ def demo_env(redis_url: str, prefix: str) -> dict[str, str]:
             "GPUHEDGE_HOST": "demo-host",
             "GPUHEDGE_WATCH_INTERVAL_S": "0.05",
             "GPUHEDGE_COORD_CONCURRENCY": "16",
+            "GPUHEDGE_RECEIPT_TTL_S": str(RECEIPT_TTL_S),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -126,7 +133,13 @@ def _moments(race: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 def run_demo(
-    redis_url: str, *, embedded: bool, races: int, pool_jobs: int, echo: Echo
+    redis_url: str,
+    *,
+    embedded: bool,
+    races: int,
+    pool_jobs: int,
+    echo: Echo,
+    plot_dir: str | None = None,
 ) -> DemoReport:
     """Start workers, run the scenarios, the policy batch and the pool; return the figures."""
     t0 = time.monotonic()
@@ -134,8 +147,10 @@ def run_demo(
     env = demo_env(redis_url, prefix)
     os.environ.update({k: v for k, v in env.items() if k.startswith("GPUHEDGE_")})
     workers = LocalWorkers(env)
-    kind = "embedded fakeredis (simulated Redis)" if embedded else redis_url
-    report = DemoReport(redis=kind)
+    from ..settings import redact_url
+
+    kind = "embedded fakeredis (simulated Redis)" if embedded else redact_url(redis_url)
+    report = DemoReport(redis=kind, prefix=prefix)
     echo(f"Redis: {kind}; key prefix {prefix}")
     echo("Starting Celery workers: 1 coordinator (races, attempts, pool waiters) and "
          f"{POOL_GPUS} GPU workers (CPU runners standing in for GPUs)...")  # fmt: skip
@@ -155,19 +170,42 @@ def run_demo(
         workers.wait_ready()
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")
         _scenarios(hedged_infer, store, cfg.time_scale, echo, report)
+        if embedded:
+            echo("  (the embedded Redis goes away when the demo ends: run it with --redis-url "
+                 "redis://... to keep the receipts for `gpuhedge-celery receipt`)\n")  # fmt: skip
+        else:
+            echo(f"  read any receipt for the next {RECEIPT_TTL_S // 60} minutes with:\n"
+                 f"    gpuhedge-celery --redis-url {kind} --prefix {prefix} receipt "
+                 f"RACE_ID [--json]\n")  # fmt: skip
         # The policy batch runs in the background while the pool sections play out.
         pending = _submit_batch(hedged_infer, races)
         _pool(redis_url, prefix, pool_jobs, echo, report)
         _pool_primary(hedged_infer, store, cfg.time_scale, echo, report)
         _batch_summary(pending, store, cfg, races, echo, report, embedded)
+        from .records_report import records_report
+
+        deadlines = list(cfg.slo_deadlines_s) or [60.0]
+        report.records_report = records_report(
+            redis_url, prefix, cfg.time_scale, deadlines, echo, plot_dir
+        )
     finally:
         workers.stop()
+        if not embedded:
+            report.cleanup = clean_up(redis_url, prefix)
+            echo(
+                f"removed the demo's {report.cleanup['deleted']} keys under {prefix}:*; its "
+                f"{report.cleanup['receipts_kept']} receipts expire within "
+                f"{RECEIPT_TTL_S // 60} minutes"
+            )
     report.wall_s = time.monotonic() - t0
     return report
 
 
 def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: DemoReport) -> None:
-    echo("== 1. Five races, one per scenario (times are simulated provider seconds) ==")
+    echo(
+        "== 1. Five races, one per scenario (times are simulated provider seconds: "
+        f"time_scale {scale:g}, simulated time runs {1 / scale:g}x faster than the wall clock) =="
+    )
     for key, policy, what in SCENARIOS:
         echo(f"  race {key}: {policy:<12} {what}")
     echo("")
@@ -199,7 +237,6 @@ def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: 
     receipt = final_receipt(store, last)
     if receipt:
         echo("  " + render(receipt).replace("\n", "\n  "))
-    echo("  read any receipt with: gpuhedge-celery --redis-url URL receipt RACE_ID [--json]\n")
 
 
 def _submit_batch(hedged_infer: Any, races: int) -> list[tuple[str, Any]]:
@@ -266,7 +303,10 @@ def _batch_summary(
             + " ".join(f"{row['misses'][str(d)]:>10}" for d in deadlines)
             + f" {hedged:>7} {row['active_usd']:>8.4f} {leaks:>6}"
         )
-    echo("  (simulated providers; latency in provider seconds; $ = active compute at config rates)")
+    echo(
+        "  (simulated providers; latency in simulated provider seconds; $ = active compute at "
+        "config rates)"
+    )
     if embedded:
         echo(
             "  (on the embedded fakeredis each race step is slower than on a real Redis, which "
@@ -276,12 +316,15 @@ def _batch_summary(
 
 
 def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport) -> None:
-    from ..commands.leases import COLUMNS
+    from ..commands.leases import COLUMNS, lease_table
     from ..store.connection import client_for
     from ..store.leases import LeaseStore
     from ..tasks.pool import pooled_infer
 
-    echo(f"== 2. GPU pool: {jobs} jobs of 0.4 s on {POOL_GPUS} GPUs, one job per GPU at a time ==")
+    echo(
+        f"== 2. GPU pool: {jobs} jobs of 0.4 s on {POOL_GPUS} GPUs, one job per GPU at a time "
+        "(real seconds: the CPU runners are not simulated time) =="
+    )
     leases = LeaseStore(client_for(redis_url), prefix)
     t0 = time.time()
     results = [pooled_infer.apply_async(({"job": i},), {"pool": "demo"}) for i in range(jobs)]
@@ -291,10 +334,8 @@ def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport
         time.sleep(0.02)  # show the table once both GPUs are busy
         rows = leases.table("demo")
     echo("  lease table while jobs run (gpuhedge-celery leases):")
-    echo("    " + "  ".join(COLUMNS[:6]))
-    for row in rows:
-        echo(f"    {row.gpu_id:<14} {row.pool:<6} {row.state:<6} token {row.token or '-':<4} "
-             f"holder {row.holder or '-'}")  # fmt: skip
+    for line in lease_table(rows, time.time(), COLUMNS[:6]):
+        echo(f"    {line}")
     for i, res in enumerate(results):
         out = res.get(timeout=60)
         started = float(out.get("started_at") or 0.0) - t0
@@ -309,7 +350,10 @@ def _pool_primary(
 ) -> None:
     from ..tasks.pool import pooled_infer
 
-    echo("== 3. The GPU pool as a race's primary, bursting to a serverless sim when saturated ==")
+    echo(
+        "== 3. The GPU pool as a race's primary, bursting to a serverless sim when saturated "
+        f"(simulated seconds again: a 0.4 s GPU job shows as {0.4 / scale:g} s) =="
+    )
     # The CPU runner echoes its request, so these races validate with `nonempty`, not `wav`.
     request = {"sim_key": 3, "duration_s": 0.4}
     kwargs = {"policy": "state_aware", "providers": ["gpu-pool", "sim-steady"]}

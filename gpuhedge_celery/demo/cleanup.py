@@ -1,0 +1,37 @@
+"""What the demo leaves on a real Redis: only its races' receipts, for ``RECEIPT_TTL_S``.
+
+Every key the demo's workers and client write lives under the demo's key prefix (the lease
+store, the race store, the sim ledger, and Celery's queues, bindings and results through the
+broker prefix), so once the workers have stopped one SCAN of the prefix finds them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RECEIPT_TTL_S = 3600  # on a real Redis, how long the demo's receipts stay readable
+
+
+def clean_up(redis_url: str, prefix: str) -> dict[str, Any]:
+    """Delete every key the demo wrote under ``prefix`` (its workers have stopped), except
+    the races' receipts, which keep (at most) their ``RECEIPT_TTL_S``."""
+    from ..store.connection import client_for
+
+    client = client_for(redis_url)
+    deleted, kept = 0, 0
+    batch: list[Any] = []
+    for key in client.scan_iter(f"{prefix}:*", count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        if name.startswith(f"{prefix}:race:{{") and name.endswith("}:receipt"):
+            ttl_ms = client.pttl(key)
+            if ttl_ms < 0 or ttl_ms > RECEIPT_TTL_S * 1000:
+                client.pexpire(key, RECEIPT_TTL_S * 1000)
+            kept += 1
+            continue
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += client.delete(*batch)
+            batch = []
+    if batch:
+        deleted += client.delete(*batch)
+    return {"deleted": deleted, "receipts_kept": kept, "receipt_ttl_s": RECEIPT_TTL_S}

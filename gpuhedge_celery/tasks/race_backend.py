@@ -1,0 +1,46 @@
+"""The app's Redis result backend: Celery's, except that a race's payload is stored once.
+
+A race's winning payload is already in Redis: the attempt's stored result
+(:func:`~gpuhedge_celery.race.receipt.result_key`), written in the step that reported it.
+Marking the caller's result with the payload inline would send it to Redis twice more: the
+result key and the ``PUBLISH`` that wakes a waiting ``.get()``. So the workers mark the result
+with a reference in the payload's place (``race.receipt.by_reference``: the documented form of
+a large payload, ``payload_ref`` + ``payload_bytes``, flagged ``payload_inline``), and this
+backend puts the payload back on every read (``.get()``, a poll, the pub/sub message,
+``get_task_meta``): one ``GET`` on the caller's side, and the caller sees the same result as
+before, key for key.
+
+``create_app`` installs it for ``redis://`` and ``rediss://`` result backends through the
+loader's backend aliases (the configured URL stays as it is); with any other backend the
+payload is stored inline, as Celery would. A Celery app built elsewhere (an existing app that
+sends ``gpuhedge.hedged_infer`` by name) reads the stored form: a ``payload_ref`` that
+``gpuhedge_celery.load_payload`` reads, unless it uses this backend too
+(``result_backend="gpuhedge_celery.tasks.race_backend:RaceRedisBackend+redis://..."``) or the
+workers run with ``GPUHEDGE_PAYLOAD_BY_REF=0`` (the payload inline again, stored three times).
+A reference whose key has expired (both live for ``GPUHEDGE_RECEIPT_TTL_S``; the result key is
+written a moment earlier) reads back as ``payload_ref``, which ``load_payload`` reports as
+expired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import states
+from celery.backends.redis import RedisBackend
+
+from ..race.receipt import PAYLOAD_INLINE, with_payload
+
+
+class RaceRedisBackend(RedisBackend):
+    """Celery's Redis result backend; reads put a referenced race payload back."""
+
+    stores_payload_by_reference = True  # read by the race effects (tasks/race_runtime.py)
+
+    def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
+        meta = super().meta_from_decoded(meta)
+        result = meta.get("result")
+        if meta.get("status") == states.SUCCESS and isinstance(result, dict):
+            if result.get(PAYLOAD_INLINE) is True and "payload_ref" in result:
+                meta["result"] = with_payload(result, self.client)
+        return meta
