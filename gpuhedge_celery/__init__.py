@@ -12,10 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "app": ("gpuhedge_celery.tasks.app", "app"),
-    "celery": ("gpuhedge_celery.tasks.app", "app"),
+    # the app with every task module loaded (its control commands included, for `celery -A
+    # gpuhedge_celery control ...`)
+    "app": ("gpuhedge_celery.tasks.app", "load_tasks"),
+    "celery": ("gpuhedge_celery.tasks.app", "load_tasks"),
     "pooled_infer": ("gpuhedge_celery.tasks.pool", "pooled_infer"),
     "hedged_infer": ("gpuhedge_celery.tasks.races", "hedged_infer"),
+    "RaceResult": ("gpuhedge_celery.tasks.result", "RaceResult"),
+    "PooledResult": ("gpuhedge_celery.tasks.pooled_result", "PooledResult"),
+    "send_pooled": ("gpuhedge_celery.tasks.pooled_result", "send_pooled"),
     "receipt": ("gpuhedge_celery.race", "receipt"),
     "load_payload": ("gpuhedge_celery.race", "load_payload"),
 }
@@ -28,4 +33,5 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'gpuhedge_celery' has no attribute {name!r}")
     module = importlib.import_module(target[0])
-    return getattr(module, target[1])
+    found = getattr(module, target[1])
+    return found() if target[1] == "load_tasks" else found

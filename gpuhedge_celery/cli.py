@@ -13,11 +13,16 @@ import importlib
 import pkgutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .errors import ConfigError, GpuHedgeError, StoreUnavailable
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .config import GpuHedgeConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,6 +40,15 @@ class CliContext:
 def root_settings() -> Settings:
     """The settings of the running ``gpuhedge-celery`` invocation (from any sub-command)."""
     return click.get_current_context().find_root().obj.settings
+
+
+def root_config(path: str | None = None) -> GpuHedgeConfig:
+    """The YAML config a sub-command uses: ``path``, else the global ``--config`` /
+    ``GPUHEDGE_CONFIG``, else the usual lookup; a ConfigError (exit code 2) when it is missing
+    or invalid. Every command that uses the config reads it through here."""
+    from .config import load_config
+
+    return load_config(path or root_settings().config_path)
 
 
 def cli_redis_client():
@@ -107,7 +121,8 @@ def lazy_group(package: str, **kwargs):
     "config_path",
     envvar="GPUHEDGE_CONFIG",
     default=None,
-    help="YAML config file (env GPUHEDGE_CONFIG; default ./config/gpuhedge.yaml, then packaged).",
+    help="YAML config file (env GPUHEDGE_CONFIG; default ./config/gpuhedge.yaml, then packaged); "
+    "a missing file is an error. `config check` validates it; the demo runs its own.",
 )
 @click.version_option(package_name="gpuhedge-celery")
 @click.pass_context
@@ -116,12 +131,18 @@ def cli(ctx: click.Context, redis_url: str | None, prefix: str | None, config_pa
     ctx.obj = CliContext(
         settings=Settings.from_env(redis_url=redis_url, prefix=prefix, config_path=config_path)
     )
+    # An explicit config that is not there is an error for every command, never a silent
+    # fallback (`config check FILE` names its own file and reports a missing one itself).
+    if config_path and ctx.invoked_subcommand != "config" and not Path(config_path).is_file():
+        raise ConfigError(
+            "config file not found (from --config or GPUHEDGE_CONFIG)", file=config_path
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: one-line errors with named exit codes, no tracebacks."""
     try:
-        cli.main(args=argv, prog_name="gpuhedge-celery", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="gpuhedge-celery", standalone_mode=False)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.exceptions.Abort:
@@ -139,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     except GpuHedgeError as e:
         click.echo(f"error: {e}", err=True)
         return EXIT_FAILED
-    return EXIT_OK
+    # A command's ``raise click.exceptions.Exit(n)`` comes back here as its return value.
+    return code if isinstance(code, int) and not isinstance(code, bool) else EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,61 +12,49 @@ this process does not need still loads. See docs/configuration.md for every key.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .config_budget import parse_budget
+from .core.budget import BudgetCaps
 from .errors import ConfigError
 from .providers.options import Block
-from .providers.registry import adapter_class, build_provider
+from .providers.provider_config import ROLES, ProviderConfig
+from .providers.registry import build_provider, parse_provider, parse_provider_entry
 
 if TYPE_CHECKING:
     from .core.policies import Policy
 
-ROLES = ("primary", "hedge", "fallback")
+# ProviderConfig and parse_provider live with the provider registry (no import cycle between
+# the two); they are part of this module's API as well.
+__all__ = [
+    "DEFAULT_PATH",
+    "ROLES",
+    "GpuHedgeConfig",
+    "PolicyConfig",
+    "ProviderConfig",
+    "ValidatorConfig",
+    "find_config",
+    "load_config",
+    "packaged_path",
+    "parse_config",
+    "parse_config_text",
+    "parse_provider",
+]
+
 DEFAULT_PATH = Path("config") / "gpuhedge.yaml"
 PACKAGED_DIR = Path(__file__).parent / "data"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 ROLE_ARGS = ("primary", "hedge", "fallback")  # policy arguments filled from provider roles
-
-
-@dataclass(frozen=True)
-class ProviderConfig:
-    """One entry of ``providers:``. ``options`` is the adapter block as written (``${VAR}``
-    unresolved), ``spec`` the adapter's parsed form of it."""
-
-    name: str
-    adapter: str
-    role: str = "primary"
-    gpu: str | None = None
-    billed_rate_per_s: float = 0.0
-    idle_billed_seconds: float = 0.0
-    deployed: bool = True
-    timeout_s: float | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
-    spec: Any = None
-    time_scale: float = 1.0
-    source: str | None = None
-
-    def renamed(self, name: str) -> ProviderConfig:
-        return dataclasses.replace(self, name=name)
-
-    def __repr__(self) -> str:
-        # adapter blocks may hold secrets (headers): show their keys, never their values
-        return (
-            f"ProviderConfig(name={self.name!r}, adapter={self.adapter!r}, role={self.role!r}, "
-            f"gpu={self.gpu!r}, billed_rate_per_s={self.billed_rate_per_s!r}, "
-            f"idle_billed_seconds={self.idle_billed_seconds!r}, deployed={self.deployed!r}, "
-            f"options=<keys {sorted(self.options)}>)"
-        )
+# Provider seconds a race may take beyond its providers' caps added up, before it gives up
+# (timeouts.race_deadline_s overrides): launch, cancel and polling windows.
+RACE_SLACK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -97,9 +85,15 @@ class GpuHedgeConfig:
     policy: PolicyConfig = PolicyConfig()
     slo_deadlines_s: tuple[float, ...] = (60.0,)
     attempt_cap_s: float = 180.0
-    budget_usd_per_request: float | None = None
+    race_deadline_s: float | None = None  # None: the race's caps added up, plus RACE_SLACK_S
+    budget: BudgetCaps = BudgetCaps()
     validator: ValidatorConfig = ValidatorConfig()
     time_scale: float = 1.0
+
+    @property
+    def budget_usd_per_request(self) -> float | None:
+        """``budget.max_usd_per_request`` (see :attr:`budget` for every cap)."""
+        return self.budget.max_usd_per_request
 
     def provider(self, name: str) -> ProviderConfig:
         """The provider called ``name``; a one-line ConfigError listing the known ones if none."""
@@ -121,6 +115,14 @@ class GpuHedgeConfig:
         """The per-attempt cap for provider ``name`` (its ``timeout_s``, else ``attempt_cap_s``)."""
         own = self.provider(name).timeout_s
         return own if own is not None else self.attempt_cap_s
+
+    def race_deadline_for(self, names: Sequence[str]) -> float:
+        """Seconds (provider time) after which a race of ``names`` that has no winner gives
+        up: ``timeouts.race_deadline_s``, else every provider's cap added up plus
+        :data:`RACE_SLACK_S` (room for launch and cancel windows)."""
+        if self.race_deadline_s is not None:
+            return self.race_deadline_s
+        return sum(self.cap_s(name) for name in dict.fromkeys(names)) + RACE_SLACK_S
 
     def scaled_policy_params(self) -> dict[str, Any]:  # kept for callers without make_policy
         """Policy parameters in real time: every ``*_ms`` value multiplied by ``time_scale``."""
@@ -246,7 +248,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     providers: dict[str, ProviderConfig] = {}
     for name in providers_block.data:
         providers_block.raw(name)
-        providers[str(name)] = _parse_provider(providers_block, str(name), time_scale)
+        providers[str(name)] = parse_provider_entry(providers_block, str(name), time_scale)
     if providers and not any(p.role == "primary" for p in providers.values()):
         raise providers_block.error(None, "expected at least one provider with role: primary")
 
@@ -269,11 +271,10 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
 
     timeouts = root.mapping("timeouts")
     attempt_cap_s = timeouts.number("attempt_cap_s", 180.0, positive=True)
+    race_deadline_s = timeouts.number("race_deadline_s", None, positive=True)
     timeouts.finish()
 
-    budget = root.mapping("budget")
-    max_usd = budget.number("max_usd_per_request", None, minimum=0.0)
-    budget.finish()
+    budget = parse_budget(root, providers)
 
     validator = _parse_validator(root)
     root.finish()
@@ -283,48 +284,11 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
         policy=policy,
         slo_deadlines_s=tuple(float(d) for d in deadlines),
         attempt_cap_s=attempt_cap_s,
-        budget_usd_per_request=max_usd,
+        race_deadline_s=race_deadline_s,
+        budget=budget,
         validator=validator,
         time_scale=time_scale,
     )
-
-
-def parse_provider(
-    name: str, data: Mapping[str, Any], *, source: str | None = None, time_scale: float = 1.0
-) -> ProviderConfig:
-    """Validate one ``providers.<name>`` mapping on its own (as ``build_provider`` accepts)."""
-    holder = Block({name: data}, "providers", source)
-    holder.raw(name)
-    return _parse_provider(holder, name, time_scale)
-
-
-def _parse_provider(parent: Block, name: str, time_scale: float) -> ProviderConfig:
-    if not _NAME_RE.match(name):
-        raise parent.error(name, "expected a provider name of letters, digits, '_', '-' or '.'")
-    block = parent.mapping(name)
-    adapter = block.string("adapter")
-    cls = adapter_class(adapter, key=block.key("adapter"), file=block.file)
-    # the adapter's own block sits under its type name (or `options` for a module:Class)
-    block_key = adapter if block.has(adapter) or ":" not in adapter else "options"
-    adapter_block = block.mapping(block_key)
-    spec = cls.parse_options(adapter_block, time_scale=time_scale)
-    timeout_s = block.number("timeout_s", None, positive=True)
-    config = ProviderConfig(
-        name=name,
-        adapter=adapter,
-        role=block.string("role", "primary", choices=ROLES),
-        gpu=block.string("gpu", None),
-        billed_rate_per_s=block.number("billed_rate_per_s", 0.0, minimum=0.0),
-        idle_billed_seconds=block.number("idle_billed_seconds", 0.0, minimum=0.0),
-        deployed=block.boolean("deployed", True),
-        timeout_s=timeout_s,
-        options=dict(adapter_block.data),
-        spec=spec,
-        time_scale=time_scale,
-        source=block.file,
-    )
-    block.finish()
-    return config
 
 
 def _policy_class(name: str, block: Block | None) -> type[Policy]:

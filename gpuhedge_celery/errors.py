@@ -15,10 +15,12 @@ catch as coarsely or as finely as it needs::
     │   ├── EmptyPool          the pool exists but has no live GPU
     │   └── AcquireTimeout     no GPU became free before the caller's deadline
     ├── ProviderError          provider adapters
-    │   ├── SubmitError        the provider did not accept the job
-    │   └── ProviderProtocolError  the provider answered something we cannot parse
-    ├── BudgetExceeded         a request would exceed its configured budget
+    │   ├── SubmitError        the provider did not accept the job (or we cannot tell)
+    │   ├── ProviderProtocolError  the provider answered something we cannot parse
+    │   └── RateLimited        no call was made: the request budget (ours or the provider's)
+    │                          allows the next one at ``retry_at``
     └── RaceFailed             a race ended without a valid result (carries its receipt)
+        └── BudgetExceeded     ... because the budget refused an attempt it needed
 
 Driver errors (redis-py, httpx) are translated at the boundary with ``raise ... from e`` so the
 original is kept as ``__cause__``.
@@ -44,7 +46,10 @@ class GpuHedgeError(Exception):
         self.args = ctor_args
 
     def __str__(self) -> str:
-        return self._text if self._text is not None else super().__str__()
+        text = self._text if self._text is not None else super().__str__()
+        # One line, always: a message quoting bad input (a policy name, a YAML scalar, a
+        # provider's reply) must not break a log line or a CLI's one-line error.
+        return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class ConfigError(GpuHedgeError):
@@ -126,6 +131,19 @@ class AcquireTimeout(LeaseError):
     """No GPU of the pool became free before the caller's deadline."""
 
 
+class RequestLost(GpuHedgeError):
+    """A pooled request Redis no longer knows, with no result stored: its record and its broker
+    message were lost together (a Redis restart that dropped its last writes). Send it again."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._keep(
+            f"pooled request {request_id}: lost before any worker took it (Redis no longer "
+            "knows it and no result was stored; a restart dropped its last writes); send it again",
+            request_id,
+        )
+
+
 class ProviderError(GpuHedgeError):
     """A provider adapter failed."""
 
@@ -144,14 +162,60 @@ class ProviderProtocolError(ProviderError):
     """The provider's answer could not be parsed (missing field, malformed JSON)."""
 
 
-class BudgetExceeded(GpuHedgeError):
-    """The request would exceed its configured budget."""
+class RateLimited(ProviderError):
+    """No call was made: the request budget (the fleet's shared bucket, or the provider's own
+    429 with a ``Retry-After``) allows the next one at ``retry_at`` (epoch seconds)."""
+
+    #: the budget already gave this caller the token for ``retry_at`` (in-process only)
+    reserved: bool = False
+
+    def __init__(self, provider: str, message: str, retry_at: float = 0.0):
+        self.retry_at = float(retry_at)
+        super().__init__(provider, message)
+        self._keep(str(self), provider, message, self.retry_at)
 
 
 class RaceFailed(GpuHedgeError):
-    """A race ended without a valid result. ``receipt`` holds the full race receipt (a dict)."""
+    """A race ended without a valid result. ``receipt`` holds the full race receipt (a dict);
+    ``reason`` says why: ``no_valid_result``, or ``budget`` (see :class:`BudgetExceeded`).
 
-    def __init__(self, message: str, receipt: dict[str, Any] | None = None):
+    The message names every attempt and why it did not win (taken from the receipt), e.g.
+    ``race R: no attempt returned a valid result [a1 sim-cheap (primary) COMPLETED, invalid:
+    wav: near-silent | a2 sim-steady (hedge) FAILED: simulated job failure]``. ``args`` keep
+    that full text, so the exception Celery rebuilds from them (even in an app that cannot
+    import this class) says the same.
+    """
+
+    def __init__(
+        self, message: str, receipt: dict[str, Any] | None = None, reason: str = "no_valid_result"
+    ):
         self.receipt = receipt or {}
-        super().__init__(message)
-        self._keep(message, message, self.receipt)
+        self.reason = reason
+        details = attempt_reasons(self.receipt)
+        text = message if not details or details in message else f"{message} [{details}]"
+        super().__init__(text)
+        self._keep(text, text, self.receipt, reason)
+
+
+class BudgetExceeded(RaceFailed):
+    """A race failed because the budget refused an attempt it needed (``reason`` ``budget``):
+    its primary, or a hedge or fallback once nothing else was left. The receipt's attempts say
+    which cap refused what."""
+
+    def __init__(self, message: str, receipt: dict[str, Any] | None = None, reason: str = "budget"):
+        super().__init__(message, receipt, reason)
+
+
+def attempt_reasons(receipt: dict[str, Any]) -> str:
+    """One line: each attempt of a race receipt, its final state and why it did not win."""
+    parts = []
+    for a in receipt.get("attempts") or []:
+        if not isinstance(a, dict):
+            continue
+        state = str(a.get("state") or a.get("phase") or "?")
+        if a.get("valid") is False and state == "COMPLETED":
+            state += ", invalid"
+        why = "; ".join(str(r) for r in a.get("reasons") or [] if r)
+        text = f"{a.get('id', '?')} {a.get('provider', '?')} ({a.get('role', '?')}) {state}"
+        parts.append(f"{text}: {why}" if why else text)
+    return " ".join(" | ".join(parts).split())  # one line, whatever the reasons held

@@ -8,8 +8,14 @@ held. Three kinds, chosen by a spec string (per pool, see docs/gpu-workers.md):
     benchmarks and the demo. ``DIST`` is ``fixed=S``, ``uniform=LO,HI`` or ``lognormal=MEAN,SIGMA``
     (seconds; ``MEAN`` is the distribution's mean, not its median). A request that is a dict with
     ``duration_s`` overrides the draw, so a test can ask for an exact job length.
-``python:module:function``
-    Calls ``function(request)`` or ``function(request, ctx)`` in the worker process.
+``python:module:Class`` / ``python:module`` / ``python:module:function``
+    A model kept warm in the GPU worker's child: ``Class()`` then its ``load()`` (or the module's
+    ``load()``) once per child, after the fork, then ``run(request, ctx)`` per job; ``close()``
+    when the child exits. A plain function is called per job. Nothing is imported before
+    :meth:`PythonRunner.load` (the GPU worker calls it in its child, retrying with backoff).
+``server:URL[;timeout=S][;ready=URL][;idle=URL][;idle_metric=NAME][;drain=S][;boot=S]``
+    POSTs the request as JSON to a model server on the GPU host (OpenAI-compatible or plain
+    HTTP) and returns its JSON answer (:mod:`gpuhedge_celery.server_runner`).
 ``cmd:COMMAND LINE``
     Starts the command (no shell), writes the request as JSON to its stdin and reads its stdout as
     JSON (or text): the bridge to a real model server or script.
@@ -23,6 +29,7 @@ discards it and reports the lease loss.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -33,36 +40,19 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import ConfigError, GpuHedgeError
+from .errors import ConfigError
+from .run_context import RunContext, RunnerFailed, RunnerStopped, RunnerUnavailable
 
 DEFAULT_RUNNER = "cpu"
 
-
-class RunnerStopped(GpuHedgeError):
-    """The job was stopped before it finished because the worker lost the GPU's lease."""
-
-
-class RunnerFailed(GpuHedgeError):
-    """The runner itself failed (the callable raised, the command exited non-zero)."""
-
-
-@dataclass
-class RunContext:
-    """What a runner may know about the job it runs and how it learns it must stop."""
-
-    gpu_id: str = ""
-    token: int = 0
-    task_id: str = ""
-    stop: threading.Event = field(default_factory=threading.Event)
-    env: dict[str, str] = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Raise :class:`RunnerStopped` if the job must stop (call it between long steps)."""
-        if self.stop.is_set():
-            raise RunnerStopped(f"job on GPU {self.gpu_id!r} stopped: its lease was lost")
+__all__ = [
+    "CallableRunner", "CommandRunner", "CpuRunner", "Duration", "PythonRunner", "RunContext",
+    "Runner", "RunnerFailed", "RunnerStopped", "RunnerUnavailable", "needs_load",
+    "runner_from_spec",
+]  # fmt: skip
 
 
 class Runner(Protocol):
@@ -71,6 +61,32 @@ class Runner(Protocol):
     spec: str
 
     def run(self, request: Any, ctx: RunContext) -> Any: ...
+
+
+def needs_load(runner: Any) -> bool:
+    """Whether ``runner`` must be loaded in the GPU worker's child before it serves."""
+    return callable(getattr(runner, "load", None))
+
+
+def _takes_ctx(func: Callable[..., Any]) -> bool:
+    try:
+        return len(inspect.signature(func).parameters) >= 2
+    except (TypeError, ValueError):
+        return False
+
+
+def _call_fenced(
+    spec: str, func: Callable[..., Any], takes_ctx: bool, request: Any, ctx: RunContext
+) -> Any:
+    """``func(request[, ctx])``; its exceptions (but a stop) as RunnerFailed naming ``spec``."""
+    try:
+        result = func(request, ctx) if takes_ctx else func(request)
+    except RunnerStopped:
+        raise
+    except Exception as e:
+        raise RunnerFailed(f"{spec} raised {type(e).__name__}: {e}") from e
+    ctx.check()  # fencing: a result produced after the lease was lost is never returned
+    return result
 
 
 @dataclass(frozen=True)
@@ -168,21 +184,84 @@ class CallableRunner:
             raise ConfigError(f"{path!r} is not callable", key="runner")
         self.func = func
         self.spec = spec or f"python:{path}"
-        try:
-            params = inspect.signature(func).parameters
-            self._takes_ctx = len(params) >= 2
-        except (TypeError, ValueError):
-            self._takes_ctx = False
+        self._takes_ctx = _takes_ctx(func)
 
     def run(self, request: Any, ctx: RunContext) -> Any:
+        return _call_fenced(self.spec, self.func, self._takes_ctx, request, ctx)
+
+
+class PythonRunner:
+    """A model kept warm in the process that loads it: ``module:Class``, a module with ``load`` /
+    ``run``, or a plain function ``module:function``.
+
+    :meth:`load` imports the module and builds the model (``Class()`` then its ``load()``, or the
+    module's ``load()``); :attr:`ready` is set once that succeeded. The GPU worker calls it once
+    per child, after the fork, so CUDA is only touched there. :meth:`run` loads first if nobody
+    did (handy outside a worker). Results are fenced like :class:`CallableRunner`'s.
+    """
+
+    def __init__(self, target: str, spec: str | None = None):
+        module_name, _, attr = target.partition(":")
+        if not module_name or not all(p.isidentifier() for p in module_name.split(".")):
+            raise ConfigError(
+                f"expected 'module:Class', 'module' or 'module:function', got {target!r}",
+                key="runner",
+            )
         try:
-            result = self.func(request, ctx) if self._takes_ctx else self.func(request)
-        except RunnerStopped:
-            raise
-        except Exception as e:
-            raise RunnerFailed(f"{self.spec} raised {type(e).__name__}: {e}") from e
-        ctx.check()  # fencing: a result produced after the lease was lost is never returned
-        return result
+            found = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"cannot find module {module_name!r}: {e}", key="runner") from e
+        if found is None:
+            raise ConfigError(f"cannot find module {module_name!r}", key="runner")
+        self.module_name, self.attr = module_name, attr
+        self.spec = spec or f"python:{target}"
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._run: Callable[..., Any] | None = None
+        self._close: Callable[[], Any] | None = None
+        self._takes_ctx = False
+
+    def load(self) -> None:
+        """Import and build the model once (again after :meth:`close`); raises what it raised."""
+        with self._lock:
+            if self.ready.is_set():
+                return
+            try:
+                module = importlib.import_module(self.module_name)
+                target = getattr(module, self.attr) if self.attr else module
+            except AttributeError as e:
+                raise ConfigError(f"cannot load {self.spec!r}: {e}", key="runner") from e
+            if inspect.isclass(target):
+                target = target()  # the model object: one per child
+            loader = getattr(target, "load", None)
+            if inspect.isfunction(target) or inspect.isbuiltin(target):
+                run, loader = target, None
+            else:
+                run = getattr(target, "run", None)
+            if not callable(run):
+                raise ConfigError(f"{self.spec!r} has no run(request[, ctx])", key="runner")
+            if callable(loader):
+                loader()
+            self._run, self._takes_ctx = run, _takes_ctx(run)
+            closer = getattr(target, "close", None)
+            self._close = closer if callable(closer) and run is not target else None
+            self.ready.set()
+
+    def close(self) -> None:
+        """Let the model go (its ``close()``, if any); a later :meth:`load` builds it again."""
+        with self._lock:
+            closer, self._close, self._run = self._close, None, None
+            self.ready.clear()
+        if closer is not None:
+            closer()
+
+    def run(self, request: Any, ctx: RunContext) -> Any:
+        if not self.ready.is_set():
+            self.load()
+        run = self._run
+        if run is None:
+            raise RunnerUnavailable(f"{self.spec} is not loaded")
+        return _call_fenced(self.spec, run, self._takes_ctx, request, ctx)
 
 
 class CommandRunner:
@@ -252,7 +331,11 @@ def runner_from_spec(spec: str | None) -> Runner:
         duration = Duration.parse(dist_text, seed) if dist_text else Duration(seed=seed)
         return CpuRunner(duration, spec=spec)
     if kind == "python":
-        return CallableRunner(rest, spec=spec)
+        return PythonRunner(rest, spec=spec)
+    if kind == "server":
+        from .server_runner import ServerRunner
+
+        return ServerRunner.parse(rest, spec=spec)
     if kind == "cmd":
         try:
             argv = shlex.split(rest)
@@ -260,7 +343,7 @@ def runner_from_spec(spec: str | None) -> Runner:
             raise ConfigError(f"cannot parse the command line: {e}", key=spec) from None
         return CommandRunner(argv, spec=spec)
     raise ConfigError(
-        f"expected a runner spec 'cpu[:DIST]', 'python:module:function' or 'cmd:COMMAND', "
-        f"got {spec!r}",
+        f"expected a runner spec 'cpu[:DIST]', 'python:module:Class', 'cmd:COMMAND' or "
+        f"'server:URL', got {spec!r}",
         key="runner",
     )

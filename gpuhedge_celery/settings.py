@@ -1,7 +1,8 @@
 """Process-wide settings read once from the environment (``GPUHEDGE_*``).
 
-One Redis URL configures everything: broker, result backend and the lease store. ``rediss://``
-and passwords in the URL work; ``repr`` hides the password so settings can be logged.
+One Redis URL configures everything: broker, result backend and the lease store (the broker can
+be RabbitMQ instead: ``GPUHEDGE_BROKER_URL``, see ``tasks/config.py``). ``rediss://`` and
+passwords in the URL work; ``repr`` hides the password so settings can be logged.
 """
 
 from __future__ import annotations

@@ -19,5 +19,14 @@ run handoff handoff
 run timers timers
 run timers-threads8 timers --threads 8  # as race workers fire them (GPUHEDGE_TIMER_THREADS)
 run pool pool
+# Per-job overhead of a warm in-process model, a model server and a cmd: cold start, beside the
+# pool's floor (a zero-length cpu job); the model and server are tests/support's (needs torch).
+port="$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")"
+py="$(command -v python3)"
+run pool-runners pool --runner cpu:fixed=0 --runner python:tests.support.tiny_model:TinyModel \
+  --runner "server:http://127.0.0.1:$port/v1/completions" \
+  --runner "cmd:$py $PWD/tests/support/tiny_model.py" \
+  --server-cmd "$py $PWD/tests/support/model_server.py --port $port"
 run races races
+run races-metrics races --rows metrics  # CPU per race, metrics off vs on, alternating
 python3 scripts/bench_table.py "$out"

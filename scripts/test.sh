@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with Python and pip:
-#   installs the package with its test extras, makes sure a real redis-server is reachable
-#   (starting or installing one), lints with ruff, then runs pytest. Extra args go to pytest.
+#   installs the package with its test extras, makes sure a real redis-server and a real RabbitMQ
+#   are reachable (starting or installing them), installs the checkers that are missing
+#   (systemd-analyze, Prometheus and promtool), lints with ruff, then runs pytest. Extra args go
+#   to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# Debian packages the tests run, installed quietly and only where missing.
+need_apt() {  # need_apt COMMAND PACKAGE
+  command -v "$1" >/dev/null 2>&1 && return 0
+  echo "test.sh: $1 not found; installing $2 with apt-get" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2"; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install $2 (the tests that need $1 will fail)" >&2
+}
+need_apt systemd-analyze systemd   # tests/test_deploy.py verifies the systemd units
+need_apt espeak-ng espeak-ng       # tests/test_tts_command.py: real speech behind a cmd: runner
+
 GPUHEDGE_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
-export GPUHEDGE_TEST_REDIS_URL
-echo "tests use Redis at $GPUHEDGE_TEST_REDIS_URL"
+GPUHEDGE_TEST_AMQP_URL="$(bash scripts/ensure-rabbitmq.sh)"
+export GPUHEDGE_TEST_REDIS_URL GPUHEDGE_TEST_AMQP_URL
+echo "tests use Redis at $GPUHEDGE_TEST_REDIS_URL and RabbitMQ at $GPUHEDGE_TEST_AMQP_URL"
+bash scripts/ensure-prometheus.sh
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m pytest -q "$@"

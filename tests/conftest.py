@@ -7,12 +7,30 @@ real Celery worker processes (fixtures in tests/support/fixtures_*.py).
 
 from __future__ import annotations
 
+import ast
 import pathlib
+import threading
 import uuid
 
 import pytest
 
 from tests.support.redis_server import shared_redis_url, start_redis_server
+
+# CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in state that every thread
+# shares: two threads parsing at once (a test server's thread formatting a traceback, which 3.11
+# does with ast.parse, while pytest renders a failure) can make either fail with "SystemError: AST
+# constructor recursion depth mismatch", and pytest's own rendering then stops the whole run with
+# an INTERNALERROR. Parses in this process take turns.
+_AST_LOCK = threading.RLock()
+_ast_parse = ast.parse
+
+
+def _parse_in_turn(*args, **kwargs):
+    with _AST_LOCK:
+        return _ast_parse(*args, **kwargs)
+
+
+ast.parse = _parse_in_turn
 
 # Every tests/support/fixtures_*.py module is a fixture plugin.
 pytest_plugins = sorted(

@@ -182,7 +182,7 @@ def test_repr_hides_adapter_secrets():
         "base_url": "https://x", "headers": {"authorization": "sk-live-abcdef"},
         "submit": {"url": "/run", "job_id": "id"},
         "status": {"url": "/s/{job_id}", "state": "status"},
-        "cancel": {"url": "/c/{job_id}"}}}}})  # fmt: skip
+        "cancel": {"url": "/c/{job_id}"}}}}, "budget": {"ceiling_usd": 100}})  # fmt: skip
     assert "sk-live-abcdef" not in repr(cfg)
     assert "sk-live-abcdef" not in repr(cfg.provider("p"))
 
@@ -191,6 +191,7 @@ class EchoProvider(Provider):
     """A minimal custom adapter: proves adapters plug in through the registry."""
 
     adapter = "echo"
+    spends_money = False  # bills nobody: a config of echo providers needs no budget ceiling
 
     def submit(self, request):  # pragma: no cover - not exercised here
         raise NotImplementedError

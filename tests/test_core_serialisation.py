@@ -38,6 +38,7 @@ from gpuhedge_celery.core.race_events import (
     CancelConfirmed,
     CancelFailed,
     DeclareWinner,
+    GiveUp,
     Launch,
     PollStatus,
     RaceFinished,
@@ -296,7 +297,9 @@ def test_representative_values_match_the_asdict_output():
     lease = Lease("g0", "pool", 7, "worker@1", 60_000, 123)
     assert same(lease.to_dict(), asdict(lease))
     row = LeaseRow("g0", "pool", "host-1", True, "held", "w", 7, 500, 1, 7, {"sku": "h100"})
-    assert same(row.to_dict(), asdict(row))
+    # plus the one derived field the lease table shows (in pool / draining / drained / out)
+    assert same(row.to_dict(), {**asdict(row), "availability": row.availability})
+    assert row.availability == "in pool"
 
 
 def test_every_action_and_event_type_matches_the_reference_code():
@@ -323,6 +326,7 @@ def test_every_action_and_event_type_matches_the_reference_code():
         Cancel("a1", "lost"),
         ScheduleTimer("hedge", 10.2),
         DeclareWinner("a2"),
+        GiveUp("no valid result within the race's deadline (60 s)"),
         RaceFinished(None, "no attempt returned a valid result"),
     ]
     assert {type(a) for a in acts} == set(ACTION_TYPES.values())
@@ -442,7 +446,7 @@ def test_job_types_match_asdict_and_round_trip(h, ev):
 def test_lease_types_match_asdict_and_round_trip(gpu, lease, row):
     assert same(gpu.to_dict(), asdict(gpu))
     assert same(lease.to_dict(), asdict(lease))
-    assert same(row.to_dict(), asdict(row))
+    assert same(row.to_dict(), {**asdict(row), "availability": row.availability})
     assert GpuInfo.from_dict(json_trip(gpu.to_dict())) == gpu
     assert Lease.from_dict(json_trip(lease.to_dict())) == lease
 

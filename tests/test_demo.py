@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _run_demo(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     import os
@@ -21,8 +23,14 @@ def _run_demo(*args: str, env_extra: dict[str, str] | None = None) -> subprocess
     )
 
 
-def test_demo_runs_every_scenario_on_the_embedded_redis():
-    proc = _run_demo("demo", "--races", "3", "--pool-jobs", "4", "--json")
+@pytest.fixture(scope="module")
+def demo_on_embedded():
+    """One run of the demo on its embedded Redis, shared by the tests that read it."""
+    return _run_demo("demo", "--races", "3", "--pool-jobs", "4", "--json")
+
+
+def test_demo_runs_every_scenario_on_the_embedded_redis(demo_on_embedded):
+    proc = demo_on_embedded
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["redis"].startswith("embedded fakeredis")
@@ -58,8 +66,83 @@ def test_demo_runs_every_scenario_on_the_embedded_redis():
             assert b["started_s"] >= a["started_s"] + a["run_s"] - 0.05
 
 
+def test_demo_says_what_its_times_mean_and_that_the_embedded_redis_goes(demo_on_embedded):
+    proc = demo_on_embedded
+    text = proc.stderr
+    assert "simulated time runs 10x faster than the wall clock" in text
+    assert "embedded Redis goes away when the demo ends" in text
+    assert "--redis-url URL receipt" not in text and "receipt RACE_ID" not in text
+    # the receipt shown is in simulated seconds, as the narration, and says so
+    latency = next(line for line in text.splitlines() if line.strip().startswith("latency"))
+    assert "s simulated from the primary's submit" in latency and "10x fast" in latency
+    assert "timeline (simulated s): " in text and " ms " not in latency
+    # the lease table's header lines up with its rows
+    lines = text.splitlines()
+    top = next(i for i, line in enumerate(lines) if "lease table while jobs run" in line)
+    header, rows = lines[top + 1], lines[top + 2 : top + 4]
+    starts = [header.index(name) for name in ("POOL", "HOST", "STATE", "HOLDER", "TOKEN")]
+    for row in rows:
+        assert row.lstrip().startswith("demo-host:"), row
+        for start in starts:
+            assert row[start - 1] == " " and row[start] != " ", (header, row)
+
+
+def test_demo_on_a_real_redis_leaves_only_its_receipts_with_a_ttl(private_redis, capsys):
+    import redis
+
+    from gpuhedge_celery.cli import main
+    from gpuhedge_celery.demo.cleanup import RECEIPT_TTL_S
+
+    url = private_redis.url
+    proc = _run_demo("--redis-url", url, "demo", "--races", "2", "--pool-jobs", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    prefix = report["prefix"]
+    assert f"gpuhedge-celery --redis-url {url} --prefix {prefix} receipt RACE_ID" in proc.stderr
+    client = redis.Redis.from_url(url, decode_responses=True)
+    left = sorted(client.scan_iter("*", count=1000))
+    races = len(report["scenarios"]) + 2 * len(report["summary"]) + len(report["pool_races"])
+    assert len(left) == races == report["cleanup"]["receipts_kept"], left
+    assert report["cleanup"]["deleted"] > races  # everything else it wrote is gone
+    for key in left:
+        assert key.startswith(f"{prefix}:race:{{") and key.endswith("}:receipt"), key
+        assert 0 < client.pttl(key) <= RECEIPT_TTL_S * 1000, key
+    # and each can be read as the demo says, by the short id watch shows
+    race_id = report["scenarios"][0]["race_id"]
+    code = main(["--redis-url", url, "--prefix", prefix, "receipt", race_id[:12], "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["race_id"] == race_id
+
+
 def test_demo_with_unreachable_redis_is_one_line_exit_3():
     proc = _run_demo("--redis-url", "redis://127.0.0.1:1/0", "demo")
     assert proc.returncode == 3
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unreachable" in lines[0]
+
+
+def test_every_doc_states_the_demo_time_scale_its_config_has():
+    """The demo's speed-up is written in many places; each must say what demo.yaml says."""
+    import re
+    from pathlib import Path
+
+    from gpuhedge_celery.config import load_config, packaged_path
+
+    scale = load_config(packaged_path("demo.yaml")).time_scale
+    root = Path(__file__).resolve().parents[1]
+    files = [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted((root / "examples").rglob("*.md")),
+        *sorted((root / "gpuhedge_celery").rglob("*.py")),
+        packaged_path("demo.yaml"),
+    ]
+    claims = 0
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"(\d+(?:\.\d+)?)\s*(?:x|×)\s+fast", text):
+            claims += 1
+            assert float(m.group(1)) == 1 / scale, f"{path}: {m.group(0)!r}"
+        for m in re.finditer(r"demo\W[^\n]{0,80}?time_scale[ :`]+(\d*\.\d+)", text):
+            claims += 1
+            assert float(m.group(1)) == scale, f"{path}: {m.group(0)!r}"
+    assert claims >= 4  # the README, the docs, the example, the demo itself

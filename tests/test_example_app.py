@@ -7,33 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.support.fixtures_races import REPO, start_race_cluster, stop_race_cluster
+from tests.support.example_app import EXAMPLE, start_example_worker
+from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 
 pytestmark = pytest.mark.timeout(180)
-
-EXAMPLE = REPO / "examples" / "existing_app"
-
-
-def start_example_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "celery", "-A", "tts_app", "worker", "-Q", "tts",
-            "--pool", "solo", "-n", f"tts.{os.getpid()}@localhost", "--loglevel", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            argv, cwd=EXAMPLE, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while " ready." not in log.read_text(errors="replace"):
-        assert worker.poll() is None, log.read_text(errors="replace")
-        assert time.monotonic() < deadline, log.read_text(errors="replace")
-        time.sleep(0.1)
-    return worker
 
 
 def test_existing_app_calls_hedged_infer_and_gets_a_result(redis_url, tmp_path):
@@ -65,4 +45,35 @@ def test_existing_app_calls_hedged_infer_and_gets_a_result(redis_url, tmp_path):
     finally:
         os.killpg(worker.pid, 9)
         worker.wait(10)
+        stop_race_cluster(rc)
+
+
+def test_the_client_reports_a_failed_race_in_one_line_without_a_traceback(redis_url, tmp_path):
+    rc = start_race_cluster(redis_url, tmp_path, workers=1)
+    failing = {"queue_s": 0.2, "run_s": 0.5, "outcome": "failed"}
+    env = {
+        **os.environ,
+        "BROKER_URL": redis_url,
+        "BROKER_KEYPREFIX": f"{rc.prefix}:",
+        "GPUHEDGE_REDIS_URL": redis_url,
+        "GPUHEDGE_PREFIX": rc.prefix,
+        "GPUHEDGE_BROKER_PREFIX": f"{rc.prefix}:",
+        "EXAMPLE_SIM": json.dumps({"p": failing, "h": failing}),
+    }
+    env.pop("GPUHEDGE_CONFIG", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "client.py", "hello"], cwd=EXAMPLE, env=env,
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stdout + done.stderr + rc.logs()
+        assert "Traceback" not in done.stderr, done.stderr
+        first, hint = done.stderr.strip().splitlines()
+        # each attempt and why it lost, in the message itself
+        assert "no attempt returned a valid result" in first
+        assert "p (primary) FAILED: simulated job failure" in first
+        assert "h (hedge) FAILED: simulated job failure" in first
+        race_id = hint.rsplit(" ", 1)[-1]
+        assert rc.receipt(race_id)["winner"] is None
+    finally:
         stop_race_cluster(rc)

@@ -55,7 +55,10 @@ def make(server, env=None, **overrides) -> HttpProvider:
     for key, value in overrides.items():
         block[key] = value
     cfg = parse_config(
-        {"providers": {"rp": {"adapter": "http", "billed_rate_per_s": 0.001, "http": block}}},
+        {
+            "providers": {"rp": {"adapter": "http", "billed_rate_per_s": 0.001, "http": block}},
+            "budget": {"ceiling_usd": 100},
+        },
         source="t.yaml",
     )
     provider = cfg.build("rp", env={"API": server.url, "KEY": KEY, **(env or {})})
@@ -89,7 +92,9 @@ def test_happy_path(server):
 
 
 def load_like(server):
-    return parse_config({"providers": {"rp": {"adapter": "http", "http": BLOCK}}}).provider("rp")
+    return parse_config(
+        {"providers": {"rp": {"adapter": "http", "http": BLOCK}}, "budget": {"ceiling_usd": 100}}
+    ).provider("rp")
 
 
 def test_handle_rebuilt_from_json_by_another_provider_instance(server):
@@ -226,7 +231,20 @@ def test_cancel_running_job_is_confirmed_by_status_not_by_the_cancel_reply(serve
     assert len(server.ops("status")) >= 3
     assert receipt.execution_ms_before_cancel >= 400
     assert receipt.reconciled_cost_usd == pytest.approx(receipt.execution_ms_before_cancel / 1e6)
-    assert receipt.billing_stop_confirmed
+    # an execution time alone proves nothing about billing: a generic API must declare it
+    assert receipt.billing_stop_confirmed is False
+
+
+def test_billing_stop_is_confirmed_only_by_an_observed_terminal_state_when_declared(server):
+    server.knobs.queue_s, server.knobs.run_s = 0.0, 30
+    server.knobs.cancel_terminal_after_s = 0.2
+    p = make(server, terminal_stops_billing=True)
+    receipt = p.cancel(p.submit({}))
+    assert receipt.confirmed_terminal and receipt.billing_stop_confirmed is True
+    server.knobs.cancel_never_terminal = True  # "CANCELLED" in the reply, never in a status
+    p = make(server, terminal_stops_billing=True, cancel_confirm_s=0.3)
+    receipt = p.cancel(p.submit({}))
+    assert receipt.leaked and receipt.billing_stop_confirmed is False
 
 
 def test_slow_cancel(server):
@@ -302,7 +320,8 @@ def test_missing_env_variable_is_a_one_line_config_error(server):
         "t.yaml: providers.rp.http.headers.authorization: environment variable KEY is not set"
     )
     with pytest.raises(ConfigError, match=r"providers\.rp\.http\.base_url: .*API is not set"):
-        parse_config({"providers": {"rp": {"adapter": "http", "http": BLOCK}}}).build("rp", env={})
+        data = {"providers": {"rp": {"adapter": "http", "http": BLOCK}}}
+        parse_config({**data, "budget": {"ceiling_usd": 100}}).build("rp", env={})
 
 
 def test_unauthorized_error_does_not_leak_the_key(server):

@@ -20,10 +20,11 @@ from gpuhedge_celery.core.receipts import CancelReceipt
 from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, apply_cleanup
 from gpuhedge_celery.store.timers import TimerStore
+from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.brokers]
 
 # both jobs would run 100 s of real time: they are still running when the janitor comes
 LONG = {"sim": {"p": {"queue_s": 0, "run_s": 10_000}, "h": {"queue_s": 0, "run_s": 10_000}}}
@@ -47,7 +48,6 @@ class BackendEffects:
 
     def failed(self, race_id, message, receipt, caller):
         error = RaceFailed(message, receipt)
-        error.args = (message, receipt)
         self.app.backend.mark_as_failure(race_id, error)
         self.failed_races.append(race_id)
 
@@ -80,8 +80,11 @@ def assert_ended_by_janitor(rc, res):
     assert rc.store.last_seen_ms(res.id) is None  # left the janitor's index
 
 
-def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory):
-    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("janitor"), workers=1)
+def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory, broker, request):
+    rc = start_race_cluster(
+        redis_url, tmp_path_factory.mktemp("janitor"), workers=1,
+        broker_url=broker_url_for(broker, request),
+    )  # fmt: skip
     try:
         direct, via_task = rc.send(LONG), rc.send(LONG)
         wait_for(lambda: both_running(rc, direct.id) and both_running(rc, via_task.id), 20,

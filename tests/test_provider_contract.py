@@ -1,4 +1,4 @@
-"""The four-method contract, checked the same way on every built-in adapter (sim and http).
+"""The four-method contract, checked the same way on every built-in adapter (sim, http, runpod).
 
 A new adapter can be added to ``ADAPTERS`` and must pass the same rows.
 """
@@ -63,7 +63,8 @@ class HttpHarness:
             "cancel": {"url": "/cancel/{job_id}"},
         }
         cfg = parse_config({"providers": {"h": {"adapter": "http", "billed_rate_per_s": 0.001,
-                                                "http": block}}})  # fmt: skip
+                                                "http": block}},
+                            "budget": {"ceiling_usd": 100}})  # fmt: skip
         return cfg.build("h", env={"API": self.server.url, "KEY": KEY})
 
     def request(self, kind: str) -> dict:
@@ -76,7 +77,29 @@ class HttpHarness:
         self.server.stop()
 
 
-ADAPTERS = {"sim": SimHarness, "http": HttpHarness}
+class RunpodHarness:
+    """Drives jobs on the RunPod fake (its own process); per-job timings forced by the request."""
+
+    def __init__(self):
+        from tests.support.runpod_fake import KEY as RUNPOD_KEY
+        from tests.support.runpod_fake import FakeRunpod
+
+        self.fake = FakeRunpod({"api_key": RUNPOD_KEY})
+
+    def provider(self) -> Provider:
+        from tests.support.runpod_fake import runpod_provider
+
+        return runpod_provider(self.fake, "contract")
+
+    def request(self, kind: str) -> dict:
+        queue_s, run_s = {"fast": (0.02, 0.08), "slow": (0.0, 30.0), "queued": (30.0, 0.1)}[kind]
+        return {"runpod_fake": {"*": {"queue_s": queue_s, "run_s": run_s}}}
+
+    def close(self) -> None:
+        self.fake.stop()
+
+
+ADAPTERS = {"sim": SimHarness, "http": HttpHarness, "runpod": RunpodHarness}
 
 
 @pytest.fixture(params=sorted(ADAPTERS))

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+from gpuhedge_celery.core.outcome import race_outcome
 from gpuhedge_celery.core.policies import parse_policy
 from gpuhedge_celery.core.scripted import Arm, run_race
 
@@ -59,7 +60,7 @@ def test_loser_stays_live_until_its_measured_terminal_time(record):
     assert r.was_running is (not queued)
     # between the win and the observed terminal state the loser still holds a live slot
     assert any(cancel_at <= t < cancel_at + terminal_s and n == 1 for t, n in live_when)
-    outcome = race.outcome({"runpod": _rate(), "modal": _rate()})
+    outcome = race_outcome(race, {"runpod": _rate(), "modal": _rate()})
     assert (outcome.wasted_usd == 0.0) is queued
 
 

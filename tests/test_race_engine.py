@@ -8,6 +8,7 @@ import pytest
 
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.core.jobs import JobState
+from gpuhedge_celery.core.outcome import race_outcome
 from gpuhedge_celery.core.policies import (
     PRIMARY,
     Policy,
@@ -162,7 +163,7 @@ def test_race_resumes_in_another_process_from_its_json(cut):
     _drive(resumed, clock2, SCRIPT[cut:])
     assert resumed.to_dict() == whole.to_dict()
     assert resumed.finished and resumed.winner_attempt.provider == "c"
-    assert resumed.outcome().escalated and resumed.outcome().escalation_waited
+    assert race_outcome(resumed).escalated and race_outcome(resumed).escalation_waited
 
 
 def test_events_and_actions_survive_a_json_round_trip():
@@ -258,7 +259,7 @@ def test_adapter_confirmed_receipt_settles_the_cancel_and_outcome_is_json():
     assert receipt.terminal_ms == 4300.0 and receipt.evidence is Evidence.CONFIRMED_TERMINAL
     rates = rates_from_mapping({"a": 0.001, "b": {"rate_per_s": 0.002, "idle_s": 10}})
     assert rates["b"] == ProviderRate(0.002, 10.0)
-    outcome = race.outcome(rates).to_dict()
+    outcome = race_outcome(race, rates).to_dict()
     text = json.dumps(outcome)
     assert json.loads(text)["winner_provider"] == "a"
     assert outcome["active_usd"] == pytest.approx(4 * 0.001 + 4 * 0.002)
@@ -275,3 +276,28 @@ def test_bad_rates_are_config_errors(bad):
 
     with pytest.raises(ConfigError):
         rates_from_mapping(bad)
+
+
+def test_a_submit_with_unknown_outcome_ends_as_a_flagged_leak_without_a_live_slot():
+    from gpuhedge_celery.core.race_events import SubmitFailed
+
+    clock = VirtualClock()
+    race = Race(parse_policy("hedge:a->b@10s"), clock)
+    race.start()
+    clock.set(2.0)
+    lost = SubmitFailed("a1", "provider 'a': submit outcome unknown: no reply", True)
+    assert race.handle(event_from_dict(json.loads(json.dumps(lost.to_dict())))) == [
+        Launch("a2", "b", "hedge")  # failed before the hedge time: the hedge goes at once
+    ]
+    a1 = race.attempt_for(PRIMARY)
+    assert a1.receipt.leaked and a1.receipt.evidence is Evidence.NO_EVIDENCE
+    assert "submit outcome unknown" in a1.receipt.note and "leaked" in race.flags
+    race.handle(AttemptSubmitted("a2", "j2"))
+    clock.set(3.0)
+    assert kinds(race.handle(ResultArrived("a2"))) == ["declare_winner", "race_finished"]
+    assert race.attempt_for(PRIMARY).receipt.leaked  # kept: not "ended on its own"
+    # a plain refusal is no leak
+    race = Race(parse_policy("single:a"), VirtualClock())
+    race.start()
+    race.handle(SubmitFailed("a1", "HTTP 400"))
+    assert race.finished and not race.attempts[0].receipt.leaked and "leaked" not in race.flags

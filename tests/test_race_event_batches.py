@@ -22,7 +22,7 @@ from gpuhedge_celery.tasks.race_runtime import CeleryEffects, race_settings
 
 client = redis.Redis.from_url(sys.argv[1])
 sub = client.pubsub()
-sub.psubscribe("*celeryev/task.multi")
+sub.psubscribe(sys.argv[3] + "*celeryev/task.multi")  # this test's events only
 sub.get_message(timeout=1)  # the psubscribe confirmation
 effects = CeleryEffects(race_settings())
 effects.hostname = "batch-test@localhost"
@@ -42,14 +42,15 @@ print(json.dumps([[e["i"] for e in m] for m in messages]))
 
 
 def _run(redis_url: str, linger_ms: str, n: int) -> list[list[int]]:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
     env = {
         **os.environ,
         "GPUHEDGE_REDIS_URL": redis_url,
-        "GPUHEDGE_BROKER_PREFIX": f"t{uuid.uuid4().hex[:8]}:",
+        "GPUHEDGE_BROKER_PREFIX": prefix,
         "GPUHEDGE_EVENT_LINGER_MS": linger_ms,
     }
     done = subprocess.run(
-        [sys.executable, "-c", CODE, redis_url, str(n)],
+        [sys.executable, "-c", CODE, redis_url, str(n), prefix],
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuhedge_celery.core.outcome import race_outcome
 from gpuhedge_celery.core.policies import parse_policy
 from gpuhedge_celery.core.race_events import Cancel, Launch
 from gpuhedge_celery.core.scripted import Arm, run_race
@@ -307,7 +308,7 @@ def test_policy_rule(policy, providers, winner, latency, launches, flags):
     assert [(t, a.provider) for t, a in trace if isinstance(a, Launch)] == [
         (pytest.approx(t), p) for t, p in launches
     ]
-    outcome = race.outcome()
+    outcome = race_outcome(race)
     got = {
         "hedged": outcome.hedged,
         "cut_over": outcome.cut_over,
@@ -338,7 +339,7 @@ def test_cutover_receipt_says_queued_job_cost_nothing():
     assert primary.receipt.confirmed_terminal and not primary.receipt.leaked
     from gpuhedge_celery.core.outcome import ProviderRate
 
-    outcome = race.outcome({"p": ProviderRate(1.0, 60), "h": ProviderRate(1.0)})
+    outcome = race_outcome(race, {"p": ProviderRate(1.0, 60), "h": ProviderRate(1.0)})
     assert outcome.active_usd == pytest.approx(19.0)  # only the hedge ran
     assert outcome.wasted_usd == pytest.approx(0.0)
 

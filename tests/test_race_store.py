@@ -261,6 +261,52 @@ def test_finish_drops_ended_jobs_in_its_own_round_trip(races):
     assert races.live_jobs("r") == {} and races.last_seen_ms("r") is None
 
 
+def test_the_request_is_stored_once_beside_the_state_and_dropped_at_finish(redis_client, prefix):
+    store = RaceStore(redis_client, prefix, state_ttl_s=120)
+    request = {"text": "x" * 10_000, "n": [1, 2]}
+    assert store.create("r", {"phase": "primary"}, request) == 1
+    keys = race_keys(prefix, "r")
+    assert store.load("r").state == {"phase": "primary"}  # not in the state steps rewrite
+    assert redis_client.get(keys.request) == '{"text":"' + "x" * 10_000 + '","n":[1,2]}'
+    assert 100_000 < redis_client.pttl(keys.request) <= 120_000
+    assert store.request("r") == request
+    # a redelivered create conflicts and leaves the first request in place
+    with pytest.raises(VersionConflict):
+        store.create("r", {"phase": "other"}, {"text": "other"})
+    assert store.request("r") == request
+    store.save("r", {"phase": "hedged"}, 1)
+    assert store.request("r") == request  # saves never touch it
+    # the submit claim reads it in the same round trip
+    assert store.claim_submit_with_request("r", "a1", {"submitting": True, "at": 1}) == (
+        None,
+        request,
+    )
+    # another claimer (its own intent: intents carry their time) gets what the first recorded
+    found, again = store.claim_submit_with_request("r", "a1", {"submitting": True, "at": 2})
+    assert found == {"submitting": True, "at": 1} and again == request
+    assert store.finish("r", {"winner": "a1"}, ttl_s=60) == 1  # a1's intent is still live
+    assert store.request("r") is None and not redis_client.exists(keys.request)
+    assert store.claim_submit_with_request("r", "a2", {"submitting": True}) == (None, None)
+
+
+def test_finish_lists_the_race_among_the_recently_finished(redis_client, races, monkeypatch):
+    from gpuhedge_celery.store import races as races_module
+    from gpuhedge_celery.store.race_lookup import races_starting_with, recently_finished
+
+    monkeypatch.setattr(races_module, "RECENT_FINISHED", 3)
+    for i in range(5):
+        races.create(f"r{i}", {})
+        races.finish(f"r{i}", {"race_id": f"r{i}"}, ttl_s=60)
+    newest = [race_id for race_id, _ in recently_finished(races)]
+    assert newest == ["r4", "r3", "r2"]  # the newest three, newest first
+    assert 0 < redis_client.pttl(races.finished_key) <= 60_000
+    assert races_starting_with(races, "r") == ["r2", "r3", "r4"]  # the index answers first
+    assert races_starting_with(races, "r0") == ["r0"]  # else the keys still in Redis
+    assert races_starting_with(races, "nope") == []
+    races.delete("r4")
+    assert [race_id for race_id, _ in recently_finished(races)] == ["r3", "r2"]
+
+
 def test_load_with_jobs_reads_state_and_jobs_together(races):
     assert races.load_with_jobs("nope") == (None, {})
     races.create("r", {"x": 1})
@@ -365,3 +411,13 @@ def test_a_process_reads_its_own_last_save_without_a_round_trip_but_never_trusts
         mine.save("r", {"n": 2}, stale.version)
     assert mine.load("r", fresh=True).cached is False  # the conflict dropped the copy
     assert mine.load("r").state == {"n": 1}
+
+
+def test_the_fresh_copy_never_goes_back_to_an_older_version(redis_client, prefix):
+    """Two threads' saves may reach the fresh-copy update out of order: the newer one stays."""
+    store = RaceStore(redis_client, prefix)
+    store.create("r1", {"step": 1})
+    store.save("r1", {"step": 2}, 1)
+    store._remember("r1", 1, '{"step": 1}')  # the first save's update, arriving late
+    found = store.load("r1", fresh=True)
+    assert found.cached and found.version == 2 and found.state == {"step": 2}

@@ -19,23 +19,27 @@ from click.testing import CliRunner
 from gpuhedge_celery.cli import cli
 from gpuhedge_celery.core.validators import validate
 from gpuhedge_celery.errors import ConfigError
+from gpuhedge_celery.race.settings import RaceSettings
+from gpuhedge_celery.store.race_keys import race_keys
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers]
 
 HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
 
 
 @pytest.fixture(scope="module")
-def api_cluster(redis_url, tmp_path_factory):
+def api_cluster(redis_url, tmp_path_factory, broker, request):
     import redis
 
     from gpuhedge_celery.store.listener import enable_notifications
+    from tests.support.fixtures_celery import broker_url_for
 
     enable_notifications(redis.Redis.from_url(redis_url))
     rc = start_race_cluster(
         redis_url, tmp_path_factory.mktemp("races-api"), workers=1,
-        GPUHEDGE_PAYLOAD_INLINE_MAX="1000",
+        broker_url=broker_url_for(broker, request), GPUHEDGE_PAYLOAD_INLINE_MAX="1000",
     )  # fmt: skip
     yield rc
     stop_race_cluster(rc)
@@ -60,6 +64,37 @@ def test_bad_input_fails_at_once_with_a_one_line_config_error(api_cluster, args,
     message = str(info.value)
     assert fragment in message and "\n" not in message
     assert api_cluster.store.load(res.id) is None  # no race was created
+
+
+def test_a_request_over_the_size_limit_fails_at_once_and_submits_nothing(api_cluster):
+    limit = RaceSettings.from_env({}).request_max_bytes  # the workers run with the default
+    res = api_cluster.send({"text": "x" * limit})
+    with pytest.raises(ConfigError) as info:
+        res.get(timeout=30)
+    message = str(info.value)
+    assert message.startswith("request: ") and "\n" not in message
+    assert f"over the {limit:,}-byte limit (GPUHEDGE_REQUEST_MAX_BYTES)" in message
+    keys = race_keys(api_cluster.prefix, res.id)
+    assert api_cluster.store.load(res.id) is None  # no race, so no provider was called
+    assert not api_cluster.client.exists(keys.request)
+
+
+def test_a_large_request_is_stored_once_and_dropped_when_the_race_ends(api_cluster):
+    limit = RaceSettings.from_env({}).request_max_bytes
+    # the primary wins at 60 s only if the hedge (launched at 30 s) got this very request,
+    # which makes it fail; a hedge submitted with anything else would win at 35.5 s
+    sim = {"p": {"queue_s": 0, "run_s": 60}, "h": {"queue_s": 0, "run_s": 1, "outcome": "failed"}}
+    request = {"text": "x" * (limit - 1000), "sim": sim}
+    res = api_cluster.send(request)
+    keys = race_keys(api_cluster.prefix, res.id)
+    wait_for(lambda: api_cluster.store.load(res.id) is not None, 20, "the race to start")
+    size = len(json.dumps(request, separators=(",", ":")))
+    assert api_cluster.client.strlen(keys.request) == size  # compact JSON, once
+    assert api_cluster.client.hstrlen(keys.state, "data") < size / 100  # not in the state
+    assert res.get(timeout=30)["winner"] == "p"
+    receipt = api_cluster.receipt(res.id)
+    assert [a["state"] for a in receipt["attempts"]] == ["COMPLETED", "FAILED"]
+    assert not api_cluster.client.exists(keys.request)  # nothing needs it any more
 
 
 def test_calling_the_task_in_process_is_refused_with_one_line():

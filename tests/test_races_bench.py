@@ -16,13 +16,21 @@ def test_bench_races_prints_every_row_as_json(redis_url):
     assert script, "gpuhedge-celery is not installed (pip install -e .)"
     argv = [script, "--redis-url", redis_url, "bench", "races", "--json",
             "--overhead-races", "5", "--races", "10", "--duration-s", "1",
-            "--cancel-races", "3", "--workers", "1"]  # fmt: skip
+            "--cancel-races", "3", "--workers", "1",
+            "--rows", "overhead,capacity,cancel,budget",
+            "--budget-races", "10", "--budget-pairs", "1"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["bench"] == "races"
     rows = {r["row"]: r for r in out["results"]}
-    assert set(rows) == {"overhead", "celery-roundtrip", "capacity", "cancel"}
+    assert set(rows) == {"overhead", "celery-roundtrip", "capacity", "cancel", "budget"}
+    budget = rows["budget"]
+    assert [r["budgets"] for r in budget["runs"]] == ["off", "on"]
+    assert all(r["won"] == 10 and r["open_reservations_left"] == 0 for r in budget["runs"])
+    # budgets on: each race reserved and settled its attempts through the two scripts
+    assert budget["runs"][1]["evalsha_per_race"] > budget["runs"][0]["evalsha_per_race"]
+    assert budget["cpu_ms_per_race_on"] > 0 and len(budget["cpu_delta_pct_per_pair"]) == 1
     for name in ("overhead", "celery-roundtrip"):
         assert rows[name]["n"] == 5 and rows[name]["p50_ms"] <= rows[name]["p99_ms"]
     assert set(rows["overhead"]["coordinator_e2e"]) >= {"p50_ms", "p99_ms"}
@@ -42,3 +50,21 @@ def test_bench_races_rejects_an_unknown_row():
         done = subprocess.run([script, "bench", "races", *bad], capture_output=True, text=True,
                               timeout=60)  # fmt: skip
         assert done.returncode == 2 and bad[1] in done.stderr, done.stderr
+
+
+def test_bench_races_memory_row_measures_each_phase(redis_url):
+    script = shutil.which("gpuhedge-celery")
+    argv = [script, "--redis-url", redis_url, "bench", "races", "--json", "--rows", "memory",
+            "--memory-races", "3", "--request-bytes", "5000", "--workers", "1"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)["results"]
+    assert row["row"] == "memory" and row["races"] == 3
+    assert 4000 < row["request_key_strlen_while_racing"] <= 5000
+    phases = row["phases"]
+    for phase in ("primary_running", "both_running"):
+        assert phases[phase]["races"] == 3
+        assert phases[phase]["by_key_bytes_per_race"]["request"] > 4000
+    finished = phases["finished"]
+    assert finished["races"] == 3 and "request" not in finished["by_key_bytes_per_race"]
+    assert finished["by_key_bytes_per_race"]["receipt"] > 0

@@ -52,10 +52,11 @@ class Recorder:
         self.events.append(name)
 
 
-def build_driver(redis_client, prefix, effects, settings=None):
+def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG):
     """A driver on the test config's sim providers (a Redis ledger) with ``effects``; returns
-    the driver, the effects, the config, the ledger and the providers by name."""
-    cfg = parse_config_text(RACE_CONFIG)
+    the driver, the effects, the config, the ledger and the providers by name. ``config``:
+    another YAML text."""
+    cfg = parse_config_text(config)
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     driver = RaceDriver(
@@ -167,11 +168,12 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
     driver, _, cfg, _, _ = setup
     driver.create("r8", SLOW, build_spec(cfg))
     driver.submit_attempt("r8", "a1")
-    assert driver.timers.pending() == 2  # the hedge timer and the job's next watch poll
+    # the race's deadline, the hedge timer and the job's next watch poll
+    assert driver.timers.pending() == 3
     # the worker died after saving AttemptSubmitted, before arming anything
     redis_client.delete(driver.timers.keys.due, driver.timers.keys.data)
     driver.submit_attempt("r8", "a1")  # the redelivery
-    assert driver.timers.pending() == 2
+    assert driver.timers.pending() == 3
     assert driver.store.live_jobs("r8").keys() == {"a1"}
 
 

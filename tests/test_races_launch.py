@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpuhedge_celery.core.race_events import SubmitFailed
+from gpuhedge_celery.core.race_events import SubmitFailed, TimerDue
 from gpuhedge_celery.providers.redis_ledger import sim_job_running
 from gpuhedge_celery.providers.simledger import seq_key
 from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT, launch_backstop_id
@@ -70,6 +70,19 @@ def test_a_launch_arms_its_backstop_and_the_watched_submit_drops_it(setup):
     watch = "l1:w:a2|"
     waiting = driver.timers.client.zrange(driver.timers.keys.due, 0, -1)
     assert any(w.startswith(watch) for w in waiting), waiting
+
+
+def test_the_attempt_create_submits_itself_gets_no_launch_backstop(setup):
+    """create(submit_first=True) submits the primary in its own thread, covered by the
+    redelivered create: a backstop armed for it would never be dropped, and once due it would
+    take over the primary's later work (its cancel) from the timer meant for that."""
+    driver, effects, cfg, ledger, _ = setup
+    start(driver, cfg, "l0")
+    primary = driver.store.load("l0").state["race"]["attempts"][0]
+    assert submits(ledger, "p") == 1 and primary["phase"] == "running"
+    assert driver.timers.due_time(launch_backstop_id("l0", "a1")) is None
+    assert driver.timers.due_time(launch_backstop_id("l0", "a2")) is not None  # launched here
+    assert effects.launched == [("l0", "a2")]
 
 
 def test_a_launch_that_died_before_its_submit_is_made_by_the_backstop(setup):
@@ -194,6 +207,32 @@ def test_a_launch_from_a_stale_copy_finds_the_job_another_process_submitted(
     driver.submit_attempt("l10", "a2", backstop=launch_backstop_id("l10", "a2"), decided_here=True)
     assert submits(ledger) == 1 and hedge(driver, "l10")["phase"] == "running"
     assert driver.timers.due_time(launch_backstop_id("l10", "a2")) is None
+
+
+def test_a_launch_resumed_where_the_race_was_last_saved_before_it_keeps_its_backstop(
+    setup, redis_client, prefix
+):
+    """A resume (a timer delivered again, a redelivered task) hands a launch still in flight
+    elsewhere to this process's launch thread, whose last saved copy of the race predates the
+    attempt: the launch is judged from Redis, so the in-flight submit keeps its backstop."""
+    driver, _, cfg, ledger, providers = setup
+    assert driver.create("l12", SLOW, build_spec(cfg), submit_first=True)  # hedge at 0.3 s
+    assert driver.store.load("l12", fresh=True).cached  # this process's copy: a1 only
+    other, *_ = build_driver(redis_client, prefix, InlineRecorder(), RaceSettings())
+    other.providers = providers.__getitem__
+    hedge_at = other.store.load("l12").state["race"]["timers"]["hedge"]
+    time.sleep(max(0.0, hedge_at - time.time()) + 0.01)
+    other.step("l12", TimerDue("hedge"))  # another process launches a2 (and its backstop)
+    now = time.time()
+    assert (
+        other.store.claim_submit("l12", "a2", {"submitting": True, "at": now, "until": now + 5})
+        is None
+    )
+    backstop = launch_backstop_id("l12", "a2")
+    assert driver.timers.due_time(backstop) is not None
+    driver.submit_attempt("l12", "a2", backstop=backstop, decided_here=True)  # a resumed launch
+    assert driver.timers.due_time(backstop) is not None  # left to finish the launch
+    assert submits(ledger) == 0 and hedge(driver, "l12")["phase"] == "launching"
 
 
 def test_an_orphan_job_whose_cancel_fails_stays_registered_for_the_janitor(setup):

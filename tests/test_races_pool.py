@@ -5,7 +5,7 @@ tasks, race timers and the pool's waiters) and one CPU-runner GPU worker in pool
 config races ``gpu-pool`` (adapter ``pool``) against ``s`` (a sim serverless provider) in real
 time (``time_scale: 1``); the pool's jobs last what the request's ``duration_s`` says.
 
-Scenarios: the issue's "pool primary saturated -> state_aware cutover to sim serverless" (every
+Scenarios: "pool primary saturated -> state_aware cutover to sim serverless" (every
 GPU busy, the pool attempt is still QUEUED at the cutover, leaves the wait queue at $0 with a
 confirmed receipt, the sim hedge wins); the unsaturated case (a free GPU: the pool wins, no
 hedge); and a running pool attempt that loses to the hedge (stopped, GPU freed, confirmed).
@@ -27,7 +27,7 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import cancel_pooled, running_on
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.brokers]
 
 POOL = "rp"
 CONFIG = f"""
@@ -52,6 +52,7 @@ policy:
   params: {{queue_cutover_ms: 1500, safety_hedge_ms: 6000}}
 timeouts:
   attempt_cap_s: 60
+budget: {{ceiling_usd: 100}}        # the pool spends money: a ceiling is required
 validator: nonempty
 """
 
@@ -135,18 +136,19 @@ def attempt(receipt: dict[str, Any], provider: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pool_races(redis_url, tmp_path_factory):
+def pool_races(redis_url, tmp_path_factory, broker, request):
     import redis
 
     from gpuhedge_celery.store.listener import enable_notifications
-    from tests.support.fixtures_celery import CeleryCluster
+    from tests.support.fixtures_celery import CeleryCluster, broker_url_for
     from tests.support.fixtures_races import REPO
 
     enable_notifications(redis.Redis.from_url(redis_url))
     tmp = tmp_path_factory.mktemp("pool-races")
     config_path = tmp / "pool-races.yaml"
     config_path.write_text(CONFIG)
-    cluster = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp)
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    cluster = CeleryCluster(redis_url, prefix, tmp, broker_url_for(broker, request))
     cluster.env.update({"GPUHEDGE_CONFIG": str(config_path), "PYTHONPATH": str(REPO)})
     try:
         started = [

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpuhedge_celery.config import parse_config_text
+from gpuhedge_celery.config import load_config, packaged_path, parse_config_text
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.race.settings import RaceSettings
-from gpuhedge_celery.race.spec import build_spec, check_request, resolve_policy, spec_from_state
+from gpuhedge_celery.race.spec import (
+    build_spec,
+    check_request,
+    longest_race_s,
+    resolve_policy,
+    spec_from_state,
+)
 from tests.support.fixtures_races import RACE_CONFIG
 
 CFG = parse_config_text(RACE_CONFIG, source="races.yaml")
@@ -116,8 +122,8 @@ def test_a_missing_plugin_is_a_config_error():
 
 
 def test_hedged_infer_imports_first_in_a_fresh_process():
-    """``from gpuhedge_celery import hedged_infer`` loads tasks.races before tasks.app, whose
-    task modules (the janitor's) build on the race runtime: no import cycle may break that."""
+    """``from gpuhedge_celery import hedged_infer`` loads tasks.races first, and tasks.app from
+    it: no import cycle may break that (tests/test_imports_fresh.py: every public name)."""
     import subprocess
     import sys
 
@@ -131,3 +137,33 @@ def test_hedged_infer_imports_first_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpuhedge.hedged_infer"
+
+
+def test_longest_race_is_the_latest_timer_plus_each_providers_slowest_attempt():
+    slack = 5.0
+    # RACE_CONFIG (time scale 0.01): p takes 1 + 4 s, h 0.5 + 5 s, hedge timer 30 s
+    assert longest_race_s(CFG) == pytest.approx(0.01 * (30 + (1 + 4) + (0.5 + 5)) + slack)
+    assert longest_race_s(CFG, "single") == pytest.approx(0.01 * (1 + 4) + slack)
+    # c's job would take 100 s, but its cap (timeout_s: 20) ends the attempt first
+    assert longest_race_s(CFG, "hedge:p->c@1s", slack_s=0) == pytest.approx(1 + 0.05 + 0.2)
+    # a lognormal has no slowest draw: the attempt cap bounds it
+    lognormal = parse_config_text(
+        "providers:\n  p:\n    adapter: sim\n    sim:\n      fast: {queue_s: 1, run_s:"
+        " {lognormal: {median: 5, sigma: 1}}}\npolicy: {name: single}\n"
+        "timeouts: {attempt_cap_s: 50}\n"
+    )
+    assert longest_race_s(lognormal, slack_s=0) == pytest.approx(50)
+
+
+def test_the_packaged_default_injects_no_faults_and_the_demo_does():
+    default = load_config(packaged_path("default.yaml"))
+    demo = load_config(packaged_path("demo.yaml"))
+    sims = [p.spec for p in default.providers.values() if p.adapter == "sim"]
+    assert sims and all(s.invalid_probability == 0 == s.fail_probability for s in sims)
+    demo_sims = [p.spec for p in demo.providers.values() if p.adapter == "sim"]
+    assert any(s.invalid_probability > 0 for s in demo_sims)
+    assert any(s.fail_probability > 0 for s in demo_sims)
+    # the default's slowest race: hedge timer + the primary's and the hedge's slowest jobs
+    cheap, steady = default.provider("sim-cheap").spec, default.provider("sim-steady").spec
+    slowest = 10 + cheap.slow.queue_s.b + cheap.slow.run_s.b + steady.longest_job_s()
+    assert longest_race_s(default, slack_s=0) == pytest.approx(slowest)

@@ -29,7 +29,7 @@ def test_first_screen_has_exactly_the_two_setup_commands():
 
 
 def test_readme_http_example_loads_and_runs(monkeypatch):
-    (example,) = _blocks("yaml")
+    (example,) = [b for b in _blocks("yaml") if "adapter: http" in b]
     with HttpProviderServer() as server:
         server.knobs.api_key = "rp-readme-secret"
         monkeypatch.setenv("RUNPOD_API_BASE", server.url)
@@ -42,3 +42,23 @@ def test_readme_http_example_loads_and_runs(monkeypatch):
         assert result.state is JobState.COMPLETED
         assert validate(cfg.validator.name, result.payload, **cfg.validator.options).ok
         assert "rp-readme-secret" not in repr(cfg) + repr(provider) + repr(result.to_dict())
+
+
+def test_run_it_links_the_operators_guide_and_the_dashboard():
+    root = Path(__file__).resolve().parents[1]
+    section = README[README.index("## Run it") :]
+    section = section[: section.index("\n## ", 1)]
+    links = re.findall(r"\]\(([^)]+)\)", section)
+    for wanted in ("docs/operations.md", "deploy/grafana/gpuhedge-dashboard.json"):
+        assert wanted in links, f"README's Run it section does not link {wanted}"
+        assert (root / wanted).is_file(), wanted
+
+
+def test_readme_runpod_cerebrium_hedge_loads_and_builds():
+    (example,) = [b for b in _blocks("yaml") if "adapter: cerebrium" in b]
+    cfg = parse_config_text(example, source="README.md")
+    assert cfg.policy.name == "fixed" and cfg.by_role("hedge")[0].adapter == "cerebrium"
+    env = {"RUNPOD_ENDPOINT_ID": "ep", "RUNPOD_API_KEY": "k1", "CEREBRIUM_PROJECT_ID": "p-1",
+           "CEREBRIUM_API_KEY": "k2"}  # fmt: skip
+    assert cfg.build("runpod", env=env).adapter == "runpod"
+    assert cfg.build("cerebrium", env=env).app_id == "p-1-tts"

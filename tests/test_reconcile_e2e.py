@@ -12,9 +12,10 @@ import pytest
 from gpuhedge_celery.store.leases import LeaseKeeper
 from gpuhedge_celery.tasks.app import TASK_POOLED_INFER, TASK_RECONCILE
 from gpuhedge_celery.tasks.reconcile import reconcile_once
+from tests.support.example_app import example_node, start_example_worker
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers]
 
 
 def applied(summary, kind):
@@ -144,3 +145,77 @@ def test_beat_schedules_reconcile_and_it_corrects_drift(celery_cluster):
     assert c.store.try_claim(gpu, "crashed") is not None
     c.start_beat(**fast)
     wait_for(lambda: c.store.current(gpu) is None, 30, "beat's reconcile to free the lease")
+
+
+def test_a_foreign_apps_worker_on_the_same_broker_never_sees_the_command(celery_cluster):
+    """The existing-app example's worker (a plain Celery app, no gpuhedge import) shares the
+    broker: a reconcile pass asks the GPU workers only, so it logs no pidbox error."""
+    c = celery_cluster
+    c.start_gpu(0)
+    gpu = c.gpu_id(0)
+    env = {**os.environ, "BROKER_URL": c.broker_url or c.redis_url, "RESULT_BACKEND": c.redis_url}
+    if c.broker_url is None:  # on Redis the cluster's broker keys carry its prefix
+        env["BROKER_KEYPREFIX"] = f"{c.prefix}:"
+    log = c.tmp_path / "foreign.log"
+    foreign = start_example_worker(env, log)
+    try:
+        # The foreign worker is on this broker's control channel: it answers a ping.
+        assert c.app.control.ping(destination=[example_node()], timeout=5.0)
+        lease = c.store.try_claim(gpu, "holder-that-crashed")
+        summary = reconcile_once(c.app, c.store, grace_s=0)
+        assert gpu in summary["answered"]
+        assert [(a["gpu_id"], a["token"]) for a in applied(summary, "free")] == [(gpu, lease.token)]
+        # Control messages are handled in order: once this ping is answered, anything the
+        # pass sent the foreign worker has been handled (and any error logged).
+        assert c.app.control.ping(destination=[example_node()], timeout=5.0)
+        text = log.read_text(errors="replace")
+        assert "pidbox command error" not in text and "gpuhedge_gpus" not in text, text
+    finally:
+        os.killpg(foreign.pid, signal.SIGKILL)
+        foreign.wait(10)
+
+
+def test_no_registered_gpu_means_no_control_message_at_all(celery_cluster, monkeypatch):
+    """An empty destination would mean "every worker": with no GPU registered, nothing is sent."""
+    c = celery_cluster
+    sent = []
+    monkeypatch.setattr(c.app.control, "broadcast", lambda *a, **kw: sent.append((a, kw)))
+    summary = reconcile_once(c.app, c.store, grace_s=0)
+    assert summary["answered"] == [] and summary["gpus"] == 0
+    assert sent == []
+
+
+def test_stranded_jobs_of_dead_gpus_go_back_to_waiting_and_foreign_messages_stay(celery_cluster):
+    """Reconcile drains a dead GPU's queue through the broker (Redis or RabbitMQ): a ``gpu_run``
+    goes back to waiting under its own id; a message it does not understand stays where it was;
+    a dead GPU whose queue was never declared (RabbitMQ answers 404) is no error."""
+    from kombu import Queue
+
+    from gpuhedge_celery.store.leases import GpuInfo
+    from gpuhedge_celery.tasks.app import TASK_GPU_RUN, gpu_queue
+
+    c = celery_cluster
+    dead_host = f"{c.prefix}-deadhost"
+    never, foreign, stranded = (f"{dead_host}:{i}" for i in range(3))
+    for gpu in (never, foreign, stranded):
+        c.store.register_gpu(GpuInfo(gpu, "default", dead_host))
+    lease = {"gpu_id": stranded, "pool": "default", "token": 1, "holder": "x", "ttl_ms": 1000}
+    job = c.app.send_task(TASK_GPU_RUN, ({"id": "stranded"}, lease), queue=gpu_queue(stranded))
+    other = c.app.send_task("tests.not_a_gpu_job", (1,), queue=gpu_queue(foreign))
+
+    summary = reconcile_once(c.app, c.store, timeout_s=0.2)
+    assert summary["rescued"] == [job.id]
+    assert reconcile_once(c.app, c.store, timeout_s=0.2)["rescued"] == []  # nothing twice
+    with c.app.connection_for_write() as conn:
+
+        def take(queue_name):
+            return Queue(queue_name, channel=conn.default_channel).get(no_ack=True)
+
+        assert take(gpu_queue(stranded)) is None
+        left = take(gpu_queue(foreign))
+        assert left is not None and left.headers["id"] == other.id
+        back = take("gpuhedge.pool")  # no coordinator runs here: the rescued request waits
+        assert back is not None and back.headers["id"] == job.id
+        assert back.headers["task"] == TASK_POOLED_INFER
+        args, kwargs, _ = back.decode()
+        assert args == [{"id": "stranded"}] and kwargs["attempt"] == 1

@@ -11,10 +11,10 @@ import pytest
 
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.runners import (
-    CallableRunner,
     CommandRunner,
     CpuRunner,
     Duration,
+    PythonRunner,
     RunContext,
     RunnerFailed,
     RunnerStopped,
@@ -84,7 +84,7 @@ def test_uniform_stays_in_bounds():
         ("cpu", CpuRunner),
         ("cpu:fixed=0.01", CpuRunner),
         ("cpu:lognormal=0.2,0.5;seed=3", CpuRunner),
-        ("python:tests.test_runners:double", CallableRunner),
+        ("python:tests.test_runners:double", PythonRunner),
         ("cmd:cat", CommandRunner),
         (None, CpuRunner),
     ],
@@ -100,8 +100,8 @@ def test_runner_from_spec(spec, kind):
         "cpu:fixed",
         "cpu:fixed=1;sid=2",
         "python:nomodule",
-        "python:tests.test_runners:missing",
         "python:no.such.module:f",
+        "python:not a module",
         "cmd:",
         "cmd:'unclosed",
     ],

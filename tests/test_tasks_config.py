@@ -8,6 +8,8 @@ from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.tasks.app import (
     QUEUE_ATTEMPTS,
     QUEUE_COORD,
+    QUEUE_POOL,
+    TASK_POOLED_INFER,
     celery_conf,
     create_app,
     gpu_queue,
@@ -71,8 +73,23 @@ def test_json_only_and_prefetch_one():
 
 def test_coordination_role():
     conf = celery_conf(GlueConfig.from_env({"GPUHEDGE_COORD_CONCURRENCY": "5"}))
-    assert [q.name for q in conf["task_queues"]] == [QUEUE_COORD, QUEUE_ATTEMPTS]
+    assert [q.name for q in conf["task_queues"]] == [QUEUE_COORD, QUEUE_ATTEMPTS, QUEUE_POOL]
     assert conf["worker_pool"] == "threads" and conf["worker_concurrency"] == 5
+    assert conf["task_routes"][TASK_POOLED_INFER] == {"queue": QUEUE_POOL}
+
+
+def test_pooled_waits_can_get_workers_of_their_own():
+    waiters = celery_conf(GlueConfig.from_env({"GPUHEDGE_COORD_QUEUES": "gpuhedge.pool"}))
+    assert [q.name for q in waiters["task_queues"]] == [QUEUE_POOL]
+    races = GlueConfig.from_env({"GPUHEDGE_COORD_QUEUES": " gpuhedge.coord, gpuhedge.attempts "})
+    assert races.coord_queues == (QUEUE_COORD, QUEUE_ATTEMPTS)
+
+
+@pytest.mark.parametrize("value", ["gpuhedge.coord,gpuhedge.gpu.0", ",", "celery"])
+def test_an_unknown_coordination_queue_is_one_line_naming_the_variable(value):
+    with pytest.raises(ConfigError, match="GPUHEDGE_COORD_QUEUES") as e:
+        GlueConfig.from_env({"GPUHEDGE_COORD_QUEUES": value})
+    assert "\n" not in str(e.value)
 
 
 def test_gpu_role_is_one_prefork_child_on_its_own_queue():
@@ -137,5 +154,31 @@ def test_control_report_reads_active_gpu_jobs(monkeypatch):
         "host": "w@box",
         "gpus": [{"gpu_id": "box:0", "pool": "p", "running": [
             {"task_id": "t1", "token": 4, "holder": "t1", "gpu_id": "box:0", "since": 123.5}
-        ]}],
+        ], "health": None}],
     }  # fmt: skip
+
+
+def test_rabbitmq_broker_keeps_redis_for_results_and_drops_redis_only_options():
+    env = {"GPUHEDGE_REDIS_URL": "redis://r:6379/1", "GPUHEDGE_BROKER_PREFIX": "x:",
+           "GPUHEDGE_BROKER_URL": "amqp://u:s3cret@rabbit:5672/gpu"}  # fmt: skip
+    config = GlueConfig.from_env(env)
+    conf = celery_conf(config)
+    assert config.broker_kind == "amqp"
+    assert conf["broker_url"] == "amqp://u:s3cret@rabbit:5672/gpu"
+    assert conf["result_backend"] == "redis://r:6379/1"
+    assert conf["broker_transport_options"] == {}  # visibility timeout etc. are Redis's
+    assert conf["result_backend_transport_options"]["global_keyprefix"] == "x:"
+    assert "s3cret" not in repr(config.as_celery_conf()) + repr(config)
+
+
+def test_the_broker_defaults_to_the_redis_of_everything_else():
+    config = GlueConfig.from_env({"GPUHEDGE_REDIS_URL": "redis://r:6379/1"})
+    assert config.broker_kind == "redis"
+    assert celery_conf(config)["broker_url"] == "redis://r:6379/1"
+
+
+@pytest.mark.parametrize("url", ["kafka://k:9092", "rabbit", "sqs://"])
+def test_an_unsupported_broker_url_is_one_line_naming_the_variable(url):
+    with pytest.raises(ConfigError, match="GPUHEDGE_BROKER_URL") as info:
+        GlueConfig.from_env({"GPUHEDGE_BROKER_URL": url})
+    assert "\n" not in str(info.value)

@@ -56,6 +56,7 @@ def test_watch_once_shows_races_in_flight_then_forgets_them(watch_cluster):
     line = next(x for x in text.splitlines() if x.startswith(res.id[:12]))
     assert "racing" in line and "p:running/" in line and "h:running/" in line
     assert text.splitlines()[1].split()[:3] == ["RACE", "STATUS", "POLICY"]
+    assert_columns_line_up(text)
 
     # the installed entry point, as a script would run it
     script = shutil.which("gpuhedge-celery")
@@ -74,8 +75,86 @@ def test_watch_once_shows_races_in_flight_then_forgets_them(watch_cluster):
     assert res.id not in [r["race_id"] for r in after["races"]]  # finished, nothing to watch
     finished = json.loads(watch(rc, "--once", "--json", "--all"))
     row = next((r for r in finished["races"] if r["race_id"] == res.id), None)
-    if row is not None:  # it may already have left the heartbeat index
-        assert row["status"] == "finished" and row["winner"] == result["winner"]
+    assert row is not None, "--all lists recently finished races"
+    assert row["status"] == "finished" and row["winner"] == result["winner"]
+
+
+def assert_columns_line_up(text):
+    """Every cell starts under its header, whatever the row holds."""
+    lines = text.splitlines()
+    header, rows = lines[1], [x for x in lines[2:] if " expired " not in x]
+    assert rows, text
+    starts = [header.index(name) for name in header.split()]
+    for row in rows:
+        for start in starts[1:]:
+            assert row[start - 1] == " " and row[start] != " ", (text, start)
+
+
+def test_watch_all_lists_finished_races_and_receipt_takes_the_short_id(watch_cluster):
+    rc = watch_cluster
+    fast = {"sim": {"p": {"queue_s": 0, "run_s": 1}}}
+    # a busy race (two attempts, two timers) beside finished ones: the columns still line up
+    busy = rc.send({"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0,
+                   "run_s": 100}}}, policy="cascade:p->h->f@q0.02s+s0.05s+e5s")  # fmt: skip
+    done = [rc.send(fast) for _ in range(3)]
+    for res in done:
+        res.get(timeout=20)
+        rc.receipt(res.id)
+
+    def shown():
+        text = watch(rc, "--once", "--all")
+        return text if busy.id[:12] in text and "h:running" in text else None
+
+    text = wait_for(shown, 20, "the busy race with both attempts running")
+    for res in done:
+        line = next(x for x in text.splitlines() if x.startswith(res.id[:12]))
+        assert "finished" in line and " p " in f" {line} "
+    assert_columns_line_up(text)
+    assert len(json.loads(watch(rc, "--once", "--json", "--all"))["races"]) >= 4
+
+    # the short id watch prints is enough for receipt
+    env = {"GPUHEDGE_REDIS_URL": rc.redis_url, "GPUHEDGE_PREFIX": rc.prefix}
+    out = CliRunner().invoke(cli, ["receipt", done[0].id[:12], "--json"], env=env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == rc.store.receipt(done[0].id)
+    busy.get(timeout=30)
+
+
+def test_receipt_by_prefix_says_when_a_prefix_is_ambiguous_or_unknown(watch_cluster, capsys):
+    import uuid
+
+    from gpuhedge_celery.cli import main
+
+    rc = watch_cluster
+    base = uuid.uuid4().hex[:16]
+    ids = [f"{base}-{i}-race" for i in range(3)]
+    for race_id in ids:
+        rc.app.send_task(
+            "gpuhedge.hedged_infer", ({"sim": {"p": {"queue_s": 0, "run_s": 1}}},),
+            task_id=race_id, queue="gpuhedge.coord",
+        ).get(timeout=20)  # fmt: skip
+        rc.receipt(race_id)
+
+    def receipt(arg):
+        """The console script's exit code, stdout and stderr (one-line errors, exit codes)."""
+        code = main(["--redis-url", rc.redis_url, "--prefix", rc.prefix, "receipt", arg, "--json"])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = receipt(f"{base}-1")  # a prefix naming one race
+    assert code == 0 and json.loads(out)["race_id"] == ids[1]
+    code, out, err = receipt(base)
+    assert (code, out, err.count("\n")) == (1, "", 1)
+    assert f"race id prefix '{base}' matches 3 races ({', '.join(ids)})" in err
+    assert "give more characters" in err
+    code, out, err = receipt("zz" + base)
+    assert code == 1 and "no race 'zz" in err and "no race id starts with it" in err
+    # found by the SCAN fallback once the index no longer lists it
+    rc.client.zrem(rc.store.finished_key, ids[2])
+    code, out, _ = receipt(f"{base}-2")
+    assert code == 0 and json.loads(out)["race_id"] == ids[2]
+    code, out, err = receipt(base[:14] + "-x")  # nothing starts with it: the SCAN finds none
+    assert code == 1 and "no race" in err
 
 
 def test_watch_timers_column_and_bad_options(watch_cluster):

@@ -8,8 +8,9 @@ own queue (``tts``) and its own tasks. It reaches ``hedged_infer`` on the same R
 * as part of a workflow: ``chain(signature("gpuhedge.hedged_infer", ...), save_audio.s())``, so
   ``save_audio`` runs on this app's own worker with the race's result.
 
-Settings (environment): ``BROKER_URL`` (default ``redis://127.0.0.1:6379/0``, also the result
-backend) and ``BROKER_KEYPREFIX`` (only if the gpuhedge workers run with a
+Settings (environment): ``BROKER_URL`` (default ``redis://127.0.0.1:6379/0``),
+``RESULT_BACKEND`` (default: the broker URL; set it to the gpuhedge Redis when the broker is
+RabbitMQ) and ``BROKER_KEYPREFIX`` (only if the gpuhedge workers run with a
 ``GPUHEDGE_BROKER_PREFIX``; both sides must use the same).
 
 Run its worker with ``celery -A tts_app worker -Q tts`` from this directory.
@@ -27,17 +28,23 @@ from celery import Celery, chain, signature
 BROKER_URL = os.environ.get("BROKER_URL", "redis://127.0.0.1:6379/0")
 KEYPREFIX = os.environ.get("BROKER_KEYPREFIX", "")
 
-app = Celery("tts_app", broker=BROKER_URL, backend=BROKER_URL)
+RESULT_BACKEND = os.environ.get("RESULT_BACKEND", BROKER_URL)
+
+app = Celery("tts_app", broker=BROKER_URL, backend=RESULT_BACKEND)
 app.conf.update(
     task_serializer="json",  # gpuhedge workers accept JSON only
     result_serializer="json",
     accept_content=["json"],
     task_default_queue="tts",
-    task_routes={"gpuhedge.*": {"queue": "gpuhedge.coord"}},
+    task_routes={
+        "gpuhedge.pooled_infer": {"queue": "gpuhedge.pool"},
+        "gpuhedge.*": {"queue": "gpuhedge.coord"},
+    },
 )
 if KEYPREFIX:
     app.conf.broker_transport_options = {"global_keyprefix": KEYPREFIX}
-    app.conf.result_backend_transport_options = {"global_keyprefix": KEYPREFIX}
+    if RESULT_BACKEND.startswith("redis"):
+        app.conf.result_backend_transport_options = {"global_keyprefix": KEYPREFIX}
 
 
 def speak(text: str, *, policy: str | None = None, sim: dict[str, Any] | None = None) -> Any:

@@ -16,6 +16,20 @@ FREE = "free"
 HELD = "held"
 STALE = "stale"
 
+# Why a GPU is out of the pool (it takes no new lease; a job it runs finishes). ``drain`` and
+# ``fault`` stay until an operator undrains the GPU; the others are cleared by the GPU's worker.
+OUT_DRAIN = "drain"  # an operator drained it (gpuhedge-celery gpus drain)
+OUT_FAULT = "fault"  # ECC or Xid errors: drained by its worker's health check
+OUT_HEALTH = "health"  # another process holds its memory
+OUT_RUNNER = "runner"  # its model is not loaded, or its model server is not ready
+OUT_REASONS = (OUT_DRAIN, OUT_FAULT, OUT_HEALTH, OUT_RUNNER)
+STICKY_REASONS = (OUT_DRAIN, OUT_FAULT)  # cleared by undrain only
+
+IN_POOL = "in pool"
+DRAINING = "draining"  # drained (or faulted) while a job still runs there
+DRAINED = "drained"  # drained and idle: safe for maintenance
+OUT = "out"
+
 # Used only until a pool's TTL is set (``gpuhedge-celery leases suggest-ttl`` says what to set).
 DEFAULT_POOL_TTL_MS = 60_000
 
@@ -36,6 +50,32 @@ def classify(*, leased: bool, host_live: bool, token: int = 0, accepted: int = 0
     if not host_live or token < accepted:
         return STALE
     return HELD
+
+
+def out_value(detail: str, since_ms: int) -> str:
+    """How an out-of-pool reason is stored: ``since_ms|detail``."""
+    return f"{int(since_ms)}|{detail}"
+
+
+def parse_out(fields: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The stored reasons (``reason -> since_ms|detail``) as ``reason -> {detail, since_ms}``."""
+    found = {}
+    for kind, value in sorted(fields.items()):
+        since, sep, detail = str(value).partition("|")
+        if not sep or not since.isdigit():
+            since, detail = "0", str(value)
+        found[kind] = {"detail": detail, "since_ms": int(since)}
+    return found
+
+
+def availability(out: dict[str, Any], *, leased: bool) -> str:
+    """Whether a GPU takes new leases: ``in pool``, ``draining`` (drained or faulted while a job
+    still runs), ``drained`` (and idle), or ``out`` (unhealthy, model not loaded)."""
+    if not out:
+        return IN_POOL
+    if any(kind in out for kind in STICKY_REASONS):
+        return DRAINING if leased else DRAINED
+    return OUT
 
 
 def validate_ttl_ms(ttl_ms: object, *, what: str = "ttl_ms") -> int:
@@ -192,6 +232,13 @@ class LeaseRow:
     since_ms: int | None
     accepted_token: int
     labels: dict[str, str] = field(default_factory=dict)
+    out: dict[str, dict[str, Any]] = field(default_factory=dict)  # reason -> detail, since_ms
+    health: dict[str, Any] | None = None  # the worker's last health sample (None: none recent)
+
+    @property
+    def availability(self) -> str:
+        """``in pool``, ``draining``, ``drained`` or ``out`` (see :func:`availability`)."""
+        return availability(self.out, leased=self.token is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -206,6 +253,9 @@ class LeaseRow:
             "since_ms": self.since_ms,
             "accepted_token": self.accepted_token,
             "labels": copy_data(self.labels),
+            "availability": self.availability,
+            "out": copy_data(self.out),
+            "health": copy_data(self.health),
         }
 
 

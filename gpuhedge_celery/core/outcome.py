@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .race import Attempt, Race
+from .attempts import Attempt
+from .race import Race
 
 
 @dataclass(frozen=True)

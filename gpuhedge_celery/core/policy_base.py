@@ -170,7 +170,8 @@ def fmt_s(ms: int | float) -> str:
 
 def bad_name(kind: str, body: str, expected: str) -> ConfigError:
     """The one-line error for a policy name that does not match its kind's grammar."""
-    return ConfigError(f"bad policy name '{kind}:{body}': expected {kind}:{expected}")
+    name = f"{kind}:{body}"  # repr: a name holding a newline still makes one line
+    return ConfigError(f"bad policy name {name!r}: expected {kind}:{expected}")
 
 
 def check_ms(value: Any, what: str) -> int:

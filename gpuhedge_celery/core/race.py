@@ -15,7 +15,13 @@ Rules enforced here for every policy:
   a launch asked for at capacity waits and is retried whenever a job ends;
 * every loser is cancelled and every non-winning attempt ends with a receipt;
 * a job whose cancel is not yet confirmed stays in the race and may still win (then the other
-  job is cancelled); a cancel that fails leaks a receipt and never loses a won race.
+  job is cancelled); a cancel that fails leaks a receipt and never loses a won race;
+* with a ``deadline_s``, a race still without a winner that long after its start gives up: the
+  caller is failed at once (:class:`GiveUp`), every live job is cancelled, and no result can win
+  any more (the race finishes, without a winner, once its attempts are settled).
+* an attempt the budget refused (``SubmitFailed(refused=True)``) was never submitted: a refused
+  primary stops the race from launching anything more, a refused hedge or fallback leaves the
+  other attempts racing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from .race_events import (
     CancelFailed,
     DeclareWinner,
     Event,
+    GiveUp,
     Launch,
     PollStatus,
     RaceFinished,
@@ -45,20 +52,33 @@ from .race_events import (
     SubmitFailed,
     TimerDue,
 )
-from .receipts import CancelReceipt, CancelScope, Evidence
+from .receipts import SUBMIT_OUTCOME_UNKNOWN, CancelReceipt, CancelScope, Evidence
 
 MAX_LIVE_JOBS = 2
+DEADLINE_TIMER = "race_deadline"  # the engine's own timer key (policies use other keys)
+BUDGET_REFUSED = "budget_refused"  # flag: the budget refused an attempt (see SubmitFailed)
+BUDGET_STOP = "budget_stop"  # flag: it refused the primary; the race launches nothing more
 
 
 class Race:
     """One request's race, driven by events; also the :class:`RaceControl` its policy sees."""
 
     def __init__(
-        self, policy: Policy, clock: Clock, *, race_id: str = "", max_live: int = MAX_LIVE_JOBS
+        self,
+        policy: Policy,
+        clock: Clock,
+        *,
+        race_id: str = "",
+        max_live: int = MAX_LIVE_JOBS,
+        deadline_s: float | None = None,
     ):
         if max_live < 1:
             raise ValueError("max_live must be at least 1")
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.policy = policy
+        self.deadline_s = deadline_s
+        self.gave_up = False  # the deadline passed without a winner: nothing can win now
         self.clock = clock
         self.race_id = race_id
         self.max_live = max_live
@@ -126,12 +146,6 @@ class Race:
         won = self.winner_attempt
         return None if won is None or won.result_at is None else won.result_at - self.t0
 
-    def outcome(self, rates: Any = None) -> Any:
-        """The race's :class:`~gpuhedge_celery.core.outcome.Outcome` (priced when given rates)."""
-        from .outcome import race_outcome  # outcome.py builds on this module
-
-        return race_outcome(self, rates)
-
     # ------------------------------------------------------------------ RaceControl
     def elapsed(self) -> float:
         return self._rel() - self.t0
@@ -140,7 +154,7 @@ class Race:
         return next((a for a in self.attempts if a.role == role), None)
 
     def launch(self, provider: str, role: str) -> str | None:
-        if self.winner is not None or self.finished:
+        if self.winner is not None or self.finished or self.gave_up or BUDGET_STOP in self.flags:
             return None
         if self.live_count >= self.max_live:
             self.waiting.append([provider, role])
@@ -181,6 +195,10 @@ class Race:
         if self.started_at is not None:
             return  # a duplicated Start
         self.started_at = self._now
+        if self.deadline_s is not None:
+            at = self._now + self.deadline_s
+            self.timers[DEADLINE_TIMER] = at
+            self._out.append(ScheduleTimer(DEADLINE_TIMER, at))
         self.policy.on_start(self)
 
     def _on_timer(self, event: TimerDue) -> None:
@@ -191,7 +209,9 @@ class Race:
             self._out.append(ScheduleTimer(event.key, at))
             return
         del self.timers[event.key]
-        if self.winner is None:
+        if event.key == DEADLINE_TIMER:
+            self._give_up()
+        elif self.winner is None and not self.gave_up:
             self.policy.on_timer(self, event.key)
 
     def _on_submitted(self, a: Attempt, event: AttemptSubmitted) -> None:
@@ -210,7 +230,20 @@ class Race:
     def _on_submit_failed(self, a: Attempt, event: SubmitFailed) -> None:
         if a.phase is not Phase.LAUNCHING:
             return
-        self._end(a, JobState.FAILED, False, [event.error or "submit failed"], "submit_failed")
+        label = "refused by the budget" if event.refused else "submit_failed"
+        self._end(a, JobState.FAILED, False, [event.error or "submit failed"], label)
+        if event.refused:
+            self.flag(BUDGET_REFUSED)
+            if a.role == PRIMARY:  # the race fails: nothing more is launched
+                self.flag(BUDGET_STOP)
+                self.note = event.error
+                return
+        if event.outcome_unknown:
+            # A job may run at the provider under an id we never learnt: nothing can stop it
+            # or show it stopped. It holds no live slot, but its receipt is a leak, flagged.
+            a.receipt = CancelReceipt(provider=a.provider, job_id="", note=event.error)
+            a.timeline.append([self._rel(), "leaked (submit outcome unknown)"])
+            self.flag("leaked")
         if self.winner is None:
             self.policy.on_failed(self, a)
 
@@ -241,6 +274,8 @@ class Race:
             a.receipt.note = (a.receipt.note + "; " if a.receipt.note else "") + (
                 "result arrived before the cancel took effect"
             )
+        if self.gave_up:
+            return  # the caller was failed at the deadline: a late result cannot win
         if good and self.winner is None:
             self._declare(a)
         elif not good and self.winner is None:
@@ -307,6 +342,21 @@ class Race:
         a.result_at = self._rel()
         a.timeline.append([a.result_at, label])
 
+    def _give_up(self) -> None:
+        """The deadline passed without a winner: fail the caller now, stop every job."""
+        if self.winner is not None or self.gave_up:
+            return
+        self.gave_up = True
+        self.flag("deadline_passed")
+        self.timers.clear()
+        self.waiting.clear()
+        note = f"no valid result within the race's deadline ({self.deadline_s:g} s)"
+        self.note = note
+        self._out.append(GiveUp(note))
+        for a in self.attempts:
+            if a.phase in (Phase.LAUNCHING, Phase.RUNNING):
+                self._send_cancel(a, "deadline")
+
     def _declare(self, a: Attempt) -> None:
         self.winner = a.id
         self.timers.clear()
@@ -350,10 +400,14 @@ class Race:
         while self.winner is None and self.waiting and self.live_count < self.max_live:
             provider, role = self.waiting.pop(0)
             self.launch(provider, role)
-        if self.winner is None and self.started_at is not None and self.live_count == 0:
+        if self.gave_up:
+            if not any(a.phase in UNSETTLED_PHASES for a in self.attempts):
+                self._finish(None, self.note)
+        elif self.winner is None and self.started_at is not None and self.live_count == 0:
             self.policy.on_idle(self)
             if self.live_count == 0:
-                self._finish(None, "no attempt returned a valid result")
+                stopped = BUDGET_STOP in self.flags and self.note
+                self._finish(None, self.note if stopped else "no attempt returned a valid result")
         elif self.winner is not None:
             if not any(a.phase in UNSETTLED_PHASES for a in self.attempts):
                 self._finish(self.winner, "")
@@ -365,12 +419,14 @@ class Race:
         for a in self.attempts:
             if a.id != winner and a.receipt is None:
                 a.receipt = _ended_on_its_own(a, self._ms())
+                if a.receipt.leaked:  # a job we may have started but can never cancel
+                    self.flag("leaked")
         self._out.append(RaceFinished(winner, note))
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, Any]:
         """Everything needed to resume the race in another process (JSON-safe)."""
-        return {
+        data = {
             "race_id": self.race_id,
             "policy": self.policy.to_dict(),
             "max_live": self.max_live,
@@ -384,6 +440,10 @@ class Race:
             "finished": self.finished,
             "note": self.note,
         }
+        if self.deadline_s is not None:  # only races with a deadline carry its fields
+            data["deadline_s"] = self.deadline_s
+            data["gave_up"] = self.gave_up
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], clock: Clock) -> Race:
@@ -393,7 +453,9 @@ class Race:
             clock,
             race_id=data.get("race_id", ""),
             max_live=int(data.get("max_live", MAX_LIVE_JOBS)),
+            deadline_s=data.get("deadline_s"),
         )
+        race.gave_up = bool(data.get("gave_up"))
         race.started_at = data.get("started_at")
         race.attempts = [Attempt.from_dict(a) for a in data.get("attempts", [])]
         race.timers = {k: float(v) for k, v in (data.get("timers") or {}).items()}
@@ -406,8 +468,24 @@ class Race:
         return race
 
 
+def unknown_submit_receipt(a: Attempt) -> CancelReceipt | None:
+    """The receipt of an attempt whose submit may have started a job we have no id for (its
+    reasons say ``submit outcome unknown``): leaked, since nothing can show or stop it."""
+    if a.submitted_at is not None or not any(SUBMIT_OUTCOME_UNKNOWN in r for r in a.reasons):
+        return None
+    receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
+    receipt.note = (
+        "; ".join(a.reasons) + " - the provider may run (and bill) a job whose id we never "
+        "learnt: no cancel is possible, check the provider's console"
+    )
+    return receipt  # no evidence, leaked
+
+
 def _ended_on_its_own(a: Attempt, now_ms: float) -> CancelReceipt:
     """The receipt of a loser that needed no cancel: it ended (or never started) by itself."""
+    unknown = unknown_submit_receipt(a)
+    if unknown is not None:
+        return unknown
     receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
     state = JobState(a.result_state) if a.result_state else JobState.FAILED
     receipt.confirm_terminal(state, now_ms)

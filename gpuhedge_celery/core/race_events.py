@@ -78,11 +78,20 @@ class AttemptSubmitted(Event):
 
 @dataclass(frozen=True)
 class SubmitFailed(Event):
-    """The provider refused a launched attempt: it ends without a valid result."""
+    """The provider refused a launched attempt: it ends without a valid result.
+
+    ``outcome_unknown``: the adapter says the submit may have created a job whose id never
+    came back (a lost reply): nothing can cancel it, so the attempt ends as a listed leak.
+    ``refused``: the budget refused the attempt's reservation; nothing was submitted. A
+    refused primary ends the race (nothing more is launched); a refused hedge or fallback
+    leaves the race going without it.
+    """
 
     kind: ClassVar[str] = "submit_failed"
     attempt_id: str
     error: str = ""
+    outcome_unknown: bool = False
+    refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,14 @@ class DeclareWinner(Action):
 
 
 @dataclass(frozen=True)
+class GiveUp(Action):
+    """The race's deadline passed without a winner: fail the caller now (jobs are cancelled)."""
+
+    kind: ClassVar[str] = "give_up"
+    note: str
+
+
+@dataclass(frozen=True)
 class RaceFinished(Action):
     """Nothing is left to do; ``winner`` is None when no attempt returned a valid result."""
 
@@ -237,7 +254,7 @@ class RaceFinished(Action):
 
 ACTION_TYPES: dict[str, type[Action]] = {
     cls.kind: cls
-    for cls in (Launch, PollStatus, Cancel, ScheduleTimer, DeclareWinner, RaceFinished)
+    for cls in (Launch, PollStatus, Cancel, ScheduleTimer, DeclareWinner, GiveUp, RaceFinished)
 }
 
 
@@ -259,6 +276,7 @@ __all__ = [
     "CancelFailed",
     "DeclareWinner",
     "Event",
+    "GiveUp",
     "Launch",
     "PollStatus",
     "RaceFinished",

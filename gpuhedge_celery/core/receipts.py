@@ -14,6 +14,11 @@ from typing import Any
 from ._data import enum_by_value, to_enum
 from .jobs import JobState
 
+#: The words an attempt's reasons carry when its submit may have started a job whose id we never
+#: learnt (a lost reply, a worker that died mid-submit): nothing can cancel it, so its receipt
+#: stays leaked (see ``Race``'s receipts of attempts that never reported a job).
+SUBMIT_OUTCOME_UNKNOWN = "submit outcome unknown"
+
 
 class Evidence(str, enum.Enum):
     """How strongly we know a cancelled job stopped, strongest first."""

@@ -20,6 +20,10 @@ Rules, per GPU:
    its holder could not have renewed it from a dead host.
 5. The worker did not answer (timeout, busy, partitioned) → no change: absence of a reply is not
    evidence of idleness.
+6. The worker's health reading found a fault (ECC, Xid) or memory held by a foreign process, and
+   Redis does not show the GPU out of the pool for it → take it out (``out``, with the reason
+   ``fault`` or ``health``). The worker does this itself; the pass is the backstop for a write
+   that was lost.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class GpuView:
     host_silent_s: float | None = None  # seconds since the host's last heartbeat, if known
     ttl_ms: int = 30_000  # the pool's lease TTL
     lease: LeaseView | None = None
+    out: frozenset[str] = frozenset()  # why the GPU is out of the pool (reasons), if it is
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,13 @@ class GpuReport:
 
     gpu_id: str
     running: tuple[RunningJob, ...] = ()
+    health: dict | None = field(default=None, compare=False)  # the worker's latest reading
 
 
 @dataclass(frozen=True)
 class Action:
-    """One correction: ``free`` or ``restore`` a lease, or a ``conflict`` only reported."""
+    """One correction: ``free`` or ``restore`` a lease, take a GPU ``out`` of the pool
+    (``detail["reason"]``), or a ``conflict`` only reported."""
 
     kind: str
     gpu_id: str
@@ -108,6 +115,11 @@ def plan(
         report = reports.get(gpu.gpu_id)
         if report is None:
             continue  # rule 5: unknown is not idle
+        health = report.health or {}
+        for reason in ("fault", "health"):  # rule 6
+            if health.get(reason) and reason not in gpu.out:
+                detail = {"reason": reason, "detail": health[reason]}
+                actions.append(Action("out", gpu.gpu_id, 0, "", health[reason], detail))
         running = max(report.running, key=lambda job: job.token, default=None)
         if lease is None:
             if running is not None:

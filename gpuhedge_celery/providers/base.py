@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..core.clock import Clock, VirtualClock, WallClock
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt
+from .account import UNAVAILABLE, UNSUPPORTED, LoginCheck, SpendReport
 from .options import Block
 
-if TYPE_CHECKING:  # config imports the registry, which imports this module
-    from ..config import ProviderConfig
+if TYPE_CHECKING:
+    from .provider_config import ProviderConfig
 
 Sleep = Callable[[float], None]
 
@@ -52,6 +53,7 @@ class Provider(abc.ABC):
     - ``name``: the provider's name in the config (and in every handle it issues);
     - ``billed_rate_per_s``: USD per second of execution (a worker running the job);
     - ``idle_billed_seconds``: seconds billed per worker start after the job ends (scale-down);
+    - ``spends_money`` (class attribute): False only for adapters that never bill (the sim);
     - ``reports_queue_state`` (class attribute): False when the backend cannot tell queued from
       running; such a provider reports every unfinished job as ``IN_PROGRESS`` (the coarser,
       conservative truth: a running job costs money, a queued one does not), so a queue-state
@@ -62,6 +64,8 @@ class Provider(abc.ABC):
     adapter: ClassVar[str] = ""
     #: whether ``status`` can return ``QUEUED``; see the class docstring.
     reports_queue_state: ClassVar[bool] = True
+    #: whether a job costs real money (a config naming such a provider needs a budget ceiling)
+    spends_money: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -132,6 +136,17 @@ class Provider(abc.ABC):
         The receipt states only what was observed: evidence, scope and ``leaked`` start
         conservative (``no_evidence``, leaked) and are upgraded by observations alone.
         """
+
+    # --- account hooks (optional; see providers/account.py) ---------------------------------
+
+    def login_check(self) -> LoginCheck:
+        """One read-only authenticated call: who we are, or why not. Never shows a secret."""
+        return LoginCheck(self.name, UNSUPPORTED, "", f"the {self.adapter} adapter has no check")
+
+    def reported_spend(self, since: float) -> SpendReport:
+        """The spend the provider's billing reports since ``since`` (UTC epoch s), or why not."""
+        detail = f"the {self.adapter} adapter reads no billing API"
+        return SpendReport(self.name, UNAVAILABLE, None, since, detail=detail)
 
     # --- helpers for subclasses and callers -------------------------------------------------
 

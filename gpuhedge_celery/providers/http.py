@@ -2,7 +2,9 @@
 
 Rules it keeps:
 
-- every request has explicit connect/read timeouts, and a poll inside ``result`` never waits
+- every request has explicit connect/read timeouts, the read timeout bounds the whole response
+  (a server that drips a byte at a time is cut off, not waited on for ever), a body larger than
+  ``max_response_bytes`` is refused as it streams in, and a poll inside ``result`` never waits
   past the caller's cap;
 - job ids are percent-encoded into URLs, so ids holding ``/`` or ``?`` address the right job;
 - a cancel counts as done only when a status poll shows a terminal state within
@@ -27,14 +29,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
-from ..core.receipts import CancelReceipt, CancelScope, Evidence
+from ..core.receipts import SUBMIT_OUTCOME_UNKNOWN, CancelReceipt, CancelScope, Evidence
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, SubmitError
+from ..metrics import record as metrics
+from . import account_checks
+from .account import LoginCheck, SpendReport
 from .base import Provider
+from .bounded_read import BodyRefused, read_bounded
 from .httpspec import Endpoint, HttpSpec, MissingField, fill_url, get_path, render, substitute_env
 from .options import Block
 
 if TYPE_CHECKING:
-    from ..config import ProviderConfig
+    from .provider_config import ProviderConfig
 
 
 class HttpProvider(Provider):
@@ -194,6 +200,14 @@ class HttpProvider(Provider):
         receipt.note = "; ".join(notes[-3:])
         return receipt
 
+    # --- account hooks (login-check, costs): see providers/account_checks.py ----------------
+
+    def login_check(self) -> LoginCheck:
+        return account_checks.http_login_check(self)
+
+    def reported_spend(self, since: float) -> SpendReport:
+        return account_checks.http_spend(self, since)
+
     # --- internals --------------------------------------------------------------------------
 
     def _endpoints(self) -> dict[str, Endpoint]:
@@ -242,32 +256,58 @@ class HttpProvider(Provider):
             read = max(0.05, min(self.spec.read_timeout_s, max_wait_s))
             timeout = httpx.Timeout(read, connect=min(self.spec.connect_timeout_s, read))
         where = f"{op} {endpoint.label}" + (f" (job {job_id!r})" if job_id else "")
+        read_s = self.spec.read_timeout_s if timeout is None else timeout.read
         try:
-            response = self._client_for_pid().request(
+            with self._client_for_pid().stream(
                 endpoint.method,
                 self._url(op, job_id),
                 json=body,
                 **({"timeout": timeout} if timeout else {}),
-            )
+            ) as response:
+                content = self._read_body(response, read_s, where, error_cls)
         except httpx.TimeoutException as e:
-            hint = "; the job may exist without our knowing its id" if op == "submit" else ""
+            metrics.provider_call(self.name, op, "timeout")
+            hint = (
+                f"; {SUBMIT_OUTCOME_UNKNOWN}: the job may exist without our knowing its id"
+                if op == "submit"
+                else ""
+            )
             raise error_cls(self.name, f"{where}: timed out ({type(e).__name__}){hint}") from None
         except httpx.HTTPError as e:
+            metrics.provider_call(self.name, op, "connection")
             detail = self._scrub(str(e))[:200]
             raise error_cls(self.name, f"{where}: {type(e).__name__}: {detail}") from None
         if response.status_code >= 400:
-            snippet = self._scrub(response.text[:200]).replace("\n", " ")
+            metrics.provider_call(self.name, op, metrics.http_error_kind(response.status_code))
+            text = content[:200].decode("utf-8", "replace")
+            snippet = self._scrub(text).replace("\n", " ")
             raise error_cls(self.name, f"{where}: HTTP {response.status_code}: {snippet}")
-        if not response.content and op == "cancel":
+        if not content and op == "cancel":
+            metrics.provider_call(self.name, op)
             return {}
         try:
-            return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            snippet = self._scrub(response.text[:80]).replace("\n", " ")
+            data = json.loads(content)
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
+            metrics.provider_call(self.name, op, "protocol")
+            text = content[:80].decode("utf-8", "replace")
+            snippet = self._scrub(text).replace("\n", " ")
+            why = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
             raise ProviderProtocolError(
-                self.name, f"{where}: response is not JSON ({e.msg if hasattr(e, 'msg') else e}):"
-                f" {snippet!r}"
-            ) from None  # fmt: skip
+                self.name, f"{where}: response is not JSON ({why}): {snippet!r}"
+            ) from None
+        metrics.provider_call(self.name, op)
+        return data
+
+    def _read_body(
+        self, response: httpx.Response, read_s: float, where: str,
+        error_cls: type[ProviderError],
+    ) -> bytes:  # fmt: skip
+        """The response body, read within ``read_s`` in all and at most ``max_response_bytes``
+        long (see :mod:`.bounded_read`)."""
+        try:
+            return read_bounded(response, limit=self.spec.max_response_bytes, read_s=read_s)
+        except BodyRefused as e:
+            raise error_cls(self.name, f"{where}: {e}") from None
 
     def _field(self, data: Any, op: str, endpoint: Endpoint, what: str, path: str | None) -> Any:
         assert path is not None
@@ -343,7 +383,10 @@ class HttpProvider(Provider):
         if isinstance(execution_ms, (int, float)) and not isinstance(execution_ms, bool):
             receipt.execution_ms_before_cancel = float(execution_ms)
             receipt.reconciled_cost_usd = self.cost_usd(execution_ms / 1000.0)
-            receipt.billing_stop_confirmed = True
+        # An execution time proves nothing about billing by itself; only an API whose terminal
+        # states are documented to end billing (``terminal_stops_billing``) lets this terminal
+        # state, observed by a status poll, confirm it.
+        receipt.billing_stop_confirmed = self.spec.terminal_stops_billing
         ran = isinstance(execution_ms, (int, float)) and execution_ms > 0
         if queued and state is JobState.CANCELLED and not ran:
             receipt.scope = CancelScope.QUEUED_JOB

@@ -6,7 +6,8 @@ YAML (RunPod-shaped; see docs/configuration.md for every key)::
     http:
       base_url: "${RUNPOD_API_BASE:-https://api.runpod.ai}/v2/${RUNPOD_ENDPOINT_ID}"
       headers: {authorization: "${RUNPOD_API_KEY}"}
-      timeouts: {connect_s: 5, read_s: 30}
+      timeouts: {connect_s: 5, read_s: 30}   # read_s bounds a whole response, not one read
+      max_response_bytes: 67108864         # a larger response is a ProviderError (64 MiB)
       submit: {method: POST, url: /run, body: {input: "{request}"}, job_id: id}
       status: {method: GET, url: "/status/{job_id}", state: status,
                payload: output.audio_base64, error: error,
@@ -25,6 +26,7 @@ from urllib.parse import quote
 
 from ..core.jobs import JobState
 from ..errors import ConfigError
+from .bounded_read import DEFAULT_MAX_RESPONSE_BYTES
 from .options import Block
 
 #: provider state names understood without any ``state_map`` (compared case-insensitively)
@@ -175,11 +177,13 @@ class HttpSpec:
     state_map: Mapping[str, JobState] = field(default_factory=dict)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     poll_interval_s: float = 0.5
     cancel_confirm_s: float = 10.0
     max_poll_errors: int = 3
     reports_queue_state: bool = True
     cancel_scope: str = "request"
+    terminal_stops_billing: bool = False
     where: str = ""
     file: str | None = None
 
@@ -221,11 +225,15 @@ class HttpSpec:
             state_map=state_map,
             connect_timeout_s=connect_s,
             read_timeout_s=read_s,
+            max_response_bytes=block.number(
+                "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES, integer=True, minimum=1
+            ),
             poll_interval_s=block.number("poll_interval_s", 0.5, positive=True),
             cancel_confirm_s=block.number("cancel_confirm_s", 10.0, positive=True),
             max_poll_errors=block.number("max_poll_errors", 3, integer=True, minimum=1),
             reports_queue_state=block.boolean("reports_queue_state", True),
             cancel_scope=block.string("cancel_scope", "request", choices=_SCOPES),
+            terminal_stops_billing=block.boolean("terminal_stops_billing", False),
             where=block.where,
             file=block.file,
         )

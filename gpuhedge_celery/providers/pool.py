@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..errors import GpuHedgeError, ProviderError, SubmitError
+from . import account_checks
+from .account import LoginCheck, SpendReport
 from .base import Provider
 from .options import Block
 
 if TYPE_CHECKING:
-    from ..config import ProviderConfig
     from ..store.leases import LeaseStore
+    from .provider_config import ProviderConfig
 
 _BAD_POOL_CHARS = " :*?[]"
 # Failures the pool itself reports when a request was cancelled (see tasks/cancel.py).
@@ -128,7 +130,7 @@ class PoolProvider(Provider):
             **kwargs,
         )
 
-    # --- where the pool lives (built lazily: the Celery app imports every task module) -------
+    # --- where the pool lives (built lazily: importing the adapter builds no Celery app) ----
 
     @property
     def app(self) -> Any:
@@ -150,7 +152,7 @@ class PoolProvider(Provider):
 
     def submit(self, request: dict[str, Any]) -> JobHandle:
         """Send ``pooled_infer`` by name with a fresh task id (the job id); returns at once."""
-        from ..tasks.app import QUEUE_COORD, TASK_POOLED_INFER
+        from ..tasks.app import QUEUE_POOL, TASK_POOLED_INFER
 
         job_id = f"pool-{uuid.uuid4().hex}"
         submitted_at = self.clock.now()
@@ -159,7 +161,7 @@ class PoolProvider(Provider):
             kwargs["labels"] = dict(self.spec.labels)
         try:
             self.app.send_task(
-                TASK_POOLED_INFER, (request,), kwargs, task_id=job_id, queue=QUEUE_COORD
+                TASK_POOLED_INFER, (request,), kwargs, task_id=job_id, queue=QUEUE_POOL
             )
         except Exception as e:  # a broker error: no message was queued, or we cannot tell
             detail = " ".join(str(e).split())[:300]  # one line, whatever the driver says
@@ -175,6 +177,14 @@ class PoolProvider(Provider):
         if seen.state is not None:
             return seen.state
         return JobState.IN_PROGRESS if seen.gpu_id else JobState.QUEUED
+
+    # --- account hooks (login-check, costs): see providers/account_checks.py ----------------
+
+    def login_check(self) -> LoginCheck:
+        return account_checks.pool_login_check(self)
+
+    def reported_spend(self, since: float) -> SpendReport:
+        return account_checks.pool_spend(self, since)
 
     def next_change_at(self, handle: JobHandle) -> float:
         """When the race should poll this job again (``poll_s`` from now)."""

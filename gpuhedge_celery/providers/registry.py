@@ -1,6 +1,6 @@
-"""Adapter types by name, and building providers from their config.
+"""Adapter types by name, and parsing and building providers from their config entries.
 
-``adapter: sim`` and ``adapter: http`` are built in. Another adapter type (the GPU pool, a
+``adapter: sim``, ``http``, ``pool`` and ``runpod`` are built in. Another adapter type (a
 vendor SDK) plugs in with one call, by class or by ``"module:Class"`` path so its heavy imports
 load only when a config uses it::
 
@@ -12,19 +12,23 @@ A config may also name a class directly: ``adapter: "mypkg.modal_provider:ModalP
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
 from .base import Provider
+from .options import Block
+from .provider_config import ROLES, ProviderConfig
 
-if TYPE_CHECKING:
-    from ..config import ProviderConfig
-
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _ADAPTERS: dict[str, type[Provider] | str] = {
     "sim": "gpuhedge_celery.providers.sim:SimProvider",
     "http": "gpuhedge_celery.providers.http:HttpProvider",
     "pool": "gpuhedge_celery.providers.pool:PoolProvider",
+    "modal": "gpuhedge_celery.providers.modal:ModalProvider",  # imports the SDK only when used
+    "runpod": "gpuhedge_celery.providers.runpod:RunpodProvider",
+    "cerebrium": "gpuhedge_celery.providers.cerebrium:CerebriumProvider",
 }
 
 
@@ -75,12 +79,50 @@ def adapter_class(name: str, *, key: str | None = None, file: str | None = None)
     return target
 
 
+def parse_provider(
+    name: str, data: Mapping[str, Any], *, source: str | None = None, time_scale: float = 1.0
+) -> ProviderConfig:
+    """Validate one ``providers.<name>`` mapping on its own (as ``build_provider`` accepts)."""
+    holder = Block({name: data}, "providers", source)
+    holder.raw(name)
+    return parse_provider_entry(holder, name, time_scale)
+
+
+def parse_provider_entry(parent: Block, name: str, time_scale: float) -> ProviderConfig:
+    """Validate entry ``name`` of the ``providers:`` block ``parent``, the adapter's own block
+    included (the adapter class parses it)."""
+    if not _NAME_RE.match(name):
+        raise parent.error(name, "expected a provider name of letters, digits, '_', '-' or '.'")
+    block = parent.mapping(name)
+    adapter = block.string("adapter")
+    cls = adapter_class(adapter, key=block.key("adapter"), file=block.file)
+    # the adapter's own block sits under its type name (or `options` for a module:Class)
+    block_key = adapter if block.has(adapter) or ":" not in adapter else "options"
+    adapter_block = block.mapping(block_key)
+    spec = cls.parse_options(adapter_block, time_scale=time_scale)
+    timeout_s = block.number("timeout_s", None, positive=True)
+    config = ProviderConfig(
+        name=name,
+        adapter=adapter,
+        role=block.string("role", "primary", choices=ROLES),
+        gpu=block.string("gpu", None),
+        billed_rate_per_s=block.number("billed_rate_per_s", 0.0, minimum=0.0),
+        idle_billed_seconds=block.number("idle_billed_seconds", 0.0, minimum=0.0),
+        deployed=block.boolean("deployed", True),
+        timeout_s=timeout_s,
+        options=dict(adapter_block.data),
+        spec=spec,
+        time_scale=time_scale,
+        source=block.file,
+    )
+    block.finish()
+    return config
+
+
 def build_provider(name: str, cfg: ProviderConfig | Mapping[str, Any], **kwargs: Any) -> Provider:
     """Build provider ``name`` from its config entry (a parsed ``ProviderConfig`` or the raw
     mapping under ``providers.<name>``). Keyword arguments go to the adapter: ``clock``,
     ``sleep``, ``env`` (for ``${VAR}``, default ``os.environ``), ``ledger`` (sim)..."""
-    from ..config import ProviderConfig, parse_provider
-
     if not isinstance(cfg, ProviderConfig):
         cfg = parse_provider(name, cfg)
     elif cfg.name != name:

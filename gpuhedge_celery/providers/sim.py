@@ -12,10 +12,10 @@ real time. Costs and provider metrics stay in provider time.
 
 Tests and demos may force a job's fate per provider with ``request["sim"][<provider name>]``,
 e.g. ``{"queue_s": 20, "run_s": 5, "outcome": "invalid"}`` (outcome ``submit_error`` makes
-``submit`` raise; ``cancel_ack_s`` / ``cancel_terminal_s`` make this job's cancel slow, so it
-can still complete, and win, while its cancel is unconfirmed; ``submit_s`` makes the submit
-call itself take that long, like a slow job API: the request is counted when the call starts
-and the job exists when it returns).
+``submit`` raise, ``rate_limited`` makes it raise as an HTTP 429 would; ``cancel_ack_s`` /
+``cancel_terminal_s`` make this job's cancel slow, so it can still complete, and win, while
+its cancel is unconfirmed; ``submit_s`` makes the submit call itself take that long, like a
+slow job API: the request is counted when the call starts and the job exists when it returns).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..core.validators import tone_wav
 from ..errors import SubmitError
+from ..metrics import record as metrics
+from . import account_checks
+from .account import LoginCheck, SpendReport
 from .base import Provider
 from .options import Block
 from .simledger import (
@@ -49,9 +52,9 @@ from .simledger import (
 from .simspec import SimSpec
 
 if TYPE_CHECKING:
-    from ..config import ProviderConfig
+    from .provider_config import ProviderConfig
 
-OUTCOMES = ("ok", "invalid", "failed", "submit_error")
+OUTCOMES = ("ok", "invalid", "failed", "submit_error", "rate_limited")
 # per-request overrides of a job's fate (tests, demos): request["sim"][provider] = {...}
 _OVERRIDES = (
     "queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_terminal_s", "submit_s",
@@ -124,6 +127,7 @@ class SimProvider(Provider):
     """A simulated serverless provider with seeded bimodal latency; see the module docstring."""
 
     adapter = "sim"
+    spends_money = False  # simulated: no account, no bill
 
     def __init__(
         self,
@@ -209,17 +213,23 @@ class SimProvider(Provider):
         if fate["outcome"] not in OUTCOMES:
             raise SubmitError(self.name, f"sim outcome must be one of {OUTCOMES}")
         if fate["outcome"] == "submit_error":
+            metrics.provider_call(self.name, "submit", "rejected")
             raise SubmitError(self.name, "simulated submit failure")
+        if fate["outcome"] == "rate_limited":
+            metrics.provider_call(self.name, "submit", "rate_limited")
+            raise SubmitError(self.name, "simulated HTTP 429: too many requests")
         fate["time_scale"] = self.spec.time_scale
         submit_s = float(fate.pop("submit_s", 0.0))
         if submit_s > 0:
             time.sleep(submit_s * self.spec.time_scale)  # a slow job API (simulated)
         job_id = f"sim-{self.name}-{uuid.uuid4().hex[:12]}"
+        metrics.provider_call(self.name, "submit")
         return JobHandle(self.name, job_id, self.clock.now(), {"sim": fate})
 
     def status(self, handle: JobHandle) -> JobState:
         """The state at this instant, derived from the handle's draws and the ledger."""
         self.check_handle(handle)
+        metrics.provider_call(self.name, "status")
         state = self._view(handle, self.clock.now()).state
         if state is JobState.QUEUED and not self.spec.reports_queue_state:
             return JobState.IN_PROGRESS
@@ -228,6 +238,7 @@ class SimProvider(Provider):
     def result(self, handle: JobHandle, cap_s: float) -> AttemptResult:
         """Sleep until the job's terminal moment (or the cap), re-reading the ledger as it goes."""
         self.check_handle(handle)
+        metrics.provider_call(self.name, "result")
         deadline = self.deadline(handle, cap_s)
         poll = self.spec.poll_s
         while True:
@@ -243,6 +254,7 @@ class SimProvider(Provider):
     def cancel(self, handle: JobHandle) -> CancelReceipt:
         """Record the cancel in the ledger, then watch the job reach its terminal state."""
         self.check_handle(handle)
+        metrics.provider_call(self.name, "cancel")
         fate = _Fate.of(handle)
         scale = fate.time_scale
         receipt = CancelReceipt(provider=self.name, job_id=handle.job_id)
@@ -290,6 +302,14 @@ class SimProvider(Provider):
             receipt.note = "cancelled in queue; no worker started"
         return receipt
 
+    # --- account hooks (login-check, costs): see providers/account_checks.py ----------------
+
+    def login_check(self) -> LoginCheck:
+        return account_checks.sim_login_check(self)
+
+    def reported_spend(self, since: float) -> SpendReport:
+        return account_checks.sim_spend(self, since)
+
     # --- timeline ---------------------------------------------------------------------------
 
     def timeline(self, handle: JobHandle) -> list[tuple[float, JobState]]:
@@ -313,6 +333,7 @@ class SimProvider(Provider):
         A watch poll asks for both; one ledger read instead of two.
         """
         self.check_handle(handle)
+        metrics.provider_call(self.name, "status")
         view = self._view(handle, self.clock.now())
         state = view.state
         if state is JobState.QUEUED and not self.spec.reports_queue_state:

@@ -4,7 +4,7 @@ YAML (every key optional)::
 
     sim:
       seed: 7
-      time_scale: 0.02            # real seconds per provider second
+      time_scale: 0.1             # real seconds per provider second
       slow_probability: 0.3       # bimodal: fast mode or slow mode
       fast: {queue_s: [1.1, 2.0], run_s: [3.8, 5.0]}
       slow: {queue_s: [9, 27], run_s: {lognormal: {median: 85, sigma: 0.1}}}
@@ -45,6 +45,12 @@ class Dist:
             z = _norm_ppf(min(max(u, 1e-12), 1 - 1e-12))
             return max(0.0, self.a * math.exp(self.b * z))
         return self.a
+
+    def upper(self) -> float:
+        """The longest draw possible (infinite for a lognormal)."""
+        if self.kind == "lognormal":
+            return math.inf
+        return max(self.a, self.b)
 
     @classmethod
     def parse(cls, block: Block, name: str, default: Dist) -> Dist:
@@ -143,6 +149,13 @@ class SimSpec:
     audio_s: float = 1.0
     sample_rate: int = 16_000
     poll_s: float = 0.05  # real seconds between ledger re-reads while waiting for a result
+
+    def longest_job_s(self) -> float:
+        """Real seconds the slowest possible job takes (queue plus run, in the slowest mode it
+        can draw); infinite when a duration is lognormal (then only the attempt cap bounds it)."""
+        modes = [self.fast] + ([self.slow] if self.slow_probability > 0 else [])
+        longest = max(m.queue_s.upper() + m.run_s.upper() for m in modes)
+        return longest * self.time_scale
 
     @classmethod
     def from_block(cls, block: Block, *, time_scale: float | None = None) -> SimSpec:

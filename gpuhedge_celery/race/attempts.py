@@ -1,4 +1,5 @@
-"""Attempt work of the race driver: submit once, watch, conclude, cancel natively.
+"""Attempt work of the race driver: submit once, watch, cancel natively (and conclude, from
+:mod:`.conclude`).
 
 Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; every method reports what it saw
 to the race through ``step`` and never decides anything itself (the engine does).
@@ -12,28 +13,44 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Attempt, Phase
-from ..core.jobs import AttemptResult, JobHandle, JobState
+from ..core.jobs import JobHandle, JobState
 from ..core.race import Race
 from ..core.race_events import (
     AttemptSubmitted,
     CancelAcknowledged,
     CancelFailed,
     Event,
-    ResultArrived,
     StatusObserved,
     SubmitFailed,
 )
 from ..core.receipts import CancelReceipt, Evidence
-from ..core.validators import validate
-from ..errors import ProviderError
+from ..errors import ProviderError, RateLimited
+from ..metrics import record as metrics
 from ..providers.base import Provider
-from ..store import codec
-from .base import due_ms, find_attempt
-from .receipt import result_key, store_attempt_result
+from ..webhooks.token import context as webhook_context
+from .base import due_ms, find_attempt, remember
+from .conclude import ResultWork
 
 log = logging.getLogger(__name__)
 
 MIN_WATCH_GAP_S = 0.002
+DECISION_LEAD_S = 0.25  # a poll this long before a race decision, for providers that ask
+
+
+def _before_decision(at: float, ahead: list[float], now: float) -> float:
+    """``at``, or earlier: just before the first decision ahead that ``at`` would sleep past
+    (a decision closer than the lead already has the poll just made)."""
+    for decision in ahead:
+        poll = decision - DECISION_LEAD_S
+        if poll > now + MIN_WATCH_GAP_S:
+            return min(at, poll)
+    return at
+
+
+def _launching(state: dict[str, Any], attempt_id: str) -> bool:
+    """Whether a stored race state has ``attempt_id`` launched and not yet submitted."""
+    attempts = state["race"].get("attempts") or []
+    return any(a["id"] == attempt_id and a["phase"] == Phase.LAUNCHING.value for a in attempts)
 
 
 def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
@@ -44,17 +61,6 @@ def cancel_backstop_id(race_id: str, attempt_id: str) -> str:
 def launch_backstop_id(race_id: str, attempt_id: str) -> str:
     """The fixed id of an attempt's launch backstop timer (see ``submit_attempt``)."""
     return f"{race_id}|launch|{attempt_id}"
-
-
-MAX_DECIDED = 10_000  # entries of each in-process memo (decided cancels, fresh results)
-
-
-def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
-    """Keep ``value`` until its consumer pops it; an unconsumed memo never grows unbounded
-    (effects that run cancels elsewhere, results that never win)."""
-    if len(memo) > MAX_DECIDED:
-        memo.clear()
-    memo[key] = value
 
 
 class _Drop:
@@ -80,22 +86,26 @@ class _Drop:
 
 
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
+NO_REQUEST = "not submitted: the race's request is gone (the race expired or finished)"
 
 if TYPE_CHECKING:
     from ..core.clock import Clock
     from ..store.races import RaceStore
     from ..store.timers import TimerStore
+    from ..webhooks.settings import WebhookSettings
     from .base import Effects
     from .settings import RaceSettings
 
 
-class AttemptWork:
+class AttemptWork(ResultWork):
     """Per-attempt work; needs the attributes and ``step``/``resume`` of the driver."""
 
     store: RaceStore
     timers: TimerStore
+    budget: Any  # RaceBudget | None (race/budget.py, which imports this module)
     providers: Callable[[str], Provider]
     settings: RaceSettings
+    webhooks: WebhookSettings
     clock: Clock
     effects: Effects
     # What this process just decided or stored, for the work that follows it here (bounded):
@@ -130,12 +140,16 @@ class AttemptWork:
         poll, or once the attempt ended: until then a crash of this process leaves the timer
         to finish the launch. ``takeover``: called by that timer. ``decided_here``: this
         process saved the step that launched the attempt just now, so its copy of the race
-        serves (no read; a job registered meanwhile is found by the submit claim).
+        serves (no read; a job registered meanwhile is found by the submit claim); a copy
+        without the attempt still launching (saved here before a resume asked for the launch)
+        is read again from Redis.
         """
         drop = _Drop(self.timers, backstop)
-        if new_race or decided_here:
-            record, jobs = self.store.load(race_id, fresh=True), {}
-        else:
+        record = self.store.load(race_id, fresh=True) if new_race or decided_here else None
+        jobs: dict[str, dict[str, Any]] = {}
+        if record is None or (record.cached and not _launching(record.state, attempt_id)):
+            # Not the copy a deciding step just saved (a launch a resume asked for, in a process
+            # that last saved the race before this attempt existed): never judge from it.
             record, jobs = self.store.load_with_jobs(race_id)
         if record is None:
             drop.now()
@@ -159,19 +173,34 @@ class AttemptWork:
             )  # fmt: skip
             drop.now()
             return
+        request = None
         if known is None:
             # The intent first: a crash between the provider's reply and the handle's
             # registration must not look like "never submitted" to a redelivery. Its window
             # tells a late-comer whether the submitter may still be at work.
             now = self.clock.now()
             intent = {"submitting": True, "at": now, "until": now + self.settings.launch_backstop_s}
-            known = self.store.claim_submit(race_id, attempt_id, intent)
+            # The budget's reservation of the attempt's worst case rides in the same round trip.
+            budget = self.budget.reservation(race_id, a, record.state) if self.budget else None
+            known, request = self.store.claim_submit_with_request(
+                race_id, attempt_id, intent, also=budget
+            )
+            if known is None and budget is not None and not budget.result.granted:
+                self._refused(race_id, a, budget.result, drop)
+                return
         if known is None:  # the claim is ours: submit
+            # (a race created before the request had its own key still carries it inline)
+            request = request if request is not None else record.state.get("request")
+            if request is None:  # never submit a request we no longer have as something else
+                self.step(race_id, SubmitFailed(attempt_id, NO_REQUEST), None, drop.queue)
+                drop.now()
+                return
             provider = self.providers(a.provider)
             try:
-                handle = provider.submit(record.state.get("request") or {})
+                handle = self._submit(provider, request, race_id, attempt_id)
             except ProviderError as e:
-                self.step(race_id, SubmitFailed(attempt_id, str(e)), None, drop.queue)
+                unknown = bool(getattr(e, "outcome_unknown", False))  # the job may exist
+                self.step(race_id, SubmitFailed(attempt_id, str(e), unknown), None, drop.queue)
                 drop.now()
                 return
             except Exception as e:  # an adapter bug must end the attempt, not hang the race
@@ -203,6 +232,29 @@ class AttemptWork:
         self.watch(
             race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
         )
+
+    def _submit(
+        self, provider: Provider, request: dict[str, Any], race_id: str, attempt_id: str
+    ) -> JobHandle:
+        """``provider.submit``, with the attempt's webhook context when webhooks are on and
+        the provider takes them (its completion is then pushed to the receiver)."""
+        if self._pushed(provider):
+            context = webhook_context(self.webhooks, race_id, attempt_id)
+            return provider.submit(request, context=context)  # type: ignore[call-arg]
+        return provider.submit(request)
+
+    def _pushed(self, provider: Provider) -> bool:
+        """Whether ``provider``'s jobs report their end by webhook (then polled as a net)."""
+        return self.webhooks.on and bool(getattr(provider, "takes_webhooks", False))
+
+    def _refused(self, race_id: str, a: Attempt, refusal: Any, drop: _Drop) -> None:
+        """The budget refused the attempt (``refusal``: the store's Reservation): it is not
+        submitted, and ends with the reason."""
+        log.warning("race %s: %s not submitted: %s", race_id, a.id, refusal.reason)
+        metrics.budget_refused(refusal.cap, a.role)
+        self.store.remove_job(race_id, a.id)  # our submit intent: nothing was submitted
+        self.step(race_id, SubmitFailed(a.id, refusal.reason, refused=True), None, drop.queue)
+        drop.now()
 
     def _reported(
         self, race_id: str, attempt_id: str, saved: Race | None, handle: JobHandle,
@@ -276,7 +328,7 @@ class AttemptWork:
             a = find_attempt(saved, attempt_id)
             if a is not None:
                 snapshot = (Attempt.from_dict(a.to_dict()), caps)
-                _remember(self._decided, (race_id, attempt_id), snapshot)
+                remember(self._decided, (race_id, attempt_id), snapshot)
         # The backstop first: a crash right after the save must still get the loser cancelled
         # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
         if not armed:
@@ -370,9 +422,12 @@ class AttemptWork:
             results[a.id] = {**(results.get(a.id) or {}), "cap_cancel": data}
             return {**state, "results": results}
 
-        self.store.update(race_id, change)
+        updated = self.store.update(race_id, change)
         if receipt.confirmed_terminal:
             self.store.remove_job(race_id, a.id)
+            if self.budget is not None:  # shown stopped: its reservation can settle now
+                race = Race.from_dict(updated.state["race"], self.clock)
+                self.budget.settle_race(race_id, race, updated.state)
         self.refresh_receipt(race_id)
 
     def refresh_receipt(self, race_id: str) -> None:
@@ -401,6 +456,8 @@ class AttemptWork:
         spec: dict[str, Any] | None = None,
         drop: _Drop | None = None,
         submitted: AttemptSubmitted | None = None,
+        decide: list[float] | None = None,
+        reserved: float | None = None,
     ) -> None:
         """Poll a job once: report a state change, conclude it when terminal, else re-arm.
 
@@ -408,18 +465,32 @@ class AttemptWork:
         then needs no read). ``drop``: a launch backstop to drop with the first arm.
         ``submitted``: the job was just submitted and this report is still to be made: it is
         saved in the same step as the job's first status (one save less per attempt).
+        ``decide``: the race's decision times (its timers, epoch s: the policy's and the race's
+        deadline, where it gives up) as last seen, for a provider that asks to be polled just
+        before each (``polls_before_decisions``).
+        ``reserved``: the time of the request slot the provider's budget reserved for this
+        poll when it deferred it (``RateLimited.reserved``), handed back to be spent; it rides
+        in the timer, so whichever process fires it spends it.
         """
         provider = self.providers(provider_name)
         handle = JobHandle.from_dict(handle_data)
         both = getattr(provider, "status_and_next_change", None)
         hint = getattr(provider, "next_change_at", None)
         at: float | None = None
+        deferred, slot = False, None
         try:
-            if callable(both):  # one provider call instead of two
+            if callable(both) and reserved is not None:
+                state, at = both(handle, reserved=reserved)
+            elif callable(both):  # one provider call instead of two
                 state, at = both(handle)
             else:
                 state = provider.status(handle)
             error = None
+        except RateLimited as e:
+            # No poll was made (the fleet's request budget for the provider, or its own
+            # Retry-After): nothing was observed, so nothing is reported; look again then.
+            state, error, at, deferred = None, f"{type(e).__name__}: {e}", e.retry_at, True
+            slot = e.retry_at if e.reserved else None
         except Exception as e:
             state, error = None, f"{type(e).__name__}: {e}"
         now = self.clock.now()
@@ -433,6 +504,8 @@ class AttemptWork:
                 drop.now()
             return
         label = state.value if state is not None else "poll_error"
+        if deferred and submitted is None:
+            label = last  # unchanged: the heartbeat and the next arm only
         if at is None and callable(hint) and not callable(both) and state is not None:
             try:
                 at = hint(handle)
@@ -440,17 +513,26 @@ class AttemptWork:
                 at = None
         if at is None:
             at = now + self.settings.watch_interval_s
+        if self._pushed(provider) and not deferred:
+            # The webhook reports the end: poll only before decisions (below) and as a slow
+            # safety net, should a delivery be lost.
+            at = max(at, now + self.webhooks.fallback_s)
         at = max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
-        # The next poll is armed in the same round trip as the step (or the heartbeat) below.
-        arm_next = self._watch_arm(
-            race_id, attempt_id, provider_name, handle_data, label, cap_s, min(at, deadline)
-        )
-        armed: list[bool] = []
+        near = bool(getattr(provider, "polls_before_decisions", False))
+        stepped: list[Race] = []  # the race this step saves (its timers: the decisions ahead)
 
         def arm(pipe: Any) -> None:
-            arm_next(pipe)
+            # The next poll rides in the same round trip as the step (or the heartbeat) below.
+            ahead = sorted(stepped[-1].timers.values()) if stepped else list(decide or ())
+            ahead = [d for d in ahead if d > now] if near else []
+            # (a deferred poll keeps its time: the budget may have reserved exactly that slot)
+            when = _before_decision(at, ahead, now) if ahead and not deferred else at
+            self._watch_arm(race_id, attempt_id, provider_name, handle_data, label, cap_s,
+                            min(when, deadline), ahead or None, slot)(pipe)  # fmt: skip
             if drop is not None:
                 drop.queue(pipe)
+
+        armed: list[bool] = []
 
         def before(pipe: Any) -> None:
             armed.append(True)
@@ -460,6 +542,9 @@ class AttemptWork:
             observed = StatusObserved(attempt_id, state, error)
 
             def source(race: Race) -> Event | tuple[Event, ...]:
+                # The step applies the events to this very race before its save calls
+                # ``before``: the arm then sees the policy's timers as they will be saved.
+                stepped.append(race)
                 # A job not yet reported (just submitted; or its submitter died after arming
                 # this poll, in a save that then lost its version check) is reported first.
                 a = find_attempt(race, attempt_id)
@@ -508,6 +593,8 @@ class AttemptWork:
         last: str | None,
         cap_s: float,
         at: float,
+        decide: list[float] | None = None,
+        reserved: float | None = None,
     ) -> tuple[str, int, dict[str, Any], str]:
         """Key, due ms, payload and id of the watch timer of one job's next poll.
 
@@ -523,77 +610,9 @@ class AttemptWork:
             "last": last,
             "cap_s": cap_s,
         }
+        if decide:
+            payload["decide"] = decide
+        if reserved is not None:
+            payload["reserved"] = reserved
         key, due = f"{race_id}:w:{attempt_id}", due_ms(at)
         return key, due, payload, f"{key}|{due}"
-
-    def conclude(
-        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float,
-        spec: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
-        """Fetch a terminal (or capped) job's result, validate it and report it to the race."""
-        try:
-            result = provider.result(handle, cap_s)  # returns at once: terminal or past the cap
-        except Exception as e:
-            result = AttemptResult(
-                provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
-                error=f"{type(e).__name__}: {e}",
-            )  # fmt: skip
-        if spec is None:
-            # A race's spec never changes: this process's last saved copy serves (no read).
-            record = self.store.load(race_id, fresh=True)
-            if record is None:
-                return
-            spec = record.state["spec"]
-        valid, reasons = False, [result.error or f"ended {result.state}"]
-        stored: dict[str, Any] | None = None
-        kept: list[bool] = []
-        if result.state is JobState.COMPLETED:
-            verdict = validate(
-                spec["validator"], result.payload, **(spec.get("validator_options") or {})
-            )
-            valid, reasons = verdict.ok, list(verdict.reasons)
-            if valid:
-                stored = result.to_dict()
-                # Stored in the step's own round trip, ahead of the state that reports it, so
-                # any process that sees the report can serve the result (see below).
-                key = result_key(self.prefix, race_id, attempt_id)
-                data = codec.dumps(stored)
-                ttl_ms = int(self.settings.receipt_ttl_s * 1000)
-
-                def keep(pipe: Any) -> None:
-                    kept.append(True)
-                    pipe.set(key, data, px=ttl_ms)
-
-                # The step below may declare this attempt the winner: spare it the read back.
-                _remember(self._fresh_results, (race_id, attempt_id), stored)
-        summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
-
-        def event(race: Race) -> Event | None:
-            a = find_attempt(race, attempt_id)
-            if a is None or not a.live:
-                return None
-            if (
-                a.phase in (Phase.CANCELLING, Phase.LEAKED)
-                and result.state is not JobState.COMPLETED
-            ):
-                if result.state is JobState.TIMEOUT:
-                    return None  # right-censored, not observed terminal: the cancel decides
-                return StatusObserved(attempt_id, result.state)  # confirms the cancel
-            arrived = ResultArrived(attempt_id, result.state, valid, tuple(reasons))
-            if a.phase is Phase.LAUNCHING:  # its submit's report died with its process
-                return (AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()), arrived)
-            return arrived
-
-        def remember(state: dict[str, Any]) -> None:
-            state["results"] = {**(state.get("results") or {}), attempt_id: summary}
-
-        saved = self.step(race_id, event, remember, keep if stored is not None else None)
-        if stored is not None and not kept:  # the step saved nothing: store it on its own
-            store_attempt_result(
-                self.store.client, self.prefix, race_id, attempt_id,
-                stored, self.settings.receipt_ttl_s,
-            )  # fmt: skip
-        a = find_attempt(saved, attempt_id) if saved is not None else None
-        if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
-            # Capped, not stopped: the job may still be running (and billing) at the provider.
-            self.request_cancel(race_id, attempt_id, provider.name)

@@ -48,3 +48,14 @@ def due_ms(at: float) -> int:
     """A race clock reading (epoch s) as the timer due time (epoch ms) that fires it."""
     # Round up, so a timer claimed at its due millisecond is never early for the engine.
     return int(math.ceil(at * 1000.0))
+
+
+MAX_DECIDED = 10_000  # entries of each in-process memo (decided cancels, fresh results)
+
+
+def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` until its consumer pops it; an unconsumed memo never grows unbounded
+    (effects that run cancels elsewhere, results that never win)."""
+    if len(memo) > MAX_DECIDED:
+        memo.clear()
+    memo[key] = value

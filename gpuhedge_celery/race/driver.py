@@ -26,6 +26,7 @@ from ..core.race_events import (
     Cancel,
     DeclareWinner,
     Event,
+    GiveUp,
     Launch,
     PollStatus,
     RaceFinished,
@@ -34,14 +35,19 @@ from ..core.race_events import (
     TimerDue,
 )
 from ..errors import StoreError
+from ..metrics import record as metrics
 from ..providers.base import Provider
-from ..store.races import RaceStore, VersionConflict
-from ..store.timers import Timer, TimerStore
+from ..store.races import RaceStore, SaveMark, VersionConflict, new_save_id
+from ..store.scripts import run_pipeline
+from ..store.timers import Timer, TimerStore, store_errors
+from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork
 from .base import Effects, due_ms, find_attempt
+from .budget import RaceBudget
 from .receipt import (
     assemble_receipt,
     load_attempt_result,
+    race_record,
     result_key,
     winner_result,
 )
@@ -68,13 +74,19 @@ class RaceDriver(AttemptWork):
         effects: Effects,
         settings: RaceSettings | None = None,
         clock: Clock | None = None,
+        webhooks: WebhookSettings | None = None,
+        budget: RaceBudget | None = None,
     ):
         self.store = store
         self.timers = timers
         self.providers = providers
         self.effects = effects
         self.settings = settings or RaceSettings()
+        # webhooks on (GPUHEDGE_WEBHOOK_URL and _SECRET): completions are pushed, polls a net
+        self.webhooks = webhooks if webhooks is not None else WebhookSettings.from_env()
         self.clock = clock or WallClock()
+        # reserves before each submit and settles each ended attempt (race/budget.py)
+        self.budget = budget if budget is not None and budget.enabled else None
         self._decided = {}
         self._fresh_results = {}
 
@@ -94,27 +106,45 @@ class RaceDriver(AttemptWork):
         ``submit_first`` the first launched attempt is submitted here, in the caller's thread,
         instead of through :meth:`Effects.launch` (one task hop less before the primary runs).
         """
-        race = Race(spec.policy, self.clock, race_id=race_id)
+        race = Race(spec.policy, self.clock, race_id=race_id, deadline_s=spec.deadline_s)
         before: dict[str, Phase] = {}
         actions = race.start()
         state = {
             "race": race.to_dict(),
             "spec": spec.to_dict(),
-            "request": request,
             "created_at": race.started_at,
             "timer_ids": {},
             "results": {},
             "caller": caller or {},
         }
         self._note_timers(race_id, race, state, actions, 1)
+        first = next((a for a in actions if isinstance(a, Launch)), None) if submit_first else None
+        rest = [a for a in actions if a is not first]
+        # The first timers ride in the create's round trip. Not a launch backstop for the
+        # attempt submitted inline below: nothing would drop it (a crash here is covered by the
+        # redelivered create, whose resume launches it behind a backstop), and once due it would
+        # take over that attempt's later work (its cancel) from the timer meant for it.
+        arms = self._arms(race_id, state, rest)
+        also = arms
+        if spec.deadline_s is not None:
+            at = (race.started_at or 0.0) + spec.deadline_s
+
+            def also(pipe: Any) -> None:
+                if arms is not None:
+                    arms(pipe)
+                self.store.queue_deadline(pipe, race_id, at)  # for waiting callers
+
         try:
-            self.store.create(race_id, state)
+            # the request has its own key, written once (each step rewrites the state)
+            self.store.create(
+                race_id, state, request, also=also,
+                scripts=(self.timers.arm_script, self.timers.cancel_script),
+            )  # fmt: skip
         except VersionConflict:
             self.resume(race_id)
             return False
-        first = next((a for a in actions if isinstance(a, Launch)), None) if submit_first else None
-        rest = [a for a in actions if a is not first]
-        self._perform(race_id, race, state, rest, before, [], [], ())
+        metrics.race_started(race)
+        self._perform(race_id, race, state, rest, before, [], [], (), armed=arms is not None)
         if first is not None:
             self.submit_attempt(race_id, first.attempt_id, new_race=True)
         return True
@@ -187,10 +217,13 @@ class RaceDriver(AttemptWork):
                 change(new)
             gone = self._note_timers(race_id, race, new, actions, record.version + 1)
             arms = self._arms(race_id, new, actions)
+            save_id = new_save_id()
+            saved = self.store.save_mark(race_id, record.version, save_id)
+            also, scripts = self._with_settlements(race_id, race, new, phases, arms, saved)
             try:
                 self.store.save(
-                    race_id, new, record.version, also=arms, before=before,
-                    scripts=(self.timers.arm_script, self.timers.cancel_script),
+                    race_id, new, record.version, also=also, before=before, scripts=scripts,
+                    save_id=save_id,
                 )  # fmt: skip
             except VersionConflict:
                 continue
@@ -199,6 +232,27 @@ class RaceDriver(AttemptWork):
             )
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
+
+    def _with_settlements(
+        self, race_id: str, race: Race, state: dict[str, Any], before: dict[str, Phase],
+        arms: Callable[[Any], None] | None, saved: SaveMark,
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...]]:  # fmt: skip
+        """The save's extra commands: the timer arms, and the budget settlements of attempts
+        this step ended, which run only if the save wins (``saved``: its mark): one that
+        loses worked from an old copy of the race, and a reservation settles once."""
+        scripts: tuple[Any, ...] = (self.timers.arm_script, self.timers.cancel_script)
+        budget = self.budget
+        settle = budget.on_step(race_id, race, state, before, saved) if budget else None
+        if settle is None:
+            return arms, scripts
+        queue, script = settle
+
+        def also(pipe: Any) -> None:
+            if arms is not None:
+                arms(pipe)
+            queue(pipe)
+
+        return also, (*scripts, script)
 
     def _note_timers(
         self, race_id: str, race: Race, state: dict[str, Any], actions: list[Action], version: int
@@ -287,11 +341,18 @@ class RaceDriver(AttemptWork):
                     timer_id=state["timer_ids"][action.key],
                 )
             elif isinstance(action, DeclareWinner):
-                self._declare(race_id, race, state)
+                metrics.race_won(race, self._declare(race_id, race, state))
+            elif isinstance(action, GiveUp):
+                self._give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
                 self._finish(race_id, race, state)
-        for timer_id in gone:
-            self.timers.cancel(timer_id)
+        if gone:  # timers the race no longer wants (its deadline, once won): one round trip
+            with store_errors("cancelling timers"):
+                run_pipeline(
+                    self.store.client,
+                    lambda pipe: [self.timers.queue_cancel(pipe, timer_id) for timer_id in gone],
+                    [self.timers.cancel_script],
+                )
         self._lifecycle(race_id, race, phases, flags, events)
         return follow
 
@@ -333,10 +394,12 @@ class RaceDriver(AttemptWork):
         self.effects.launch(race_id, attempt_id, provider)
 
     def _event(self, race_id: str, name: str, race: Race, attempt_id: str | None) -> None:
+        """A lifecycle moment: counted in the metrics, and sent to Flower when events are on."""
+        a = find_attempt(race, attempt_id) if attempt_id else None
+        metrics.race_event(name, race, a)
         if not self.settings.events:
             return
         fields: dict[str, Any] = {"race_id": race_id, "policy": race.policy.name}
-        a = find_attempt(race, attempt_id) if attempt_id else None
         if a is not None:
             fields.update(attempt=a.id, provider=a.provider, role=a.role, job_id=a.job_id)
         try:
@@ -344,7 +407,9 @@ class RaceDriver(AttemptWork):
         except Exception:  # events are for watching; they never break a race
             log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
 
-    def _declare(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
+    def _declare(self, race_id: str, race: Race, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Claim the winner and hand the caller its result; returns that result (None when
+        another attempt holds the claim)."""
         won = race.winner_attempt
         assert won is not None
         claim = self.store.claim_winner(race_id, won.id)
@@ -352,7 +417,7 @@ class RaceDriver(AttemptWork):
             log.error(
                 "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner
             )
-            return
+            return None
         stored = self._fresh_results.pop((race_id, won.id), None)
         if stored is None:
             stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id) or {}
@@ -367,6 +432,17 @@ class RaceDriver(AttemptWork):
         if claim.first:
             caller = {**caller, "first_claim": True}  # Celery effects skip their "done?" read
         self.effects.won(race_id, result, caller)
+        return result
+
+    def _give_up(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
+        """The deadline passed without a winner: the caller's ``.get()`` raises RaceFailed now,
+        with the receipt as it stands (its jobs are still being cancelled; the final receipt
+        follows in Redis when they are settled)."""
+        log.warning("race %s: %s; failing the caller and cancelling its jobs", race_id, race.note)
+        spec = spec_from_state(state)
+        receipt = assemble_receipt(race, state, spec, now=self.clock.now())
+        message = f"race {race_id}: {race.note}"
+        self.effects.failed(race_id, message, receipt, state.get("caller") or {})
 
     def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         spec = spec_from_state(state)
@@ -375,7 +451,11 @@ class RaceDriver(AttemptWork):
         ended = [
             a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
         ]
-        self.store.finish(race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended)
+        record = race_record(self.store, race, state, spec, receipt)
+        self.store.finish(
+            race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended, record=record
+        )
+        metrics.race_finished(race, receipt)
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
             self.effects.failed(race_id, message, receipt, state.get("caller") or {})
@@ -391,7 +471,8 @@ class RaceDriver(AttemptWork):
         spec = spec_from_state(record.state)
         receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
         receipt["finished_at"] = (self.store.receipt(race_id) or {}).get("finished_at")
-        self.store.put_receipt(race_id, receipt, self.settings.receipt_ttl_s)
+        corrected = race_record(self.store, race, record.state, spec, receipt)  # its leak flag
+        self.store.put_receipt(race_id, receipt, self.settings.receipt_ttl_s, record=corrected)
         if not self.store.live_jobs(race_id):
             self.store.forget(race_id)
 
@@ -424,6 +505,7 @@ class RaceDriver(AttemptWork):
             self.watch(
                 payload["race"], payload["attempt"], payload["provider"], payload["handle"],
                 payload.get("last"), float(payload.get("cap_s", 180.0)),
+                decide=payload.get("decide"), reserved=payload.get("reserved"),
             )  # fmt: skip
             if timer.deliveries > 1:  # its first claimer may have died after saving a step
                 self.resume(payload["race"])
@@ -462,5 +544,7 @@ class RaceDriver(AttemptWork):
                 self.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
         if race.winner is not None:
             self._declare(race_id, race, state)
+        elif race.gave_up and not race.finished:
+            self._give_up(race_id, race, state)
         if race.finished:
             self._finish(race_id, race, state)

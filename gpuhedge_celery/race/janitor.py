@@ -21,7 +21,8 @@ provider jobs would keep running and its caller would wait. The janitor is the b
 A job whose cancel could not be confirmed stays registered as live and is retried on the next
 pass (the receipt reports it as a leak until then). A submit intent left by a worker that died
 mid-submit has no job id: it is dropped and its attempt ends with its outcome unknown (never
-submitted again). Everything is idempotent.
+submitted again). Every attempt it ends settles its budget reservation, and each pass sweeps
+reservations left open past their worst-case window (``race/budget.py``). All idempotent.
 """
 
 from __future__ import annotations
@@ -37,14 +38,22 @@ from typing import Any
 from ..core.attempts import LIVE_PHASES, Phase
 from ..core.clock import Clock, WallClock
 from ..core.jobs import JobHandle, JobState
-from ..core.race import Race
+from ..core.race import Race, unknown_submit_receipt
 from ..core.receipts import CancelReceipt
+from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
 from ..store.timers import TimerStore, as_text, store_errors
 from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
-from .receipt import assemble_receipt, load_attempt_result, result_key, winner_result
+from .budget import RaceBudget
+from .receipt import (
+    assemble_receipt,
+    load_attempt_result,
+    race_record,
+    result_key,
+    winner_result,
+)
 from .spec import spec_from_state
 
 log = logging.getLogger(__name__)
@@ -79,6 +88,7 @@ class JanitorReport:
     """One janitor pass: every race it looked at and what it did."""
 
     races: list[RaceCleanup] = field(default_factory=list)
+    settled: int = 0  # budget reservations left open by dead workers, settled by the sweep
 
     @property
     def cancelled(self) -> int:
@@ -94,6 +104,7 @@ class JanitorReport:
             "cancelled": self.cancelled,
             "leaked": self.leaked,
             "ended": sum(1 for r in self.races if r.action == "ended"),
+            "settled": self.settled,
         }
 
 
@@ -124,6 +135,7 @@ class Janitor:
         owner: str | None = None,
         payload_inline_max: int = 1_000_000,
         clock: Clock | None = None,
+        budget: RaceBudget | None = None,
     ):
         if stale_ms < 1 or lease_ms < 1:
             raise ValueError(f"stale_ms and lease_ms must be >= 1, got {stale_ms}, {lease_ms}")
@@ -138,6 +150,7 @@ class Janitor:
         self.owner = owner or default_owner()
         self.payload_inline_max = payload_inline_max
         self.clock = clock or WallClock()
+        self.budget = budget if budget is not None and budget.enabled else None
 
     # ------------------------------------------------------------------ a pass
     def run_once(self, limit: int = 100) -> JanitorReport:
@@ -148,7 +161,14 @@ class Janitor:
             if alive is None and self._has_waiting_timer(stale.race_id):
                 alive = bool(self.coordinators_alive())
             report.races.append(self.clean(stale.race_id, coordinators_alive=alive))
+        if self.budget is not None:  # reservations a dead worker left open: settle them
+            report.settled += self.budget.sweep(self._state, self.stale_ms, limit)
+        metrics.janitor_pass(report.races)
         return report
+
+    def _state(self, race_id: str) -> dict[str, Any] | None:
+        record = self.store.load(race_id)
+        return None if record is None else record.state
 
     def clean(self, race_id: str, *, coordinators_alive: bool | None = None) -> RaceCleanup:
         """Clean one race under its ownership lease (see the module docstring)."""
@@ -273,7 +293,10 @@ class Janitor:
         spec = spec_from_state(record.state)
         receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
         receipt["janitor"] = record.state.get("janitor")
-        self.store.finish(race_id, receipt, self.receipt_ttl_s)
+        final = race_record(self.store, race, record.state, spec, receipt)
+        self.store.finish(race_id, receipt, self.receipt_ttl_s, record=final)
+        if self.budget is not None:  # every attempt shown stopped settles its reservation
+            self.budget.settle_race(race_id, race, record.state)
         caller = record.state.get("caller") or {}
         if race.winner is None:
             cleanup.failed = True
@@ -340,6 +363,7 @@ def apply_cleanup(
             a.phase = Phase.ENDED
             a.cancel_requested = True
             a.reasons = [UNKNOWN_SUBMIT]
+            a.receipt = unknown_submit_receipt(a)  # leaked: a job may run that nobody can stop
             a.timeline.append([rel, "abandoned mid-submit"])
         elif isinstance(found, str):
             if a.receipt is None:

@@ -6,14 +6,21 @@
 * :func:`assemble_receipt` is the full audit written once every attempt is settled: every
   attempt with its state timeline, provider metrics and job handle, every loser's cancel
   receipt, cost ($ active, billed, wasted) and leaks.
+* :func:`by_reference` is that result as the Celery result backend stores it: a payload
+  already stored with its attempt's result is referred to by key, not copied (the backend's
+  reads put it back with :func:`with_payload`: ``tasks/race_backend.py``).
 * :func:`read_receipt` reads it back by race id (or a provisional one while the race runs).
+* :func:`race_record` is the compact record of a finished race for the record stream.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from ..core.race import Race
+from ..core.outcome import race_outcome
+from ..core.race import BUDGET_REFUSED, Race
+from ..core.records import build_record, record_tags
 from ..store import codec
 from ..store.race_keys import race_keys
 from ..store.races import RaceStore
@@ -22,6 +29,8 @@ from .spec import RaceSpec
 
 RECEIPT_VERSION = 1
 
+log = logging.getLogger(__name__)
+
 
 def result_key(prefix: str, race_id: str, attempt_id: str) -> str:
     """Redis key of an attempt's valid result (payload included), on the race's slot."""
@@ -29,20 +38,11 @@ def result_key(prefix: str, race_id: str, attempt_id: str) -> str:
     return f"{base}:result:{attempt_id}"
 
 
-def store_attempt_result(
-    client: Any, prefix: str, race_id: str, attempt_id: str, result: dict[str, Any], ttl_s: float
-) -> None:
-    """Keep a valid attempt result in Redis (before it is reported, so any process can serve it)."""
-    with store_errors(f"storing a result of race {race_id!r}"):
-        client.set(
-            result_key(prefix, race_id, attempt_id), codec.dumps(result), px=int(ttl_s * 1000)
-        )
-
-
 def load_attempt_result(
     client: Any, prefix: str, race_id: str, attempt_id: str
 ) -> dict[str, Any] | None:
-    """An attempt's stored result, None when it was never stored or has expired."""
+    """An attempt's stored result (with its ``verdict`` and ``payload_bytes``), None when it
+    was never stored or has expired."""
     with store_errors(f"reading a result of race {race_id!r}"):
         raw = client.get(result_key(prefix, race_id, attempt_id))
     return None if raw is None else codec.loads(raw)
@@ -84,7 +84,10 @@ def winner_result(
         "job_id": won.job_id,
     }
     payload = stored.get("payload")
-    size = codec.size(payload) if inline_max >= 0 else 0
+    size = 0
+    if inline_max >= 0:  # measured once, when the result was stored (else: measured now)
+        size = stored.get("payload_bytes")
+        size = codec.size(payload) if size is None else int(size)
     if size > inline_max >= 0:
         result["payload_ref"] = ref
         result["payload_bytes"] = size
@@ -93,11 +96,44 @@ def winner_result(
     return result
 
 
+PAYLOAD_INLINE = "payload_inline"  # a stored result's payload_ref that readers put back inline
+REF_MIN_BYTES = 1024  # smaller payloads stay inline (a GET would cost the caller more)
+
+
+def by_reference(result: dict[str, Any], ref: str) -> dict[str, Any]:
+    """``result`` as the result backend stores it: an inline payload of at least
+    :data:`REF_MIN_BYTES` is replaced by ``ref`` (the key of the stored attempt result that
+    holds it) in the documented form for large payloads (``payload_ref``, ``payload_bytes``),
+    marked ``payload_inline`` for :func:`with_payload`; anything else is returned unchanged."""
+    payload = result.get("payload")
+    if payload is None:
+        return result
+    size = codec.size(payload)
+    if size < REF_MIN_BYTES:
+        return result
+    stored = {k: v for k, v in result.items() if k != "payload"}
+    stored.update(payload_ref=ref, payload_bytes=size)
+    stored[PAYLOAD_INLINE] = True
+    return stored
+
+
+def with_payload(result: dict[str, Any], client: Any) -> dict[str, Any]:
+    """The caller's result from one :func:`by_reference` stored: the payload read back from
+    its key and inline again (left as ``payload_ref`` + ``payload_bytes`` if it expired)."""
+    out = {k: v for k, v in result.items() if k != PAYLOAD_INLINE}
+    raw = client.get(out["payload_ref"])
+    if raw is None:
+        return out
+    del out["payload_ref"], out["payload_bytes"]
+    out["payload"] = codec.loads(raw).get("payload")
+    return out
+
+
 def assemble_receipt(
     race: Race, state: dict[str, Any], spec: RaceSpec, *, now: float
 ) -> dict[str, Any]:
     """The full audit of a race: the engine's outcome enriched with handles and metrics."""
-    outcome = race.outcome(spec.provider_rates()).to_dict()
+    outcome = race_outcome(race, spec.provider_rates()).to_dict()
     results = state.get("results") or {}
     by_id = {a.id: a for a in race.attempts}
     for summary in outcome["attempts"]:
@@ -128,10 +164,36 @@ def assemble_receipt(
             "finished_at": now if race.finished else None,
             "validator": spec.validator,
             "time_scale": spec.time_scale,
+            "budget_key": spec.budget_key,
+            "failure_reason": _failure_reason(race),
             "latency_ms": None if outcome["latency_s"] is None else outcome["latency_s"] * 1000.0,
         }
     )
     return outcome
+
+
+def race_record(
+    store: RaceStore, race: Race, state: dict[str, Any], spec: RaceSpec, receipt: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The record to append with the race's receipt; None when the store keeps no records.
+
+    A record is for reports: one that cannot be built is logged and left out, and the race
+    finishes all the same.
+    """
+    if not store.records.enabled:
+        return None
+    try:
+        return build_record(race, receipt, spec.provider_rates(), **record_tags(state))
+    except Exception:
+        log.warning("race %s: its record could not be built", race.race_id, exc_info=True)
+        return None
+
+
+def _failure_reason(race: Race) -> str | None:
+    """Why a finished race has no winner: ``budget`` when the budget refused an attempt."""
+    if race.winner is not None or not race.finished:
+        return None
+    return "budget" if BUDGET_REFUSED in race.flags else "no_valid_result"
 
 
 def _capped_running(a: Any, results: dict[str, Any]) -> bool:

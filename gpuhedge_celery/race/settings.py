@@ -8,6 +8,16 @@ GPUHEDGE_RECEIPT_TTL_S             86400       how long a finished race's receip
 GPUHEDGE_PAYLOAD_INLINE_MAX        1000000     payloads larger than this many bytes (as JSON)
                                                are kept in Redis and the result carries a
                                                ``payload_ref`` instead
+GPUHEDGE_PAYLOAD_BY_REF            1           the caller's Celery result refers to the
+                                               winner's stored result instead of copying its
+                                               payload (Redis receives it once); gpuhedge's
+                                               app puts it back inline on ``.get()``; 0:
+                                               inline in the stored result too (for other
+                                               apps' plain Redis backends)
+GPUHEDGE_REQUEST_MAX_BYTES         1048576     the largest request (as compact JSON) a race
+                                               accepts; a larger one fails at once with a
+                                               one-line ConfigError, before any provider is
+                                               called (send a reference, e.g. a URL, instead)
 GPUHEDGE_WATCH_INTERVAL_S          1.0         status-poll period for providers that cannot
                                                tell when their job will next change state
 GPUHEDGE_RACE_EVENTS               1           send Celery task events (Flower) for races
@@ -49,6 +59,10 @@ GPUHEDGE_SWITCH_INTERVAL_MS        1           the coordination worker's thread 
 GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
                                                at start (custom policies, validators,
                                                provider adapters register themselves there)
+GPUHEDGE_RECORDS_MAXLEN            100000      finished races' records kept in the record
+                                               stream (``XADD MAXLEN ~``: about this many,
+                                               oldest dropped first; docs/records.md); 0:
+                                               no records
 =================================  ==========  ===============================================
 
 Values are mirrored into the Celery configuration as ``gpuhedge_race_<name>``.
@@ -62,35 +76,36 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+from ..envvars import env_number
 from ..errors import ConfigError
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+def receipt_ttl_s(env: Mapping[str, str]) -> float:
+    """``GPUHEDGE_RECEIPT_TTL_S``: also how long Celery keeps a race's result (tasks/app.py)."""
+    return _float(env, "GPUHEDGE_RECEIPT_TTL_S", 86400.0)
+
+
 def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"expected a number, got {raw!r}", key=name) from None
-    if value <= minimum:
-        raise ConfigError(f"expected a number > {minimum:g}, got {raw!r}", key=name)
-    return value
+    return env_number(
+        env, name, default, cast=float, kind="a number", valid=lambda v: v > minimum,
+        bound=f"a number > {minimum:g}",
+    )  # fmt: skip
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"expected a whole number, got {raw!r}", key=name) from None
-    if not 1 <= value <= 1024:
-        raise ConfigError(f"expected a number from 1 to 1024, got {raw!r}", key=name)
-    return value
+    return env_number(
+        env, name, default, cast=int, kind="a whole number", valid=lambda v: 1 <= v <= 1024,
+        bound="a number from 1 to 1024",
+    )  # fmt: skip
+
+
+def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
+    return env_number(
+        env, name, default, cast=int, kind="a whole number (0: off)", valid=lambda v: v >= 0,
+        bound="a whole number >= 0 (0: off)",
+    )  # fmt: skip
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -110,6 +125,8 @@ class RaceSettings:
 
     receipt_ttl_s: float = 86400.0
     payload_inline_max: int = 1_000_000
+    payload_by_ref: bool = True
+    request_max_bytes: int = 1_048_576
     watch_interval_s: float = 1.0
     events: bool = True
     event_linger_ms: float = 20.0
@@ -123,6 +140,7 @@ class RaceSettings:
     cancel_backstop_s: float = 30.0
     switch_interval_ms: float = 1.0
     plugins: tuple[str, ...] = field(default_factory=tuple)
+    records_maxlen: int = 100_000
 
     def as_celery_conf(self) -> dict[str, object]:
         """The values as ``gpuhedge_race_*`` Celery settings (visible in ``inspect conf``)."""
@@ -155,10 +173,12 @@ class RaceSettings:
             if not _MODULE_RE.match(module):
                 raise ConfigError(f"expected a module path, got {module!r}", key="GPUHEDGE_PLUGINS")
         return cls(
-            receipt_ttl_s=_float(env, "GPUHEDGE_RECEIPT_TTL_S", 86400.0),
+            receipt_ttl_s=receipt_ttl_s(env),
             payload_inline_max=int(
                 _float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)
             ),
+            payload_by_ref=_flag(env, "GPUHEDGE_PAYLOAD_BY_REF", True),
+            request_max_bytes=int(_float(env, "GPUHEDGE_REQUEST_MAX_BYTES", 1_048_576)),
             watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
             events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
             event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 20.0, minimum=-1),
@@ -172,4 +192,5 @@ class RaceSettings:
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
             switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),
             plugins=plugins,
+            records_maxlen=_maxlen(env, "GPUHEDGE_RECORDS_MAXLEN", 100_000),
         )

@@ -9,7 +9,10 @@
   ``time_scale``; a full spec's timings are taken as written (real time), as
   :meth:`~gpuhedge_celery.config.GpuHedgeConfig.make_policy` does;
 * ``providers``: names overriding the roles (primary first) for a built-in name;
-* ``validator``: a registered validator name, or ``{"name": ..., **options}``.
+* ``validator``: a registered validator name, or ``{"name": ..., **options}``;
+* ``budget_key``: whose budget the race spends (``budget.keys`` in the config), or None;
+* ``arm``: the experiment arm the race runs in (``gpuhedge-celery experiment``), or None; its
+  record carries it (``docs/records.md``).
 
 Every problem is a one-line :class:`~gpuhedge_celery.errors.ConfigError` naming the argument.
 """
@@ -17,16 +20,18 @@ Every problem is a one-line :class:`~gpuhedge_celery.errors.ConfigError` naming 
 from __future__ import annotations
 
 import inspect
-import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ROLE_ARGS, GpuHedgeConfig
+from ..core.experiment import ARM_RE
 from ..core.outcome import ProviderRate
 from ..core.policies import Policy, policy_from_dict, registered_policies
 from ..core.validators import available_validators, get_validator
 from ..errors import ConfigError
+from ..store import codec
 
 
 @dataclass(frozen=True)
@@ -39,32 +44,49 @@ class RaceSpec:
     caps_s: Mapping[str, float] = field(default_factory=dict)  # real seconds per attempt
     rates: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # per real second
     time_scale: float = 1.0
+    deadline_s: float | None = None  # real seconds from start; None: no deadline
+    budget_key: str | None = None  # whose budget the race spends (budget.keys)
+    arm: str | None = None  # the experiment arm the race runs in (its record carries it)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form stored with the race (the policy travels in the race's own state)."""
-        return {
+        data = {
+            "deadline_s": self.deadline_s,
             "validator": self.validator,
             "validator_options": dict(self.validator_options),
             "caps_s": dict(self.caps_s),
             "rates": {k: dict(v) for k, v in self.rates.items()},
             "time_scale": self.time_scale,
+            "budget_key": self.budget_key,
         }
+        if self.arm is not None:  # only an experiment's races carry one
+            data["arm"] = self.arm
+        return data
 
     def provider_rates(self) -> dict[str, ProviderRate]:
         """Rates in the form :func:`~gpuhedge_celery.core.outcome.race_outcome` prices with."""
         return {k: ProviderRate(v["rate_per_s"], v["idle_s"]) for k, v in self.rates.items()}
 
 
-def check_request(request: Any) -> dict[str, Any]:
-    """The request if it is a JSON object; a one-line ConfigError otherwise."""
+def check_request(request: Any, max_bytes: int | None = None) -> dict[str, Any]:
+    """The request if it is a JSON object of at most ``max_bytes`` bytes as compact JSON (the
+    form the race store keeps); a one-line ConfigError otherwise."""
     if not isinstance(request, dict):
         raise ConfigError(
             f"expected a JSON object (dict), got {type(request).__name__}", key="request"
         )
     try:
-        json.dumps(request)
-    except (TypeError, ValueError) as e:
+        # the encoder the race store writes with: what passes here is stored without a surprise
+        size = codec.size(request)
+    except (TypeError, ValueError, RecursionError) as e:  # bytes, sets, non-str keys, too deep
         raise ConfigError(f"not JSON-serialisable: {e}", key="request") from None
+    if max_bytes is not None and size > max_bytes:
+        raise ConfigError(
+            f"{size:,} bytes as JSON, over the {max_bytes:,}-byte limit "
+            "(GPUHEDGE_REQUEST_MAX_BYTES): send a reference to large data (a URL, an object "
+            "key) instead of the data",
+            key="request",
+        )
     return request
 
 
@@ -155,9 +177,22 @@ def resolve_validator(cfg: GpuHedgeConfig, validator: Any = None) -> tuple[str, 
 
 
 def build_spec(
-    cfg: GpuHedgeConfig, policy: Any = None, providers: Any = None, validator: Any = None
+    cfg: GpuHedgeConfig,
+    policy: Any = None,
+    providers: Any = None,
+    validator: Any = None,
+    budget_key: Any = None,
+    arm: Any = None,
 ) -> RaceSpec:
     """Resolve every argument of ``hedged_infer`` against ``cfg`` into a :class:`RaceSpec`."""
+    problem = cfg.budget.key_problem(budget_key)
+    if problem is not None:
+        raise ConfigError(problem, key="budget_key")
+    if arm is not None and not (isinstance(arm, str) and ARM_RE.match(arm)):
+        raise ConfigError(
+            f"expected an arm name of 1-100 letters, digits, '_', '-', '.', ':', got {arm!r}",
+            key="arm",
+        )
     resolved = resolve_policy(cfg, policy, providers)
     v_name, v_options = resolve_validator(cfg, validator)
     scale = cfg.time_scale
@@ -170,7 +205,33 @@ def build_spec(
             "rate_per_s": p.billed_rate_per_s / scale,
             "idle_s": p.idle_billed_seconds * scale,
         }
-    return RaceSpec(resolved, v_name, v_options, caps, rates, scale)
+    deadline = cfg.race_deadline_for(resolved.providers()) * scale
+    return RaceSpec(resolved, v_name, v_options, caps, rates, scale, deadline, budget_key, arm)
+
+
+def longest_race_s(
+    cfg: GpuHedgeConfig, policy: Any = None, providers: Any = None, *, slack_s: float = 5.0
+) -> float:
+    """The longest a race under ``cfg`` can take, in real seconds: a timeout for ``.get()``.
+
+    Every attempt is launched at one of the policy's timers or when an earlier attempt ended,
+    and ends within its provider's slowest job (a sim provider knows it: slowest queue plus
+    run) or its cap, whichever is shorter. So the race ends within the policy's latest timer
+    plus the longest attempt of every provider it may launch, plus ``slack_s`` for submits,
+    status polls and cancel confirmations. An upper bound, not a typical time.
+    """
+    spec = build_spec(cfg, policy, providers)
+    timers = [
+        v
+        for k, v in spec.policy.params().items()
+        if k.endswith("_ms") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
+    total = max(timers, default=0) / 1000.0  # the policy's params are in real milliseconds
+    for name in spec.policy.providers():
+        job = getattr(cfg.provider(name).spec, "longest_job_s", None)
+        longest = job() if callable(job) else math.inf
+        total += min(spec.caps_s[name], longest)
+    return total + slack_s
 
 
 def spec_from_state(state: dict[str, Any]) -> RaceSpec:
@@ -183,4 +244,7 @@ def spec_from_state(state: dict[str, Any]) -> RaceSpec:
         caps_s=data.get("caps_s") or {},
         rates=data.get("rates") or {},
         time_scale=float(data.get("time_scale", 1.0)),
+        deadline_s=data.get("deadline_s"),
+        budget_key=data.get("budget_key"),
+        arm=data.get("arm"),
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,3 +55,43 @@ def ping(url: str) -> None:
     """Raise :class:`StoreUnavailable` unless Redis at ``url`` answers PING."""
     with translate_errors(url):
         client_for(url).ping()
+
+
+def wait_for_redis(client: redis.Redis, limit_s: float, interval_s: float = 0.5) -> bool:
+    """Block until ``client``'s Redis answers PING (True), at most ``limit_s`` (False).
+
+    For work that lost Redis mid-way (an outage, a restart) and must still report what became
+    of it once Redis is back, rather than fail with the connection error.
+    """
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            client.ping()
+            return True
+        except redis.RedisError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval_s)
+
+
+def persistence_warning(client: redis.Redis) -> str | None:
+    """A one-line warning when Redis would lose races and leases in a restart, else None.
+
+    Without AOF a restarted Redis comes back empty (or at its last RDB snapshot): races in
+    flight lose their state, their callers get an explicit failure only at their deadline
+    (``RaceResult``), and the provider jobs they had submitted can no longer be found or
+    cancelled by the janitor. Managed Redis that forbids ``CONFIG`` is not judged here.
+    """
+    try:
+        info = client.info("persistence")
+        save = client.config_get("save").get("save", "")
+    except redis.RedisError:
+        return None
+    if int(info.get("aof_enabled", 0) or 0):
+        return None
+    kept = f"only RDB snapshots ({save!r})" if save else "no persistence at all"
+    return (
+        f"Redis keeps {kept}: a restart loses the races in flight (their callers fail at their "
+        "deadline) and the provider jobs they submitted can no longer be found or cancelled; "
+        "set 'appendonly yes' and 'appendfsync everysec' (docs/reliability.md)"
+    )

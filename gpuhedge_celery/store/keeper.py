@@ -13,16 +13,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..core.lease_rules import Lease
 from ..errors import LeaseLost, StoreUnavailable
-
-if TYPE_CHECKING:
-    from .leases import Lease, LeaseStore
 
 log = logging.getLogger(__name__)
 
-OnLost = Callable[["Lease", BaseException], None]
+OnLost = Callable[[Lease, BaseException], None]
+
+
+class Renews(Protocol):
+    """What a keeper needs of its store (a :class:`~gpuhedge_celery.store.leases.LeaseStore`,
+    which builds on this module and re-exports :class:`LeaseKeeper`)."""
+
+    def renew(self, lease: Lease) -> Lease: ...
 
 
 class LeaseKeeper:
@@ -30,7 +35,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        store: LeaseStore,
+        store: Renews,
         lease: Lease,
         *,
         on_lost: OnLost | None = None,

@@ -42,6 +42,15 @@ class Keys:
         """Integer: the highest fencing token the GPU's worker has accepted (check_fence)."""
         return self._k("accepted", gpu_id)
 
+    def out(self, gpu_id: str) -> str:
+        """Hash reason -> ``since_ms|detail``: present while the GPU takes no new lease (drained by
+        an operator, faulted, unhealthy, its model not loaded). The claim scripts read it."""
+        return self._k("out", gpu_id)
+
+    def health(self, gpu_id: str) -> str:
+        """String (JSON, PX TTL): the GPU's last health sample, written by its worker."""
+        return self._k("health", gpu_id)
+
     # -- registry ---------------------------------------------------------------------------
     def gpu(self, gpu_id: str) -> str:
         """Hash: pool, host, labels (JSON) of one registered GPU."""
@@ -88,6 +97,19 @@ class Keys:
         """Integer counter giving waiters their arrival numbers."""
         return self._k("waitseq", pool)
 
+    def freeat(self, pool: str) -> str:
+        """Hash gpu -> ``fence|ms``: when waiters of the pool first saw the GPU free (server ms)."""
+        return self._k("freeat", pool)
+
+    def procs(self) -> str:
+        """Sorted set process id -> last heartbeat (server ms): liveness of waiting processes."""
+        return self._k("procs")
+
+    def proc_channel(self, process_id: str = "") -> str:
+        """Pub/sub channel a waiting process stays subscribed to while it lives (nothing is
+        published on it: Redis drops the subscription the moment the process's socket closes)."""
+        return self._k("proc", process_id)
+
     def wake_channel(self) -> str:
         """Pub/sub channel (message: pool) published when a queue change may let a waiter in."""
         return self._k("wake")
@@ -97,6 +119,35 @@ class Keys:
         """What the GPU's worker reports running (owned by the Celery glue)."""
         return self._k("running", gpu_id)
 
+    # -- pooled requests (store/pooled.py) ---------------------------------------------------
+    def pooled(self, request_id: str) -> str:
+        """Hash: a pooled request's record (arguments, state, taker; ``store/pooled.py``)."""
+        return self._k("pooled", request_id)
+
+    def pooled_unseen(self) -> str:
+        """Sorted set request id -> sent (epoch ms): pooled requests no worker has taken."""
+        return self._k("pooled-unseen")
+
+    def pooled_taken(self) -> str:
+        """Sorted set request id -> taken (server ms): pooled requests waiting for a GPU."""
+        return self._k("pooled-taken")
+
+    def pooled_missing(self) -> str:
+        """Sorted set request id -> when a sweep first found its broker message missing."""
+        return self._k("pooled-missing")
+
     def reconcile_lock(self) -> str:
         """Short lock so two reconcile passes never run at once."""
         return self._k("reconcile", "lock")
+
+    # -- provider request budgets -----------------------------------------------------------
+    def rate_bucket(self, scope: str, route: str) -> str:
+        """Hash ``tokens``, ``ts``: one provider route's token bucket, shared by every process
+        (``providers/ratelimit.py``; ``scope`` names the endpoint, e.g. ``runpod:<id>``)."""
+        return self._k("ratelimit", f"{{{scope}}}", route)
+
+    # -- provider accounts ------------------------------------------------------------------
+    def balance_snapshots(self, provider: str) -> str:
+        """Sorted set of JSON ``{at, usd, account}`` by epoch s: a provider's account balance
+        as ``costs`` read it (RunPod reports a balance, not spend: the drop is the spend)."""
+        return self._k("balance", provider)

@@ -38,6 +38,7 @@ from ..core.lease_rules import (
     LeaseRow,
     classify,
     parse_lease_value,
+    parse_out,
     validate_ttl_ms,
 )
 from ..errors import ConfigError, EmptyPool, UnknownPool
@@ -65,6 +66,13 @@ def _text(value: Any) -> str | None:
     if value is None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _json_or_none(value: Any) -> Any:
+    try:
+        return None if value is None else json.loads(_text(value))
+    except ValueError:
+        return None
 
 
 def _check_name(value: str, what: str) -> str:
@@ -220,20 +228,21 @@ class LeaseStore:
 
     # -- leases -----------------------------------------------------------------------------
     def try_claim(self, gpu_id: str, holder: str, ttl_ms: int | None = None) -> Lease | None:
-        """Claim ``gpu_id`` for ``holder`` if it is free: the lease, or None when it is held."""
+        """Claim ``gpu_id`` for ``holder`` if it is free: the lease, or None when it is held or out
+        of the pool (drained, unhealthy, its model not loaded)."""
         _check_name(holder, "holder")
         ttl = 0 if ttl_ms is None else _ttl(ttl_ms, "ttl_ms")
         k = self.keys
         since = now_ms()
         with self.guard():
             reply = self.scripts.claim(
-                keys=[k.lease(gpu_id), k.fence(gpu_id), k.gpu(gpu_id), k.pool_ttl()],
+                keys=[k.lease(gpu_id), k.fence(gpu_id), k.gpu(gpu_id), k.pool_ttl(), k.out(gpu_id)],
                 args=[holder, ttl, since, DEFAULT_POOL_TTL_MS],
             )
         code = int(reply[0])
         if code == UNKNOWN_GPU:
             raise ConfigError(f"GPU {gpu_id!r} is not registered", key="gpu_id")
-        if code != OK:
+        if code != OK:  # BUSY (held) or OUT_OF_POOL
             return None
         return Lease(gpu_id, _text(reply[3]), int(reply[1]), holder, int(reply[2]), since)
 
@@ -317,7 +326,8 @@ class LeaseStore:
         return int(code) == OK
 
     def table(self, pool: str | None = None) -> list[LeaseRow]:
-        """One row per registered GPU (of ``pool``, or all): state, holder, token, TTL left."""
+        """One row per registered GPU (of ``pool``, or all): state, holder, token, TTL left, why
+        it is out of the pool (if it is) and its worker's last health sample."""
         gpus = self.gpus(pool, live_only=False)
         if pool is not None and not gpus:
             raise UnknownPool(pool)
@@ -330,10 +340,12 @@ class LeaseStore:
                 pipe.get(k.lease(g.gpu_id))
                 pipe.pttl(k.lease(g.gpu_id))
                 pipe.get(k.accepted(g.gpu_id))
+                pipe.hgetall(k.out(g.gpu_id))
+                pipe.get(k.health(g.gpu_id))
             replies = pipe.execute()
         rows = []
         for i, g in enumerate(gpus):
-            value, pttl, accepted = replies[3 * i : 3 * i + 3]
+            value, pttl, accepted, out, health = replies[5 * i : 5 * i + 5]
             accepted = int(accepted or 0)
             token = since = ttl_left = holder = None
             if value is not None:
@@ -358,6 +370,8 @@ class LeaseStore:
                     since,
                     accepted,
                     g.labels,
+                    parse_out({_text(a): _text(b) for a, b in out.items()}),
+                    _json_or_none(health),
                 )  # fmt: skip
             )
         return rows

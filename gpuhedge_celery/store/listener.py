@@ -9,6 +9,11 @@ is published while the connection is down.
 After a reconnect (redis-py re-subscribes by itself; we see the fresh ``subscribe``
 confirmations) the listener wakes every waiter, so each re-reads the table before any event
 is trusted again.
+
+The listener also carries the process's liveness for the wait queue (see :mod:`.liveness`): it
+stays subscribed to the process's own channel, which Redis drops the moment the process dies,
+and runs its :class:`~.liveness.ProcessBeat` heartbeat. Waiters put its ``process_id`` in their
+queue entries.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import redis
 
 from ..errors import NotificationsUnavailable, StoreUnavailable
 from .keys import Keys
+from .liveness import ProcessBeat
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +136,13 @@ class KeyspaceListener:
         self.client = client
         self.keys = keys
         db = client.connection_pool.connection_kwargs.get("db", 0)
+        self._beat = ProcessBeat(client, keys)
+        self.process_id = self._beat.process_id
         self.channels = (
             f"__keyevent@{db}__:del",
             f"__keyevent@{db}__:expired",
             keys.wake_channel(),
+            keys.proc_channel(self.process_id),  # liveness only: nothing is published here
         )
         self.notifications = False  # whether enable_notifications succeeded
         self.reconnects = 0  # times the pub/sub connection came back (each wakes every waiter)
@@ -162,6 +171,11 @@ class KeyspaceListener:
         if not self._ready.wait(timeout_s) or self._error is not None:
             self.close()
             raise StoreUnavailable(f"could not subscribe to lease events: {self._error}")
+        try:
+            self._beat.start()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self.close()
+            raise StoreUnavailable(f"Redis at {_where(self.client)} is unreachable ({e})") from e
         return self
 
     @property
@@ -169,10 +183,11 @@ class KeyspaceListener:
         return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
 
     def close(self) -> None:
-        """Stop the thread and close the pub/sub connection."""
+        """Stop the threads, close the pub/sub connection and mark the process gone."""
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self._beat.close()
 
     # -- registrations ----------------------------------------------------------------------
     def watch(self, lease_keys: Iterable[str], pool: str) -> Watch:

@@ -64,10 +64,14 @@ class RaceKeys:
     owner: str  # STRING "token|owner" with a PX lease
     owner_seq: str  # STRING fencing counter for owner tokens
     receipt: str  # STRING JSON receipt, with a TTL
+    request: str  # STRING the caller's request as compact JSON, written once, gone at finish
 
     def all(self) -> tuple[str, ...]:
         """Every key of the race, for expiry and clean-up."""
-        return (self.state, self.winner, self.jobs, self.owner, self.owner_seq, self.receipt)
+        return (
+            self.state, self.winner, self.jobs, self.owner, self.owner_seq, self.receipt,
+            self.request,
+        )  # fmt: skip
 
 
 def race_keys(prefix: str, race_id: str) -> RaceKeys:
@@ -81,9 +85,56 @@ def race_keys(prefix: str, race_id: str) -> RaceKeys:
         owner=f"{base}:owner",
         owner_seq=f"{base}:owner_seq",
         receipt=f"{base}:receipt",
+        request=f"{base}:request",
     )
 
 
 def live_races_key(prefix: str) -> str:
     """ZSET race id -> last heartbeat epoch ms, read by the janitor (its own slot)."""
     return f"{prefix}:{{races}}:live"
+
+
+def records_key(prefix: str) -> str:
+    """STREAM of finished races' compact records (one entry per race; its own slot)."""
+    return f"{prefix}:{{records}}:stream"
+
+
+def finished_races_key(prefix: str) -> str:
+    """ZSET race id -> finish epoch ms of recently finished races (``watch --all``, receipt
+    lookups by id prefix); trimmed to the newest ``RECENT_FINISHED`` and to the receipt TTL."""
+    return f"{prefix}:{{races}}:finished"
+
+
+RECENT_FINISHED = 1000  # finished races the index above remembers
+
+
+@dataclass(frozen=True)
+class BudgetKeys:
+    """The budget ledger's keys (all on the slot of ``{budget}``, so one script reserves)."""
+
+    totals: str  # HASH "r|<scope>" / "s|<scope>" -> reserved / spent nano-dollars
+    open: str  # ZSET reservation id -> epoch ms after which the janitor may settle it
+    ledger: str  # STREAM of reservations, refusals, settlements and reconciliations
+    base: str  # prefix of the per-reservation and per-request keys below
+
+    def reservation(self, reservation_id: str) -> str:
+        """STRING: one reservation's JSON record (kept a while after it settles)."""
+        return f"{self.base}:res:{reservation_id}"
+
+    def request(self, race_id: str) -> str:
+        """STRING: nano-dollars one race has reserved or spent (the per-request cap's counter)."""
+        return f"{self.base}:req:{race_id}"
+
+
+def budget_keys(prefix: str) -> BudgetKeys:
+    """Key names of the budget ledger under ``prefix``."""
+    base = f"{prefix}:{{budget}}"
+    return BudgetKeys(
+        totals=f"{base}:totals", open=f"{base}:open", ledger=f"{base}:ledger", base=base
+    )
+
+
+def reservation_id(race_id: str, attempt_id: str) -> str:
+    """The id of an attempt's reservation (one per attempt: reserving again is a no-op)."""
+    check_name(race_id, "race id")
+    return f"{race_id}/{attempt_id}"

@@ -21,21 +21,29 @@ them: it is a hint, and the janitor re-reads the race's own keys before acting.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.clock import Clock, WallClock
-from ..errors import LeaseError, StoreError
+from ..errors import LeaseError, StoreError, StoreUnavailable
 from . import codec
-from .race_keys import live_races_key, race_keys
+from .race_keys import RECENT_FINISHED, finished_races_key, live_races_key, race_keys
+from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
 DEFAULT_RECEIPT_TTL_S = 24 * 3600.0
 DEFAULT_STATE_TTL_S = 24 * 3600.0
+SAVE_RETRY_S = 30.0  # a save is sent again while Redis is unreachable, for up to this long
+SAVE_RETRY_INTERVAL_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class VersionConflict(StoreError):
@@ -100,6 +108,18 @@ class StaleRace:
     live_jobs: dict[str, dict[str, Any]]
 
 
+class SaveMark(NamedTuple):
+    """The mark a won save leaves on its race's state (see :meth:`RaceStore.save_mark`)."""
+
+    state_key: str
+    mark: str  # "version:save id"
+
+
+def new_save_id() -> str:
+    """A fresh id for one save (:meth:`RaceStore.save`)."""
+    return uuid.uuid4().hex
+
+
 FRESH_MAX = 4096  # races whose last saved state a process remembers
 
 
@@ -127,6 +147,7 @@ class RaceStore:
         receipt_ttl_s: float = DEFAULT_RECEIPT_TTL_S,
         state_ttl_s: float | None = DEFAULT_STATE_TTL_S,
         clock: Clock | None = None,
+        records_maxlen: int = DEFAULT_RECORDS_MAXLEN,
     ):
         if receipt_ttl_s <= 0:
             raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
@@ -136,6 +157,8 @@ class RaceStore:
         self.state_ttl_s = state_ttl_s
         self.clock = clock or WallClock()
         self.live_key = live_races_key(prefix)
+        self.records = RecordStream(client, prefix, records_maxlen)  # finished races' records
+        self.finished_key = finished_races_key(prefix)
         self._save = lua_script(client, "race_save")
         self._claim_winner = lua_script(client, "race_claim_winner")
         self._owner_claim = lua_script(client, "race_owner_claim")
@@ -154,9 +177,50 @@ class RaceStore:
 
     # -- state -------------------------------------------------------------------------------
 
-    def create(self, race_id: str, state: dict[str, Any]) -> int:
-        """Store a new race's first state (version 1); VersionConflict if the race exists."""
-        return self.save(race_id, state, 0)
+    def create(
+        self,
+        race_id: str,
+        state: dict[str, Any],
+        request: dict[str, Any] | None = None,
+        also: Callable[[Any], None] | None = None,
+        scripts: tuple[Any, ...] = (),
+    ) -> int:
+        """Store a new race's first state (version 1); VersionConflict if the race exists.
+
+        ``request``: the caller's request, stored once (compact JSON, its own key, written in
+        the same round trip) rather than in the state every step rewrites; read it back with
+        :meth:`request` or :meth:`claim_submit_with_request`. :meth:`finish` drops it.
+        ``also`` and ``scripts``: as for :meth:`save` (the first timers ride in this round trip).
+        """
+        if request is None:
+            return self.save(race_id, state, 0, also=also, scripts=scripts)
+        key = race_keys(self.prefix, race_id).request
+        data = _dumps(request, f"request of race {race_id!r}")
+        ttl_ms = _ms(self.state_ttl_s)
+
+        def store_request(pipe: Any) -> None:
+            # NX: a redelivered create (which then conflicts) leaves the first one in place
+            pipe.set(key, data, nx=True, px=ttl_ms or None)
+
+        return self.save(race_id, state, 0, also=also, scripts=scripts, before=store_request)
+
+    def request(self, race_id: str) -> dict[str, Any] | None:
+        """The race's request as :meth:`create` stored it; None once the race has finished
+        (or expired), or for a race created without one."""
+        with store_errors(f"reading the request of race {race_id!r}"):
+            found = self.client.get(race_keys(self.prefix, race_id).request)
+        return None if found is None else codec.loads(found)
+
+    def queue_deadline(self, pipe: Any, race_id: str, at: float) -> None:
+        """Queue keeping the race's deadline (epoch seconds) beside its state, once: callers
+        waiting on ``.get()`` read it with :meth:`deadline` (one small read, no JSON)."""
+        pipe.hsetnx(race_keys(self.prefix, race_id).state, "deadline", repr(float(at)))
+
+    def deadline(self, race_id: str) -> float | None:
+        """The race's deadline in epoch seconds; None if unknown (no such race, no deadline)."""
+        with store_errors(f"reading the deadline of race {race_id!r}"):
+            raw = self.client.hget(race_keys(self.prefix, race_id).state, "deadline")
+        return None if raw is None else float(as_text(raw))
 
     def save(
         self,
@@ -166,19 +230,22 @@ class RaceStore:
         also: Callable[[Any], None] | None = None,
         scripts: tuple[Any, ...] = (),
         before: Callable[[Any], None] | None = None,
+        save_id: str | None = None,
     ) -> int:
         """Save ``state`` if the race is still at ``expected_version``; returns the new version.
 
         Raises :class:`VersionConflict` when someone saved since (or, for version 0, the race
         already exists). Also refreshes the race's heartbeat. ``also(pipe)`` may queue more
         commands in the same round trip (``scripts``: the scripts they use); they run whether
-        or not the save wins, so they must be harmless when it loses (idempotent timer arms).
+        or not the save wins, so they must be harmless when it loses (idempotent timer arms),
+        or check that it won (:meth:`save_mark`, with the ``save_id`` given here).
         ``before(pipe)`` queues commands that run before the save (Redis runs a pipeline in
         order), for data the saved state refers to. Its results come first in the reply.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(state, f"state of race {race_id!r}")
-        args = [expected_version, data, _ms(self.state_ttl_s)]
+        # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
+        args = [expected_version, data, _ms(self.state_ttl_s), save_id or new_save_id()]
 
         skip = 0
 
@@ -192,20 +259,58 @@ class RaceStore:
             if also is not None:
                 also(pipe)
 
-        with store_errors(f"saving race {race_id!r}"):
-            replies = run_pipeline(self.client, build, [self._save, *scripts])
+        replies = self._send_save(race_id, build, [self._save, *scripts])
         ok, version = replies[skip]
-        with self._fresh_lock:
-            if ok:
-                self._fresh[race_id] = (int(version), data)
-                self._fresh.move_to_end(race_id)
-                while len(self._fresh) > FRESH_MAX:
-                    self._fresh.popitem(last=False)
-            else:
+        if ok:
+            self._remember(race_id, int(version), data)
+        else:
+            with self._fresh_lock:
                 self._fresh.pop(race_id, None)
         if not ok:
             raise VersionConflict(race_id, expected_version, int(version))
         return int(version)
+
+    def save_mark(self, race_id: str, expected_version: int, save_id: str) -> SaveMark:
+        """What a command riding in a save's pipeline checks to act only if that save won:
+        the race's state key and the entry the save leaves in its history of saves
+        (race_save.lua keeps the last 8 there). A save that lost its version check leaves
+        none; one sent again after its answer was lost finds its own."""
+        if not save_id:
+            raise ValueError("save_id must be a non-empty string")
+        state = race_keys(self.prefix, race_id).state
+        return SaveMark(state, f"{expected_version + 1}:{save_id}")
+
+    def _remember(self, race_id: str, version: int, data: str) -> None:
+        """Keep the state this process just saved, unless it already keeps a newer one: two
+        threads' saves can finish their round trips in one order and reach this in the other,
+        and an older copy would show a step that the newer one took back (an attempt launched
+        by the newer save missing from it)."""
+        with self._fresh_lock:
+            kept = self._fresh.get(race_id)
+            if kept is not None and kept[0] >= version:
+                return
+            self._fresh[race_id] = (version, data)
+            self._fresh.move_to_end(race_id)
+            while len(self._fresh) > FRESH_MAX:
+                self._fresh.popitem(last=False)
+
+    def _send_save(self, race_id: str, build: Callable[[Any], None], scripts: list[Any]) -> list:
+        """Run a save's pipeline; while Redis is unreachable, send it again (the same save id)
+        for up to ``SAVE_RETRY_S``. A save that reached Redis but whose answer was lost must
+        not be reported as failed: its step would be re-applied as a duplicate and its actions
+        (declaring the winner, cancelling losers) would never run. Sent again, it is answered
+        "saved" (race_save.lua), and the caller performs them."""
+        give_up = time.monotonic() + SAVE_RETRY_S
+        while True:
+            try:
+                with store_errors(f"saving race {race_id!r}"):
+                    return run_pipeline(self.client, build, scripts)
+            except StoreUnavailable:
+                if time.monotonic() >= give_up:
+                    raise
+                log.warning("race %s: save not answered (Redis unreachable); sending it again",
+                            race_id)  # fmt: skip
+                time.sleep(SAVE_RETRY_INTERVAL_S)
 
     def load(self, race_id: str, *, fresh: bool = False) -> RaceRecord | None:
         """The race's current state and version, or None if there is no such race.
@@ -299,24 +404,61 @@ class RaceStore:
             pipe.execute()
 
     def claim_submit(
-        self, race_id: str, attempt_id: str, intent: dict[str, Any]
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
     ) -> dict[str, Any] | None:
         """Record the intent to submit an attempt's job, unless something is recorded already.
 
         Atomic (``HSETNX``): of two processes about to submit the same attempt, one gets None
         (go ahead) and the other what the first recorded (its intent, or the job's handle).
+        ``also``: more work for the same round trip (the attempt's budget reservation): its
+        ``queue(pipe)`` queues it, its ``take(replies)`` reads its replies, ``scripts`` lists
+        the scripts it runs.
         """
+        return self._claim_submit(race_id, attempt_id, intent, with_request=False, also=also)[0]
+
+    def claim_submit_with_request(
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """:meth:`claim_submit` and :meth:`request` in one round trip: what was recorded
+        (None: go ahead) and the request to submit (None if it is gone)."""
+        return self._claim_submit(race_id, attempt_id, intent, with_request=True, also=also)
+
+    def _claim_submit(
+        self,
+        race_id: str,
+        attempt_id: str,
+        intent: dict[str, Any],
+        *,
+        with_request: bool,
+        also: Any = None,
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         keys = race_keys(self.prefix, race_id)
         data = _dumps(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
-        with store_errors(f"claiming the submit of race {race_id!r}"):
-            pipe = self.client.pipeline(transaction=False)
+
+        def build(pipe: Any) -> None:
             pipe.hsetnx(keys.jobs, attempt_id, data)
             pipe.hget(keys.jobs, attempt_id)
-            self._touch(pipe, race_id)
-            claimed, found, _ = pipe.execute()
-        if claimed or found is None:
-            return None
-        return codec.loads(found)
+            self._touch(pipe, race_id)  # one command
+            if with_request:
+                pipe.get(keys.request)
+            if also is not None:
+                also.queue(pipe)
+
+        with store_errors(f"claiming the submit of race {race_id!r}"):
+            replies = run_pipeline(self.client, build, also.scripts if also is not None else ())
+        claimed, found = replies[0], replies[1]
+        first_also = 3
+        request = None
+        if with_request:
+            first_also = 4
+            request = codec.loads(replies[3]) if replies[3] is not None else None
+        if also is not None:
+            also.take(replies[first_also:])
+        # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
+        # a script the server had to load (run_pipeline runs it again): the claim is ours.
+        if claimed or found is None or as_text(found) == data:
+            return None, request
+        return codec.loads(found), request
 
     def remove_job(self, race_id: str, attempt_id: str) -> bool:
         """Forget a job that reached a terminal state; False if it was not registered."""
@@ -438,22 +580,36 @@ class RaceStore:
         ttl_s: float | None = None,
         *,
         drop_jobs: Iterable[str] = (),
+        record: dict[str, Any] | None = None,
     ) -> int:
-        """Store the final receipt and let the race's keys expire with it after ``ttl_s``.
+        """Store the final receipt and let the race's keys expire with it after ``ttl_s``; the
+        request (only needed to submit) is dropped at once, and the race joins the index of
+        recently finished races (read by :mod:`.race_lookup`).
 
         ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered in the same
-        round trip (as :meth:`remove_job` would, one by one). Returns how many jobs are still
-        registered as live; with none the race also leaves the live index, otherwise it stays
-        there for the janitor.
+        round trip (as :meth:`remove_job` would, one by one). ``record``: the race's record,
+        appended to the record stream in the same round trip (one ``XADD``). Returns how many
+        jobs are still registered as live; with none the race also leaves the live index,
+        otherwise it stays there for the janitor.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(receipt, f"receipt of race {race_id!r}")
         ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         drop = list(drop_jobs)
 
+        now_ms = self.now_ms()
+
         def build(pipe: Any) -> None:
             if drop:
                 pipe.hdel(keys.jobs, *drop)
+            if record is not None:
+                self.records.queue_append(pipe, record)
+            pipe.delete(keys.request)  # nothing submits once the race is finished
+            # the recently finished index (a hint on its own slot, like the heartbeat index)
+            pipe.zadd(self.finished_key, {race_id: now_ms})
+            pipe.zremrangebyrank(self.finished_key, 0, -RECENT_FINISHED - 1)
+            pipe.zremrangebyscore(self.finished_key, "-inf", now_ms - ttl_ms)
+            pipe.pexpire(self.finished_key, ttl_ms)
             queue_script(
                 pipe, self._finish,
                 [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
@@ -467,14 +623,26 @@ class RaceStore:
         return live
 
     def put_receipt(
-        self, race_id: str, receipt: dict[str, Any], ttl_s: float | None = None
+        self,
+        race_id: str,
+        receipt: dict[str, Any],
+        ttl_s: float | None = None,
+        *,
+        record: dict[str, Any] | None = None,
     ) -> None:
-        """Store (or replace) a race's receipt, kept ``ttl_s`` (default: the store's TTL)."""
+        """Store (or replace) a race's receipt, kept ``ttl_s`` (default: the store's TTL);
+        ``record``: the race's corrected record, appended in the same round trip."""
         keys = race_keys(self.prefix, race_id)
         data = _dumps(receipt, f"receipt of race {race_id!r}")
         ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         with store_errors(f"storing the receipt of race {race_id!r}"):
-            self.client.set(keys.receipt, data, px=ttl_ms)
+            if record is None:
+                self.client.set(keys.receipt, data, px=ttl_ms)
+                return
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(keys.receipt, data, px=ttl_ms)
+            self.records.queue_append(pipe, record)
+            pipe.execute()
 
     def receipt(self, race_id: str) -> dict[str, Any] | None:
         """The race's receipt, None if it was never written or has expired."""
@@ -488,4 +656,5 @@ class RaceStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.delete(*race_keys(self.prefix, race_id).all())
             pipe.zrem(self.live_key, race_id)
+            pipe.zrem(self.finished_key, race_id)
             pipe.execute()

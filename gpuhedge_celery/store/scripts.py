@@ -24,6 +24,7 @@ GONE = -1  # no lease: it expired or was freed
 NOT_HOLDER = -2  # the lease carries another token
 STALE = -3  # a newer token was already accepted
 UNKNOWN_GPU = -4
+OUT_OF_POOL = -6  # the GPU takes no new lease (drained, unhealthy, model not loaded)
 
 SCRIPT_NAMES = (
     "claim",
@@ -34,6 +35,7 @@ SCRIPT_NAMES = (
     "restore",
     "wait_claim",
     "leave",
+    "out_clear",
 )
 
 
@@ -105,6 +107,7 @@ class LuaScripts:
     restore: Any
     wait_claim: Any
     leave: Any
+    out_clear: Any
 
 
 def scripts_for(client: Any) -> LuaScripts:

@@ -35,6 +35,7 @@ import redis
 
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError
+from ..metrics import record as metrics
 from . import codec
 from .connection import translate_errors
 from .race_keys import timer_keys
@@ -400,6 +401,7 @@ class TimerService:
 
     def _fire(self, timer: Timer) -> bool:
         """Run the handler; True when the timer is done (fired, or dropped after its last try)."""
+        metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)
         try:
             self.handler(timer)
         except Exception:

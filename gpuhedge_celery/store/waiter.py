@@ -7,13 +7,27 @@ How a wait goes (``LeaseWaiter.acquire``):
 2. Run ``wait_claim.lua``: it joins the pool's FIFO queue and claims a free GPU only if every
    live waiter ahead has been given one first, all in one atomic step.
 3. Not our turn: wait for the event, but never longer than ``recheck_s`` nor past the moment the
-   soonest held lease is due (its PTTL), since Redis's own ``expired`` event can be seconds late.
-   The next check probes that lease, and reading a logically expired key deletes it at once.
+   script says a check may change the outcome: the soonest held lease is due (Redis's own
+   ``expired`` event can be seconds late; the next check probes that lease, and reading a
+   logically expired key deletes it at once), or a pass-over window closes.
 4. On every wake, go back to 2 (claim again and re-validate: another waiter may have won).
 
 Because the event is cleared before each check and set by the listener on any later change,
 a GPU freed between the check and the wait cannot strand the waiter. The queue entry is
-removed on every exit; entries of waiters that died are aged out by the script itself.
+removed on every exit.
+
+A waiter ahead that does not take a free GPU cannot keep it idle for long:
+
+* its process exited or was killed: Redis drops the process's liveness subscription with its
+  socket (:mod:`.liveness`), and the script removes the process's entries as soon as a waiter
+  behind walks the queue, i.e. the moment a GPU frees;
+* its process is paused (SIGSTOP) or cut off with its socket still open: once its heartbeat is
+  ``PROCESS_TTL_MS`` (1 s) old its entries are removed the same way (a paused process that
+  resumes joins again at the back);
+* until then, or when only the waiting thread is stuck: a waiter that wakes on lease events
+  but has not checked within ``PASS_OVER_S`` (75 ms) of the GPU becoming free is passed over
+  for that GPU and keeps its place, so the next live waiter in FIFO order takes it;
+* a waiter that stopped re-checking altogether is removed after ``3 x recheck_s + 2 s``.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from collections.abc import Callable
 from ..errors import AcquireTimeout, ConfigError
 from .leases import Lease, LeaseStore, _check_name, _text, _ttl, now_ms
 from .listener import KeyspaceListener, enable_notifications, listener_for
+from .liveness import PROCESS_TTL_MS
 
 __all__ = ["LeaseWaiter", "enable_notifications", "waiter_for"]
 
@@ -37,6 +52,9 @@ CLAIMED, CANCELLED = 1, -5
 LIVENESS_GRACE_S = 2.0
 # Probe a due lease just after its deadline: Redis expires a key only once now > deadline.
 DUE_SLACK_S = 0.001
+# A waiter that wakes on events and has not checked this long after a GPU it would get became
+# free is passed over for that GPU (it keeps its place). Live waiters check within a few ms.
+PASS_OVER_S = 0.075
 
 
 class LeaseWaiter:
@@ -108,7 +126,7 @@ class LeaseWaiter:
                 if code == CANCELLED:
                     claimed = True  # nothing left to remove
                     raise AcquireTimeout(f"the wait of {holder!r} for pool {pool!r} was cancelled")
-                rank, min_pttl = int(reply[1]), int(reply[2])
+                rank, next_ms = int(reply[1]), int(reply[2])
                 if self.after_check is not None:
                     self.after_check()
                 now = time.monotonic()
@@ -118,8 +136,8 @@ class LeaseWaiter:
                         f"({rank} waiter(s) were ahead)"
                     )
                 wait_s = self.recheck_s
-                if min_pttl >= 0:
-                    wait_s = min(wait_s, min_pttl / 1000 + DUE_SLACK_S)
+                if next_ms >= 0:
+                    wait_s = min(wait_s, next_ms / 1000 + DUE_SLACK_S)
                 if deadline is not None:
                     wait_s = min(wait_s, deadline - now)
                 watch.event.wait(wait_s)
@@ -152,12 +170,16 @@ class LeaseWaiter:
         self, pool: str, holder: str, ttl: int, gpu_ids: list[str], accepted: str, first: bool
     ) -> tuple[list, int]:
         k = self.store.keys
-        keys = [k.waiters(pool), k.waitinfo(pool), k.waitseq(pool)]
+        keys = [k.waiters(pool), k.waitinfo(pool), k.waitseq(pool), k.procs(), k.freeat(pool)]
         for gpu_id in gpu_ids:
-            keys += [k.lease(gpu_id), k.fence(gpu_id)]
+            keys += [k.lease(gpu_id), k.fence(gpu_id), k.out(gpu_id)]
+        listener = self.listener
         now = now_ms()
-        alive_until = now + int((3 * self.recheck_s + LIVENESS_GRACE_S) * 1000)
-        args = [holder, now, ttl, alive_until, accepted, k.wake_channel(), pool, int(first)]
+        grace_ms = int((3 * self.recheck_s + LIVENESS_GRACE_S) * 1000)
+        args = [holder, now, ttl, grace_ms, accepted, k.wake_channel(), pool, int(first)]
+        # Only a waiter that wakes on events can be expected to check within the window.
+        args += [listener.process_id, k.proc_channel(), PROCESS_TTL_MS, int(PASS_OVER_S * 1000)]
+        args.append(int(listener.notifications))
         with self.store.guard():
             return self.store.scripts.wait_claim(keys=keys, args=args + gpu_ids), now
 

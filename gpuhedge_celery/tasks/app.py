@@ -2,11 +2,14 @@
 
 Worker roles and queues (see docs/gpu-workers.md):
 
-* **coordination** (``gpuhedge.coord``): ``pooled_infer`` waits here for a free GPU, and the beat
-  reconcile pass runs here. Waiting blocks a thread, not a CPU, so this role runs the ``threads``
-  pool with ``GPUHEDGE_COORD_CONCURRENCY`` threads (one pub/sub connection per process serves all
-  its waiters). A plain ``celery -A gpuhedge_celery worker`` is this role and also consumes
-  ``gpuhedge.attempts`` (hedged-race attempt tasks).
+* **coordination** (``gpuhedge.coord``, ``gpuhedge.attempts``, ``gpuhedge.pool``): races step
+  here, the beat reconcile pass runs here and ``pooled_infer`` (queue ``gpuhedge.pool``) waits
+  here for a free GPU. Waiting blocks a thread, not a CPU, so this role runs the ``threads`` pool
+  with ``GPUHEDGE_COORD_CONCURRENCY`` threads (one pub/sub connection per process serves all its
+  waiters). A plain ``celery -A gpuhedge_celery worker`` is this role. ``GPUHEDGE_COORD_QUEUES``
+  narrows what one worker consumes: a deployment with a GPU backlog runs its pooled waits on
+  workers of their own (``gpuhedge.pool``), so waiting requests never hold the threads races
+  step on.
 * **GPU** (``gpuhedge.gpu.<gpu_id>``): set ``GPUHEDGE_GPU`` and the same command becomes the
   worker of one GPU: prefork with exactly one child (CUDA cannot be re-initialised in a forked
   child, so the GPU is only ever touched from that one child), ``CUDA_VISIBLE_DEVICES`` pinned
@@ -16,7 +19,9 @@ Worker roles and queues (see docs/gpu-workers.md):
   ``GPUHEDGE_RECONCILE_INTERVAL_S``; run exactly one.
 
 Messages are JSON only. Pooled tasks are ``acks_late`` + ``reject_on_worker_lost`` with prefetch
-1, so a worker killed mid-job gets its message redelivered instead of losing it.
+1, so a worker killed mid-job gets its message redelivered instead of losing it. The broker is
+the Redis of everything else, or RabbitMQ (``GPUHEDGE_BROKER_URL=amqp://...``); results, leases
+and races always live in Redis (docs/configuration.md says which combinations are supported).
 """
 
 from __future__ import annotations
@@ -27,16 +32,24 @@ import os
 from celery import Celery
 from kombu import Queue
 
+from ..race.settings import receipt_ttl_s
 from .config import GlueConfig
+
+RACE_BACKEND_ALIASES = {
+    "redis": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
+    "rediss": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
+}
 
 QUEUE_COORD = "gpuhedge.coord"
 QUEUE_ATTEMPTS = "gpuhedge.attempts"
+QUEUE_POOL = "gpuhedge.pool"  # pooled_infer: requests waiting for a GPU of a pool
 GPU_QUEUE_PREFIX = "gpuhedge.gpu."
 
 TASK_POOLED_INFER = "gpuhedge.pooled_infer"
 TASK_GPU_RUN = "gpuhedge.gpu_run"
 TASK_RECONCILE = "gpuhedge.reconcile"
 TASK_JANITOR = "gpuhedge.janitor"
+BEAT_SCHEDULER = "gpuhedge_celery.tasks.beat:Scheduler"  # makes the schedule file's directory
 
 # Task modules a worker must import to know every task; optional ones belong to other features.
 TASK_MODULES = [
@@ -46,6 +59,7 @@ TASK_MODULES = [
     "gpuhedge_celery.tasks.control",
     "gpuhedge_celery.tasks.signals",
     "gpuhedge_celery.tasks.cancel",
+    "gpuhedge_celery.tasks.metrics",
 ]
 OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races", "gpuhedge_celery.tasks.janitor"]
 
@@ -58,31 +72,45 @@ def gpu_queue(gpu_id: str) -> str:
 def celery_conf(config: GlueConfig) -> dict[str, object]:
     """The Celery settings for ``config`` (a pure function, so it is testable without a worker)."""
     url = config.settings.redis_url
-    transport: dict[str, object] = {
-        "visibility_timeout": config.visibility_timeout_s,
-        # Sweep for messages of dead workers every restore_interval_s, not every 10 x 10 s.
-        "unacked_restore_interval": config.restore_interval_s,
-        "unacked_restore_throttle": 1,
-        # A worker killed mid-sweep leaves kombu's restore mutex held for its expiry (300 s by
-        # default), and no message of any dead worker comes back until then.
-        "unacked_mutex_expire": int(min(300.0, max(5.0, config.visibility_timeout_s))),
-    }
+    transport: dict[str, object] = {}
+    if config.broker_kind == "redis":
+        # Redis emulates acknowledgements: a message whose whole worker died comes back only
+        # after the visibility timeout. RabbitMQ redelivers it when the connection drops.
+        transport = {
+            "visibility_timeout": config.visibility_timeout_s,
+            # Sweep for messages of dead workers every restore_interval_s, not every 10 x 10 s.
+            "unacked_restore_interval": config.restore_interval_s,
+            "unacked_restore_throttle": 1,
+            # A worker killed mid-sweep leaves kombu's restore mutex held for its expiry (300 s
+            # by default), and no message of any dead worker comes back until then.
+            "unacked_mutex_expire": int(min(300.0, max(5.0, config.visibility_timeout_s))),
+        }
     results: dict[str, object] = {}
     if config.broker_prefix:
-        transport["global_keyprefix"] = config.broker_prefix
+        if config.broker_kind == "redis":
+            transport["global_keyprefix"] = config.broker_prefix
         results["global_keyprefix"] = config.broker_prefix
     if config.is_gpu_worker:
         queues = [Queue(gpu_queue(config.gpu_id))]
         pool, concurrency = "prefork", 1
     else:
-        queues = [Queue(QUEUE_COORD), Queue(QUEUE_ATTEMPTS)]
+        queues = [Queue(name) for name in config.coord_queues]
         pool, concurrency = "threads", config.coord_concurrency
     conf: dict[str, object] = {
-        "broker_url": url,
+        "broker_url": config.broker,
         "result_backend": url,
         "broker_transport_options": transport,
         "result_backend_transport_options": results,
         "broker_connection_retry_on_startup": True,
+        # A result stored while Redis is down (an outage, a restart) is retried, not turned into
+        # the task's failure with a ConnectionError: about 30 s of retries (full-jitter backoff
+        # capped at 1 s), so a worker rides out a restart (tests/test_faults_redis.py).
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 60,
+        "result_backend_max_sleep_between_retries_ms": 1000,
+        # A race's result is one of its keys: kept as long as its receipt, not Celery's 1 day
+        # (else a short receipt TTL leaves Redis growing by each race's payload).
+        "result_expires": max(1, round(receipt_ttl_s(os.environ))),
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -90,13 +118,16 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         "task_default_queue": QUEUE_COORD,
         "task_queues": queues,
         "task_routes": {
-            TASK_POOLED_INFER: {"queue": QUEUE_COORD},
+            TASK_POOLED_INFER: {"queue": QUEUE_POOL},
             TASK_RECONCILE: {"queue": QUEUE_COORD},
         },
         "worker_prefetch_multiplier": 1,
         "worker_pool": pool,
         "worker_concurrency": concurrency,
         "worker_hijack_root_logger": False,
+        # never ./celerybeat-schedule.* in whatever directory beat starts from (tasks/beat.py)
+        "beat_schedule_filename": config.beat_schedule,
+        "beat_scheduler": BEAT_SCHEDULER,
         "beat_schedule": {
             "gpuhedge-reconcile": {
                 "task": TASK_RECONCILE,
@@ -112,6 +143,14 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
             },
         },
     }
+    if config.broker_kind == "redis" and config.broker.startswith("redis://"):
+        # kombu's Redis transport, except that a lost connection no longer stops the worker
+        # while it holds unacknowledged messages (tasks/broker.py)
+        conf["broker_transport"] = "gpuhedge_celery.tasks.broker:Transport"
+    if config.is_gpu_worker and config.max_tasks_per_child is not None:
+        conf["worker_max_tasks_per_child"] = config.max_tasks_per_child  # the child loads again
+    if config.is_gpu_worker and config.max_memory_per_child_mb is not None:
+        conf["worker_max_memory_per_child"] = config.max_memory_per_child_mb * 1024  # KiB
     conf.update(config.as_celery_conf())
     return conf
 
@@ -122,8 +161,16 @@ def create_app(config: GlueConfig | None = None) -> Celery:
     if config.is_gpu_worker and config.gpu is not None and config.gpu.isdigit():
         # Pin before anything can initialise CUDA; the forked child inherits it.
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", config.gpu)
-    celery_app = Celery("gpuhedge_celery")
+    # The task modules import this one, so this one must not import them: the worker and beat
+    # import them at start-up (``include``), and ``load_tasks`` does for a client that wants
+    # them all; a client importing one task (``from gpuhedge_celery import pooled_infer``)
+    # loads only what that task needs, in an order free of cycles.
+    celery_app = Celery("gpuhedge_celery", include=task_modules())
     celery_app.conf.update(celery_conf(config))
+    # Redis result backends store a race's payload by reference (tasks/race_backend.py); the
+    # aliases are the loader's own (the configured URL is left as it is).
+    loader = celery_app.loader
+    loader.override_backends = {**loader.override_backends, **RACE_BACKEND_ALIASES}
     celery_app.gpuhedge_config = config  # read by tasks and signals; never re-read from env
     return celery_app
 
@@ -133,10 +180,19 @@ def glue_config(celery_app: Celery | None = None) -> GlueConfig:
     return (celery_app or app).gpuhedge_config
 
 
-app = create_app()
+def task_modules() -> list[str]:
+    """Every task module of this installation (the optional ones where present)."""
+    optional = [m for m in OPTIONAL_TASK_MODULES if importlib.util.find_spec(m) is not None]
+    return [*TASK_MODULES, *optional]
 
-for _module in TASK_MODULES:
-    importlib.import_module(_module)
-for _module in OPTIONAL_TASK_MODULES:
-    if importlib.util.find_spec(_module) is not None:
-        importlib.import_module(_module)
+
+def load_tasks() -> Celery:
+    """Import every task module, so the default app knows every task and control command;
+    returns the app. ``gpuhedge_celery.app`` (what ``celery -A gpuhedge_celery`` loads) does
+    this; a worker or beat of any app built here imports them itself, from ``include``."""
+    for module in task_modules():
+        importlib.import_module(module)
+    return app
+
+
+app = create_app()

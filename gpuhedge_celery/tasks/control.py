@@ -4,15 +4,22 @@ The answer comes from the worker's main process, which knows which requests its 
 and has not finished (``celery.worker.state.active_requests``): what the GPU is actually doing,
 independent of what Redis believes. A child killed mid-job drops out of that set at once.
 
-    celery -A gpuhedge_celery control gpuhedge_gpus     # or: app.control.broadcast(
-                                                         #   "gpuhedge_gpus", reply=True)
+    celery -A gpuhedge_celery control gpuhedge_gpus -d gpu0@box   # or: app.control.broadcast(
+                                    #   "gpuhedge_gpus", destination=["gpu0@box"], reply=True)
 
 Reply of one worker::
 
     {"host": "gpu0@box", "gpus": [{"gpu_id": "box:0", "pool": "default",
-      "running": [{"task_id": "...", "token": 7, "holder": "...", "since": 1764430000.1}]}]}
+      "running": [{"task_id": "...", "token": 7, "holder": "...", "since": 1764430000.1}],
+      "health": {...} or null}]}
 
-A worker that serves no GPU replies ``{"host": ..., "gpus": []}``.
+``health`` is the worker's latest NVML reading and what it concluded (``tasks/health.py``), or
+null where it does not sample.
+
+A worker that serves no GPU replies ``{"host": ..., "gpus": []}``. The reconcile pass does not
+broadcast it to every worker: it names the GPU workers of the lease table as ``destination``
+(a GPU worker registers under its node name), so workers of other apps sharing the broker,
+which do not know the command, never receive it.
 """
 
 from __future__ import annotations
@@ -55,11 +62,11 @@ def gpu_report(hostname: str, requests: Any) -> dict[str, Any]:
     config = glue_config()
     if not config.is_gpu_worker:
         return {"host": hostname, "gpus": []}
+    from .health import last_health
+
     jobs = [j for j in running_jobs(requests) if j["gpu_id"] in ("", config.gpu_id)]
-    return {
-        "host": hostname,
-        "gpus": [{"gpu_id": config.gpu_id, "pool": config.pool, "running": jobs}],
-    }
+    gpu = {"gpu_id": config.gpu_id, "pool": config.pool, "running": jobs, "health": last_health()}
+    return {"host": hostname, "gpus": [gpu]}
 
 
 @control_command(name=COMMAND)

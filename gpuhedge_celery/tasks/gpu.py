@@ -7,8 +7,12 @@ heartbeats (:class:`GpuHost`); its child runs :func:`gpu_run` for each job the p
    back to waiting (the crash may be the job's fault: attempts are bounded);
 2. the fencing check refuses a stale or lost lease (back to waiting, bounded);
 3. a :class:`LeaseKeeper` renews the lease; losing it sets the runner's stop flag, so the job
-   is stopped (``cpu``/``cmd`` runners) or its result discarded (``python`` runner);
-4. the lease is released and the job's duration recorded for TTL suggestions.
+   is stopped (``cpu``/``cmd``/``server`` runners, and ``python`` models that check ``ctx``) or
+   its result discarded;
+4. a runner that cannot serve (its model still loading or failed to load: it waits up to
+   ``GPUHEDGE_RUNNER_WAIT_S`` for it; its model server down) frees the lease at once and the
+   request waits for a GPU again;
+5. the lease is released and the job's duration recorded for TTL suggestions.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from typing import Any
 from celery import Task
 
 from ..errors import GpuHedgeError, LeaseLost, StaleToken, StoreUnavailable
-from ..runners import RunContext, Runner, RunnerStopped, runner_from_spec
+from ..metrics import record as metrics
+from ..runners import RunContext, Runner, RunnerStopped, RunnerUnavailable, runner_from_spec
+from ..store.connection import wait_for_redis
 from ..store.leases import GpuInfo, Lease, LeaseKeeper, LeaseStore
-from .app import TASK_GPU_RUN, app, glue_config
+from .app import TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
 from .cancel import StopWatch, stop_requested
+from .model_host import wait_ready
+from .outage import OUTAGE_WAIT_S, through_outage
+from .pooled_result import PooledEndTask
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +61,6 @@ def runner_for(pool: str) -> Runner:
     if runner is None:
         runner = _runners[key] = runner_from_spec(spec)
     return runner
-
-
-def running_key(gpu_id: str) -> str:
-    return lease_store().keys.running(gpu_id)
 
 
 class GpuHost:
@@ -118,8 +123,6 @@ def back_to_waiting(
     labels: dict[str, str] | None = None,
 ) -> Any:
     """Send the request back to wait for a GPU (same task id), or fail once attempts run out."""
-    from .pool import pooled_infer
-
     limit = glue_config().max_attempts
     if attempt + 1 >= limit:
         message = f"request {task.request.id} gave up after {attempt + 1} attempt(s): {reason}"
@@ -129,7 +132,13 @@ def back_to_waiting(
     log.warning(
         "request %s goes back to waiting (attempt %d): %s", task.request.id, attempt + 2, reason
     )
-    return task.replace(pooled_infer.s(request, pool=pool, attempt=attempt + 1, labels=labels))
+    # by name: pool.py builds on this module, not the other way round
+    again = app.signature(
+        TASK_POOLED_INFER,
+        args=(request,),
+        kwargs={"pool": pool, "attempt": attempt + 1, "labels": labels},
+    )
+    return task.replace(again)
 
 
 def already_done(task: Task) -> tuple[bool, Any]:
@@ -146,30 +155,47 @@ def already_done(task: Task) -> tuple[bool, Any]:
     return meta.get("status") == "SUCCESS", meta.get("result")
 
 
-def _claim_running(store: LeaseStore, lease: Lease, task_id: str) -> str | None:
-    """Record the job as running on the GPU; returns the previous record's task id, if any."""
-    key = running_key(lease.gpu_id)
-    value = f"{task_id}|{lease.token}|{int(time.time() * 1000)}"
-    with store.guard():
-        previous = store.client.set(key, value, get=True)
-    if previous is None:
-        return None
-    previous = previous.decode() if isinstance(previous, bytes) else previous
-    prev_task, _, rest = previous.partition("|")
-    prev_token = rest.partition("|")[0]
-    return prev_task if prev_token == str(lease.token) else None
+class RunningRecord:
+    """The GPU's "running" record (``task id|token|ms``) that tells a redelivered job it died."""
+
+    def __init__(self, store: LeaseStore, lease: Lease, task_id: str):
+        self.store = store
+        self.key = store.keys.running(lease.gpu_id)
+        self.token = str(lease.token)
+        self.task_id = task_id
+        # Written once per delivery (its time in epoch ms: the pool adapter reads it as when the
+        # job started), so a repeat after a lost answer finds its own value. A crashed delivery
+        # of the same job under the same token wrote its value at least one dispatch earlier.
+        self.value = f"{task_id}|{lease.token}|{int(time.time() * 1000)}"
+
+    def claim(self) -> bool:
+        """Record this delivery as running; True when a crashed delivery of this very job, under
+        this very token, left its record (the worker died running it)."""
+        with self.store.guard():
+            previous = self.store.client.set(self.key, self.value, get=True)
+        if previous is None:
+            return False
+        previous = previous.decode() if isinstance(previous, bytes) else previous
+        if previous == self.value:  # our own write, whose answer an outage lost
+            return False
+        prev_task, _, rest = previous.partition("|")
+        return prev_task == self.task_id and rest.partition("|")[0] == self.token
 
 
 def _clear_running(store: LeaseStore, gpu_id: str, task_id: str) -> None:
-    key = running_key(gpu_id)
-    with store.guard():
-        value = store.client.get(key)
-        if value is not None and str(value).startswith(f"{task_id}|"):
-            store.client.delete(key)
+    def clear() -> None:
+        key = store.keys.running(gpu_id)
+        with store.guard():
+            value = store.client.get(key)
+            if value is not None and str(value).startswith(f"{task_id}|"):
+                store.client.delete(key)
+
+    through_outage(store.client, f"request {task_id}: clear its running record", clear)
 
 
 @app.task(
     bind=True,
+    base=PooledEndTask,
     name=TASK_GPU_RUN,
     acks_late=True,
     reject_on_worker_lost=True,
@@ -188,30 +214,36 @@ def gpu_run(
     config = glue_config()
     held = Lease.from_dict(lease)
     pool = held.pool
-    if held.gpu_id != config.gpu_id:
-        lease_store().force_release(held.gpu_id, held.token)  # not ours to run: free it now
+    store = lease_store()
+    task_id = self.request.id
+
+    def redis(what: str, call: Any) -> Any:  # a Redis step that waits out an outage
+        return through_outage(store.client, f"request {task_id}: {what}", call)
+
+    if held.gpu_id != config.gpu_id:  # not ours to run: free it now
+        redis("free a misrouted lease", lambda: store.force_release(held.gpu_id, held.token))
         return back_to_waiting(
             self, request, pool, attempt, f"lease for {held.gpu_id} reached {config.gpu_id}", labels
         )
-    store = lease_store()
-    task_id = self.request.id
     done, result = already_done(self)
     if done:
         log.warning("request %s already completed: duplicate delivery ignored", task_id)
         return result
-    if stop_requested(store, task_id):
+    if redis("read its stop flag", lambda: stop_requested(store, task_id)):
         _finish(store, held, task_id)
         raise RunnerStopped(f"request {task_id} cancelled before it started")
     try:
-        store.check_fence(held.gpu_id, held.token)
+        redis("check its fence", lambda: store.check_fence(held.gpu_id, held.token))
     except (StaleToken, LeaseLost) as e:
+        metrics.lease_lost(pool, "fence")
         _clear_running(store, held.gpu_id, task_id)
         return back_to_waiting(self, request, pool, attempt, f"refused: {e}", labels)
-    if _claim_running(store, held, task_id) == task_id:
+    running = RunningRecord(store, held, task_id)
+    if redis("record it as running", running.claim):
         # The record of this very job under this very token survived: this GPU's worker died
         # running it and the broker redelivered it. Free the GPU and let the pool decide where
         # it runs next (the crash may have been the job's fault, so attempts are bounded).
-        store.force_release(held.gpu_id, held.token)
+        redis("free its old lease", lambda: store.force_release(held.gpu_id, held.token))
         _clear_running(store, held.gpu_id, task_id)
         return back_to_waiting(
             self, request, pool, attempt, f"GPU {held.gpu_id} worker died running it", labels
@@ -220,17 +252,31 @@ def gpu_run(
     keeper = LeaseKeeper(store, held, on_lost=lambda _lease, _exc: ctx.stop.set()).start()
     watch = StopWatch(store, task_id, ctx.stop).start()
     started = time.time()
+    if leased_at is not None:
+        metrics.pool_handoff(pool, started - leased_at)
     try:
-        output = runner_for(pool).run(request, ctx)
+        runner = runner_for(pool)
+        wait_ready(runner, ctx.stop, config.runner_wait_s)
+        output = runner.run(request, ctx)
         if keeper.lost.is_set():
             raise RunnerStopped(f"lease on GPU {held.gpu_id} lost while the job ran")
     except RunnerStopped as e:
         keeper.stop()
         watch.close()
+        if keeper.lost.is_set() and isinstance(keeper.error, StoreUnavailable):
+            # Lost with Redis itself (an outage, a restart): the request can only go back to
+            # waiting once Redis answers again, so wait for that rather than fail it.
+            wait_for_redis(store.client, OUTAGE_WAIT_S)
         if watch.cancelled.is_set() and not keeper.lost.is_set():
             _finish(store, keeper.lease, task_id)
             raise RunnerStopped(f"request {task_id} cancelled while running") from None
         _clear_running(store, held.gpu_id, task_id)
+        metrics.lease_lost(pool, "running")
+        return back_to_waiting(self, request, pool, attempt, str(e), labels)
+    except RunnerUnavailable as e:
+        keeper.stop()
+        watch.close()
+        _finish(store, keeper.lease, task_id)  # never hold a GPU that cannot serve
         return back_to_waiting(self, request, pool, attempt, str(e), labels)
     except BaseException:
         keeper.stop()
@@ -241,6 +287,7 @@ def gpu_run(
     watch.close()
     run_s = time.time() - started
     if not _finish(store, keeper.lease, task_id):
+        metrics.lease_lost(pool, "release")
         return back_to_waiting(
             self, request, pool, attempt, f"lease on GPU {held.gpu_id} lost before release", labels
         )
@@ -261,10 +308,28 @@ def gpu_run(
 
 
 def _finish(store: LeaseStore, lease: Lease, task_id: str) -> bool:
-    """Release the lease and clear the running record; False when the lease was already lost."""
+    """Release the lease and clear the running record; False when the lease was already lost.
+
+    A release repeated after an outage that finds the lease gone counts as released: the first
+    try may have freed it before its answer was lost, and the job itself has finished.
+    """
     _clear_running(store, lease.gpu_id, task_id)
+    repeated = []
     try:
-        store.release(lease)
+        through_outage(
+            store.client,
+            f"request {task_id}: release GPU {lease.gpu_id}",
+            lambda: store.release(lease),
+            on_retry=lambda: repeated.append(True),
+        )
         return True
     except LeaseLost:
+        if repeated:
+            log.warning(
+                "request %s: GPU %s was already free when its release was repeated after an "
+                "outage; the job had finished",
+                task_id,
+                lease.gpu_id,
+            )
+            return True
         return False

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..envvars import env_number
 from ..race.janitor import Janitor
 from .app import TASK_JANITOR, app
 from .race_runtime import CeleryEffects, runtime
@@ -55,16 +55,12 @@ class JanitorSettings:
             ("GPUHEDGE_JANITOR_STALE_S", "stale_s", float),
             ("GPUHEDGE_JANITOR_LIMIT", "limit", int),
         ):
-            raw = (env.get(name) or "").strip()
-            if not raw:
-                continue
-            try:
-                value = cast(raw)
-            except ValueError:
-                raise ConfigError(f"expected a positive number, got {raw!r}", key=name) from None
-            if value <= 0:
-                raise ConfigError(f"expected a positive number, got {raw!r}", key=name)
-            values[attr] = value
+            value = env_number(
+                env, name, None, cast=cast, kind="a positive number", valid=lambda v: v > 0,
+                bound="a positive number",
+            )  # fmt: skip
+            if value is not None:
+                values[attr] = value
         return cls(**values)
 
 
@@ -91,6 +87,8 @@ def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
         receipt_ttl_s=rt.settings.receipt_ttl_s,
         payload_inline_max=rt.settings.payload_inline_max,
         coordinators_alive=alive,
+        clock=rt.clock,  # Redis's time, as the races' heartbeats (store/redis_clock.py)
+        budget=rt.budget,
     )
 
 

@@ -14,15 +14,32 @@ Result: ``{"output": <runner result>, "gpu_id", "pool", "token", "attempt", "sta
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Ignore
 
-from ..errors import AcquireTimeout, ConfigError, EmptyPool, LeaseLost, StaleToken, UnknownPool
+from ..errors import (
+    AcquireTimeout,
+    ConfigError,
+    EmptyPool,
+    LeaseLost,
+    StaleToken,
+    StoreUnavailable,
+    UnknownPool,
+)
+from ..metrics import record as metrics
+from ..store.pooled import DUPLICATE, HANDED, SUPERSEDED
 from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
+from .outage import through_outage
+from .pooled_result import PooledTask, records_for
+
+log = logging.getLogger(__name__)
 
 
 def celery_safe(exc: BaseException) -> BaseException:
@@ -54,8 +71,29 @@ def _validate(pool: Any, labels: Any, timeout_s: Any) -> None:
         raise ConfigError(f"expected seconds > 0, got {timeout_s!r}", key="timeout_s")
 
 
+OUTAGE_RETRY_S = 1.0  # how often a waiter whose Redis went away tries again
+
+
+def _acquire_through_outages(
+    waiter: Any, pool: str, holder: str, wait_s: float | None, labels: Any
+) -> Any:
+    """``waiter.acquire``, waiting out a Redis outage or restart (queueing again once it is
+    back) instead of failing the request with StoreUnavailable; never past ``wait_s`` in all."""
+    give_up = None if wait_s is None else time.monotonic() + wait_s
+    while True:
+        left = None if give_up is None else max(0.001, give_up - time.monotonic())
+        try:
+            return waiter.acquire(pool, holder, timeout_s=left, labels=labels)
+        except StoreUnavailable as e:
+            if give_up is not None and time.monotonic() + OUTAGE_RETRY_S >= give_up:
+                raise
+            log.warning("request %s: %s; waiting for Redis to come back", holder, e)
+            time.sleep(OUTAGE_RETRY_S)
+
+
 @app.task(
     bind=True,
+    base=PooledTask,
     name=TASK_POOLED_INFER,
     acks_late=True,
     reject_on_worker_lost=True,
@@ -78,18 +116,40 @@ def pooled_infer(
     try:
         _validate(pool, labels, timeout_s)
         store = lease_store()
-        if stop_requested(store, self.request.id or ""):
+        stopped = through_outage(
+            store.client,
+            f"request {self.request.id}: read its stop flag",
+            lambda: stop_requested(store, self.request.id or ""),
+        )
+        if stopped:
             raise AcquireTimeout(f"request {self.request.id} was cancelled before it waited")
         holder = self.request.id or f"pooled-{time.time_ns()}"
+        waiter, records, delivery = waiter_for(store), records_for(self.app), uuid.uuid4().hex
+        took = through_outage(
+            store.client, f"request {holder}: take it",
+            lambda: records.take(holder, waiter.listener.process_id, delivery, attempt),
+        )  # fmt: skip
+        if took in (DUPLICATE, HANDED):  # the broker delivered it again (store/pooled.py)
+            log.info("request %s: a second delivery while another one has it (%s); dropped",
+                     holder, took)  # fmt: skip
+            raise Ignore()
         config = glue_config()
-        lease = waiter_for(store).acquire(
-            pool,
-            holder,
-            timeout_s=timeout_s if timeout_s is not None else config.acquire_timeout_s,
-            labels=labels,
-        )
+        wait_s = timeout_s if timeout_s is not None else config.acquire_timeout_s
+        waited = time.monotonic()
+        lease = _acquire_through_outages(waiter, pool, holder, wait_s, labels)
+        metrics.pool_waited(pool, time.monotonic() - waited)
+    except AcquireTimeout:
+        metrics.pool_wait_gave_up(pool)
+        raise
     except (UnknownPool, EmptyPool, LeaseLost, StaleToken, ConfigError) as e:
         raise celery_safe(e) from None
+    handed = through_outage(store.client, f"request {holder}: hand it to a GPU",
+                            lambda: records.handoff(holder, delivery))  # fmt: skip
+    if handed == SUPERSEDED:  # this process was judged dead meanwhile and the request re-sent
+        log.warning("request %s: taken again by another delivery while this one waited; "
+                    "GPU %s given back", holder, lease.gpu_id)  # fmt: skip
+        _give_back(store, lease, holder)
+        raise Ignore()
     job = gpu_run.s(
         request,
         lease.to_dict(),
@@ -99,14 +159,17 @@ def pooled_infer(
     ).set(queue=gpu_queue(lease.gpu_id))
     try:
         return self.replace(job)
-    except Exception as e:
-        from celery.exceptions import Ignore
-
-        if isinstance(e, Ignore):
-            raise  # replace's normal way out: the GPU worker owns the request now
-        # The job never reached the GPU's queue: give the GPU back rather than strand it.
-        try:
-            store.release(lease)
-        except LeaseLost:
-            pass
+    except Ignore:
+        raise  # replace's normal way out: the GPU worker owns the request now
+    except Exception:
+        _give_back(store, lease, holder)  # the job never reached the GPU's queue
         raise
+
+
+def _give_back(store: Any, lease: Any, holder: str) -> None:
+    """Release a lease this request will not use, rather than strand the GPU until its TTL."""
+    try:
+        through_outage(store.client, f"request {holder}: give its GPU back",
+                       lambda: store.release(lease))  # fmt: skip
+    except LeaseLost:
+        pass

@@ -1,10 +1,8 @@
 """Per-process race runtime for the Celery glue: clients, config, providers, the driver, and
 the driver's effects done the Celery way (tasks sent by name, the result backend, task events).
 
-This module imports the Celery app only when it is used, never at import: ``tasks.app``
-imports every task module (the janitor's among them, which builds on this runtime), so a
-module-level import here would make ``from gpuhedge_celery import hedged_infer`` in a fresh
-process import ``tasks.races`` half-way through its own import.
+This module imports the Celery app only when it is used, never at import, so the runtime's
+pieces (and the benchmarks built on them) load without building the app.
 """
 
 from __future__ import annotations
@@ -19,14 +17,18 @@ from functools import lru_cache
 from typing import Any
 
 from ..config import GpuHedgeConfig, load_config
-from ..errors import RaceFailed
+from ..errors import BudgetExceeded, RaceFailed
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
 from ..race.attempts import launch_backstop_id
+from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
+from ..race.receipt import by_reference, result_key
 from ..race.settings import RaceSettings
+from ..store.budget import BudgetStore
 from ..store.connection import client_for
 from ..store.races import RaceStore
+from ..store.redis_clock import RedisClock
 from ..store.timers import TimerService, TimerStore
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,11 @@ class CeleryEffects:
     Task events are handed to one sender thread, so a race step never waits on publishing them.
     """
 
-    def __init__(self, settings: RaceSettings | None = None) -> None:
+    def __init__(self, settings: RaceSettings | None = None, prefix: str | None = None) -> None:
         self.settings = settings or race_settings()
+        # With the key prefix, a winner's payload is marked by reference to its stored result
+        # where the result backend reads it back (tasks/race_backend.py): Redis gets one copy.
+        self.prefix = prefix
         self._lock = threading.Lock()
         self._dispatcher: Any = None
         self._cancels: ThreadPoolExecutor | None = None
@@ -118,9 +123,18 @@ class CeleryEffects:
             app.backend.get_task_meta(race_id).get("status") == "SUCCESS"
         ):
             return  # a resumed race re-declares its winner: links and chains must not run twice
-        app.backend.mark_as_done(race_id, result)
+        app.backend.mark_as_done(race_id, self._to_store(app.backend, race_id, result))
         self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
         _continue(race_id, result, caller)
+
+    def _to_store(self, backend: Any, race_id: str, result: dict[str, Any]) -> dict[str, Any]:
+        """The winner's result as the backend stores it: its payload by reference when the
+        backend reads references back (the caller's ``.get()`` returns ``result`` itself)."""
+        if self.prefix is None or not self.settings.payload_by_ref:
+            return result
+        if not getattr(backend, "stores_payload_by_reference", False):
+            return result
+        return by_reference(result, result_key(self.prefix, race_id, result["attempt"]))
 
     def failed(
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
@@ -128,12 +142,13 @@ class CeleryEffects:
         backend = _app().backend
         if backend.get_task_meta(race_id).get("status") == "FAILURE":
             return  # a resumed race re-finishes: error links must not run twice
-        error = RaceFailed(message, receipt)
-        error.args = (message, receipt)  # Celery rebuilds exceptions as cls(*args)
+        reason = receipt.get("failure_reason") or "no_valid_result"
+        # its args rebuild it (Celery does cls(*args)): the full message, receipt and reason
+        error = (BudgetExceeded if reason == "budget" else RaceFailed)(message, receipt, reason)
         # Given the caller's request, Celery's backend does what its tracer does for any failed
         # task: the rest of a chain is marked failed and the error links (link_error) run.
         backend.mark_as_failure(race_id, error, request=_request(race_id, caller))
-        self.send(race_id, "task-failed", {"exception": message, "traceback": ""})
+        self.send(race_id, "task-failed", {"exception": str(error), "traceback": ""})
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
         self.send(race_id, f"task-{name}", fields)
@@ -278,17 +293,29 @@ class RaceRuntime:
         settings = glue_config().settings
         self.settings = race_settings()
         self.client = client_for(settings.redis_url)
+        # Epoch time from Redis: timers, heartbeats, deadlines and the janitor agree across
+        # hosts whatever their own clocks say (store/redis_clock.py).
+        self.clock = RedisClock(self.client)
         self.prefix = settings.prefix
         self.config: GpuHedgeConfig = load_config(settings.config_path)
         install_redis_ledger(self.client, self.prefix)
-        self.store = RaceStore(self.client, self.prefix, receipt_ttl_s=self.settings.receipt_ttl_s)
+        self.store = RaceStore(
+            self.client,
+            self.prefix,
+            receipt_ttl_s=self.settings.receipt_ttl_s,
+            records_maxlen=self.settings.records_maxlen,
+            clock=self.clock,
+        )
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
-        self.effects = CeleryEffects(self.settings)
+        self.effects = CeleryEffects(self.settings, self.prefix)
+        # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
+        self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
         self.driver = RaceDriver(
-            self.store, self.timers, self.provider, self.effects, self.settings
-        )
+            self.store, self.timers, self.provider, self.effects, self.settings, self.clock,
+            budget=self.budget,
+        )  # fmt: skip
         self.service: TimerService | None = None
 
     def provider(self, name: str) -> Provider:
@@ -296,7 +323,7 @@ class RaceRuntime:
         with self._lock:
             found = self._providers.get(name)
             if found is None:
-                found = self.config.build(name)
+                found = self.config.build(name, clock=self.clock)  # job times on Redis's clock
                 self._providers[name] = found
             return found
 
@@ -310,6 +337,7 @@ class RaceRuntime:
                     name="gpuhedge-race-timers",
                     threads=self.settings.timer_threads,
                     ahead_ms=self.settings.timer_ahead_ms if self.settings.timer_threads > 1 else 0,
+                    clock=self.clock,
                 ).start()
             return self.service
 

@@ -36,6 +36,8 @@ from celery.utils.saferepr import saferepr
 from ..core.race_events import event_from_dict
 from ..errors import ConfigError, StoreError
 from ..race.spec import build_spec, check_request
+from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
+from .pool import celery_safe
 from .race_runtime import (  # the runtime's names are re-exported: see __all__
     TASK_HEDGED_INFER,
     TASK_RACE_CANCEL,
@@ -47,12 +49,7 @@ from .race_runtime import (  # the runtime's names are re-exported: see __all__
     race_settings,
     runtime,
 )
-
-# isort: split
-# Bound above before tasks.app runs: it imports every task module, and the janitor's builds on
-# CeleryEffects/runtime from here, so these names must exist when it does.
-from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
-from .pool import celery_safe
+from .result import RaceResult
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +59,7 @@ __all__ = [
     "TASK_RACE_STEP",
     "TASK_RACE_SUBMIT",
     "CeleryEffects",
+    "RaceResult",
     "RaceRuntime",
     "hedged_infer",
     "race_cancel",
@@ -120,6 +118,12 @@ class RaceTask(Task):
 
     send_events = False
 
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> RaceResult:  # noqa: N802 - Celery's
+        """What ``delay``/``apply_async`` return: ``.get()`` never waits past the race's
+        deadline, nor for a result whose message was lost (``tasks/result.py``)."""
+        kwargs.setdefault("backend", self.app.backend)
+        return RaceResult(task_id, task_name=self.name, app=self.app, **kwargs)
+
     @property
     def backend(self) -> Any:  # type: ignore[override]
         return _DeferringBackend(self.app.backend)
@@ -162,12 +166,17 @@ def hedged_infer(
     policy: Any = None,
     providers: Any = None,
     validator: Any = None,
+    budget_key: Any = None,
+    arm: Any = None,
 ) -> Any:
     """Race ``request`` across providers; ``.get()`` returns the first valid result.
 
     ``policy``: None (config), ``single``/``fixed``/``state_aware``/``cascade`` or a spec like
     ``hedge:P->H@10s``; ``providers``: names for the roles; ``validator``: a name or
-    ``{"name": ..., **options}``. Bad input fails at once with a one-line ConfigError.
+    ``{"name": ..., **options}``; ``budget_key``: whose budget it spends (``budget.keys``);
+    ``arm``: the experiment arm it runs in (its race record carries it).
+    Bad input fails at once with a one-line ConfigError. A race whose primary the budget
+    refuses raises :class:`~gpuhedge_celery.errors.BudgetExceeded` (a ``RaceFailed``).
     """
     race_id = self.request.id
     rt = None
@@ -178,8 +187,8 @@ def hedged_infer(
             )
         rt = runtime()
         _announce(rt, self, request, policy, providers, validator)
-        check_request(request)
-        spec = build_spec(rt.config, policy, providers, validator)
+        check_request(request, rt.settings.request_max_bytes)
+        spec = build_spec(rt.config, policy, providers, validator, budget_key, arm)
     except ConfigError as e:
         if rt is not None:
             rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})

@@ -1,27 +1,32 @@
 """The beat task ``gpuhedge.reconcile``: make Redis agree with what GPU workers really run.
 
-I/O only: take a short lock, broadcast ``gpuhedge_gpus`` and collect the replies, read the lease
-table, let :func:`gpuhedge_celery.core.reconcile.plan` decide, apply its actions with
-token-checked store calls, and send requests stranded on a dead GPU's queue back to waiting.
-Two passes at once: the second finds the lock held and skips; even without the lock every action
-re-checks its premise in Lua, so a repeated pass changes nothing.
+I/O only: take a short lock, send ``gpuhedge_gpus`` to the GPU workers the lease table knows
+(by node name, so the workers of other apps sharing the broker never see it) and collect the
+replies, read the lease table, let :func:`gpuhedge_celery.core.reconcile.plan` decide, apply its
+actions with token-checked store calls, send requests stranded on a dead GPU's queue back
+to waiting, and send again pooled requests whose broker message was lost before any worker
+took them (``tasks/pooled_sweep.py``). Two passes at once: the second finds the lock held and
+skips; even without the lock every action re-checks its premise in Lua, so a repeated pass
+changes nothing.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import time
 import uuid
 from typing import Any
 
 from celery import Celery
+from kombu import Queue
 
 from ..core.reconcile import GpuReport, GpuView, LeaseView, RunningJob, plan
+from ..metrics import record as metrics
+from ..store.availability import set_out
 from ..store.leases import LeaseStore
+from ..store.pooled import PooledRecords
 from .app import (
-    QUEUE_COORD,
+    QUEUE_POOL,
     TASK_GPU_RUN,
     TASK_POOLED_INFER,
     TASK_RECONCILE,
@@ -30,6 +35,7 @@ from .app import (
     gpu_queue,
 )
 from .control import COMMAND
+from .pooled_sweep import resend_lost
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +51,39 @@ def dead_since_key(store: LeaseStore) -> str:
     return f"{store.keys.prefix}:reconcile:dead_since"
 
 
-def collect_reports(celery_app: Celery, timeout_s: float) -> dict[str, GpuReport]:
-    """Ask every worker what its GPUs run; GPU id -> report, for the GPUs that answered."""
-    replies = celery_app.control.broadcast(COMMAND, reply=True, timeout=timeout_s) or []
+def gpu_worker_nodes(store: LeaseStore) -> list[str]:
+    """Node names of every registered GPU worker (live or not): a GPU worker registers its
+    GPU under its Celery node name (``gpu0@box``), so these are the workers to ask."""
+    return sorted({gpu.host for gpu in store.gpus(live_only=False) if gpu.host})
+
+
+def collect_reports(
+    celery_app: Celery, timeout_s: float, nodes: list[str] | None = None
+) -> dict[str, GpuReport]:
+    """Ask GPU workers what their GPUs run; GPU id -> report, for the GPUs that answered.
+
+    ``nodes``: the workers to ask (``destination``). The command is never sent to every
+    worker on the broker: a worker of another app sharing it does not know the command and
+    logs an error for each pass. No node, no question (an empty destination means "all").
+    """
+    if nodes is not None and not nodes:
+        return {}
+    replies = (
+        celery_app.control.broadcast(COMMAND, destination=nodes, reply=True, timeout=timeout_s)
+        or []
+    )
     reports: dict[str, GpuReport] = {}
     for reply in replies:
         for _node, answer in reply.items():
             if not isinstance(answer, dict):
-                continue  # an "unknown command" error from a worker of another app
+                continue  # an error reply (a worker that does not know the command)
             for gpu in answer.get("gpus") or []:
                 jobs = tuple(
                     RunningJob(j["task_id"], int(j["token"]), j.get("holder", ""), j.get("since"))
                     for j in gpu.get("running") or []
                 )
-                reports[gpu["gpu_id"]] = GpuReport(gpu["gpu_id"], jobs)
+                health = gpu.get("health") if isinstance(gpu.get("health"), dict) else None
+                reports[gpu["gpu_id"]] = GpuReport(gpu["gpu_id"], jobs, health)
     return reports
 
 
@@ -85,55 +110,71 @@ def read_views(store: LeaseStore, now_ms: int) -> list[GpuView]:
         silent = None
         if not r.host_live and r.host in dead_since:
             silent = max(0.0, (now_ms - dead_since[r.host]) / 1000)
-        views.append(GpuView(r.gpu_id, r.pool, r.host, r.host_live, silent, ttls[r.pool], lease))
+        views.append(
+            GpuView(
+                r.gpu_id, r.pool, r.host, r.host_live, silent, ttls[r.pool], lease, frozenset(r.out)
+            )
+        )
     return views
 
 
 def rescue_stranded(celery_app: Celery, store: LeaseStore, views: list[GpuView]) -> list[str]:
     """Send requests queued for GPUs of dead hosts back to waiting; returns their task ids.
 
-    A GPU worker that died whole leaves its unacknowledged job in the broker until the
-    visibility timeout, after which the broker puts it back on that GPU's queue, where nobody
-    listens while the host is down. Reads kombu's Redis list layout (JSON messages).
+    A GPU worker that died whole leaves its unacknowledged job in the broker, which puts it back
+    on that GPU's queue (RabbitMQ when the connection drops, Redis after the visibility
+    timeout), where nobody listens while the host is down. Each message is taken through the
+    broker's own ``basic_get`` and acknowledged only after it was sent back to waiting, so a
+    pass that dies half-way loses nothing. Works on every broker kombu speaks.
     """
-    prefix = glue_config(celery_app).broker_prefix
-    rescued = []
-    for view in views:
-        if view.host_live:
-            continue
-        queue = prefix + gpu_queue(view.gpu_id)
-        while True:
-            with store.guard():
-                raw = store.client.rpop(queue)
-            if raw is None:
-                break
-            try:
-                message = json.loads(raw)
-                headers = message["headers"]
-                args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
-                if headers.get("task") != TASK_GPU_RUN:
-                    raise ValueError(f"unexpected task {headers.get('task')!r}")
-                request, lease = (list(args) + [None, None])[:2]
-                lease = kwargs.get("lease", lease) or {}
-                celery_app.send_task(
-                    TASK_POOLED_INFER,
-                    args=(kwargs.get("request", request),),
-                    kwargs={
-                        "pool": lease.get("pool") or view.pool,
-                        "attempt": int(kwargs.get("attempt") or 0) + 1,
-                        "labels": kwargs.get("labels"),
-                    },
-                    task_id=headers["id"],
-                    queue=QUEUE_COORD,
-                )
-                rescued.append(headers["id"])
-            except (ValueError, KeyError, TypeError) as e:
-                # Not ours to understand: put it back where it was and say so.
-                with store.guard():
-                    store.client.rpush(queue, raw)
-                log.error("left an unreadable message on %s: %s", queue, e)
-                break
+    rescued: list[str] = []
+    dead = [view for view in views if not view.host_live]
+    if not dead:
+        return rescued
+    with celery_app.connection_for_write() as conn:
+        for view in dead:
+            with conn.channel() as channel:
+                rescued.extend(_rescue_queue(celery_app, conn, channel, view))
     return rescued
+
+
+def _rescue_queue(celery_app: Celery, conn: Any, channel: Any, view: GpuView) -> list[str]:
+    """Drain one dead GPU's queue back to waiting (see :func:`rescue_stranded`)."""
+    name = gpu_queue(view.gpu_id)
+    queue = Queue(name, channel=channel)
+    rescued = []
+    while True:
+        try:
+            message = queue.get(no_ack=False, accept=["json"])
+        except conn.channel_errors:
+            return rescued  # RabbitMQ: the queue was never declared (404); nothing is stranded
+        if message is None:
+            return rescued
+        try:
+            headers = message.headers or {}
+            if headers.get("task") != TASK_GPU_RUN:
+                raise ValueError(f"unexpected task {headers.get('task')!r}")
+            args, kwargs, _embed = message.decode()
+            request, lease = (list(args) + [None, None])[:2]
+            lease = kwargs.get("lease", lease) or {}
+            celery_app.send_task(
+                TASK_POOLED_INFER,
+                args=(kwargs.get("request", request),),
+                kwargs={
+                    "pool": lease.get("pool") or view.pool,
+                    "attempt": int(kwargs.get("attempt") or 0) + 1,
+                    "labels": kwargs.get("labels"),
+                },
+                task_id=headers["id"],
+                queue=QUEUE_POOL,
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            # Not ours to understand: put it back where it was and say so.
+            message.reject(requeue=True)
+            log.error("left an unreadable message on %s: %s", name, e)
+            return rescued
+        message.ack()
+        rescued.append(headers["id"])
 
 
 def reconcile_once(
@@ -157,7 +198,7 @@ def reconcile_once(
         if not store.client.set(lock_key, lock_token, nx=True, px=lock_ms):
             return {"skipped": "another reconcile pass holds the lock"}
     try:
-        reports = collect_reports(celery_app, timeout_s)
+        reports = collect_reports(celery_app, timeout_s, gpu_worker_nodes(store))
         now = time.time()
         views = read_views(store, int(now * 1000))
         actions = plan(views, reports, now=now, grace_s=grace_s)
@@ -165,6 +206,9 @@ def reconcile_once(
         for action in actions:
             if action.kind == "free":
                 applied = store.force_release(action.gpu_id, action.token)
+            elif action.kind == "out":
+                set_out(store, action.gpu_id, action.detail["reason"], action.reason)
+                applied = True
             elif action.kind == "restore":
                 since = action.detail.get("since")
                 since_ms = None if since is None else int(since * 1000)
@@ -173,6 +217,7 @@ def reconcile_once(
                 )
             else:
                 applied = False
+                metrics.reconcile_corrected(action.kind)  # reported, not applied
                 log.warning("reconcile: GPU %s: %s", action.gpu_id, action.reason)
             done.append(
                 {
@@ -185,6 +230,7 @@ def reconcile_once(
                 }
             )
             if applied:
+                metrics.reconcile_corrected(action.kind)
                 log.info(
                     "reconcile: %s GPU %s token %s (%s)",
                     action.kind,
@@ -193,11 +239,14 @@ def reconcile_once(
                     action.reason,
                 )
         rescued = rescue_stranded(celery_app, store, views)
+        resent = resend_lost(celery_app, PooledRecords(store.client, store.keys))
         return {
             "gpus": len(views),
             "answered": sorted(reports),
             "actions": done,
             "rescued": rescued,
+            "resent": resent,
+            "health": {g: r.health for g, r in sorted(reports.items()) if r.health is not None},
         }
     finally:
         with store.guard():

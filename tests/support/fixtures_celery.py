@@ -5,6 +5,11 @@ Redis, isolated per test: a unique lease prefix and a unique broker key prefix (
 and remote-control broadcasts of other tests never mix). It waits until each worker is ready and
 kills every worker it started at teardown. Worker logs are printed when a test fails.
 
+Brokers: Redis (the default) or RabbitMQ, with Redis as the store either way. A test module
+marked ``pytest.mark.brokers`` runs once per broker (test ids end in ``[redis]`` and
+``[rabbitmq]``); on RabbitMQ each cluster gets a vhost of its own (tests/support/rabbitmq.py).
+``GPUHEDGE_TEST_BROKER=redis`` or ``=rabbitmq`` runs every test on that one broker instead.
+
     def test_x(celery_cluster):
         celery_cluster.start_gpu(0)                 # GPU worker for GPU "<host>:0"
         celery_cluster.start_coordinator()          # waits for GPUs on behalf of pooled_infer
@@ -77,12 +82,13 @@ class CeleryWorker:
 class CeleryCluster:
     """Starts and tracks the worker processes of one test."""
 
-    def __init__(self, redis_url: str, prefix: str, tmp_path: Path):
+    def __init__(self, redis_url: str, prefix: str, tmp_path: Path, broker_url: str | None = None):
         from gpuhedge_celery.store.leases import LeaseStore
         from gpuhedge_celery.tasks.app import create_app
         from gpuhedge_celery.tasks.config import GlueConfig
 
         self.redis_url = redis_url
+        self.broker_url = broker_url  # None: the broker is the test Redis
         self.prefix = prefix
         self.tmp_path = tmp_path
         self.host = f"{prefix}-host"
@@ -98,6 +104,9 @@ class CeleryCluster:
         }
         for name in ("GPUHEDGE_GPU", "GPUHEDGE_CONFIG", "CUDA_VISIBLE_DEVICES"):
             self.env.pop(name, None)
+        self.env.pop("GPUHEDGE_BROKER_URL", None)
+        if broker_url is not None:
+            self.env["GPUHEDGE_BROKER_URL"] = broker_url
         self.config = GlueConfig.from_env(self.env)
         self.app = create_app(self.config)
         import redis
@@ -110,14 +119,15 @@ class CeleryCluster:
     def gpu_id(self, index: int | str) -> str:
         return f"{self.host}:{index}"
 
-    def _start(self, role: str, env: dict[str, str]) -> CeleryWorker:
+    def _start(self, role: str, env: dict[str, str], extra_argv: tuple[str, ...] = ()
+               ) -> CeleryWorker:  # fmt: skip
         self._count += 1
         nodename = f"{role}{self._count}.{self.prefix}@localhost"
         log_path = self.tmp_path / f"{role}{self._count}.log"
         argv = [
             sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "worker",
             "-n", nodename, "--loglevel", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_argv,
         ]  # fmt: skip
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
@@ -137,7 +147,13 @@ class CeleryCluster:
         while time.monotonic() < deadline:
             if not worker.alive():
                 raise RuntimeError(f"worker {worker.nodename} exited:\n{worker.log()[-3000:]}")
-            if " ready." in worker.log():
+            log = worker.log()
+            if " ready." in log:
+                # The banner names the transport: a cluster meant for RabbitMQ never runs on Redis.
+                # (On Redis the transport is the package's own Redis transport class.)
+                amqp = (self.broker_url or "").startswith(("amqp", "pyamqp"))
+                transport = log.partition(".> transport:")[2].partition("\n")[0]
+                assert ("amqp://" in transport) == amqp, log[:3000]
                 if worker.gpu_id is None or self.store.host_live(worker.nodename):
                     return
             time.sleep(0.1)
@@ -151,8 +167,10 @@ class CeleryCluster:
         return worker
 
     def start_gpu(self, index: int | str, *, pool: str = "default", runner: str = "cpu",
-                  wait: bool = True, **extra: str) -> CeleryWorker:  # fmt: skip
-        """A GPU worker for GPU ``<host>:<index>`` in ``pool`` with the given runner spec."""
+                  wait: bool = True, argv: tuple[str, ...] = (),
+                  **extra: str) -> CeleryWorker:  # fmt: skip
+        """A GPU worker for GPU ``<host>:<index>`` in ``pool`` with the given runner spec
+        (``argv``: more ``celery worker`` options, e.g. ``("--pool", "solo")``)."""
         env = {
             **self.env,
             "GPUHEDGE_GPU": str(index),
@@ -160,7 +178,7 @@ class CeleryCluster:
             "GPUHEDGE_RUNNER": runner,
             **extra,
         }
-        worker = self._start("gpu", env)
+        worker = self._start("gpu", env, argv)
         worker.gpu_id = self.gpu_id(index)
         if wait:
             self._wait_ready(worker)
@@ -194,15 +212,69 @@ class CeleryCluster:
         self.client.close()
 
 
+BROKERS = ("redis", "rabbitmq")
+
+
+def test_brokers() -> tuple[str, ...]:
+    """The brokers ``pytest.mark.brokers`` modules run under (``GPUHEDGE_TEST_BROKER``)."""
+    chosen = os.environ.get("GPUHEDGE_TEST_BROKER", "").strip().lower()
+    if not chosen:
+        return BROKERS
+    if chosen not in BROKERS:
+        raise pytest.UsageError(f"GPUHEDGE_TEST_BROKER: expected one of {BROKERS}, got {chosen!r}")
+    return (chosen,)
+
+
+test_brokers.__test__ = False  # a helper, not a test
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "brokers: runs once per broker, Redis and RabbitMQ (GPUHEDGE_TEST_BROKER)"
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if "broker" in metafunc.fixturenames and metafunc.definition.get_closest_marker("brokers"):
+        metafunc.parametrize("broker", test_brokers(), indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def broker(request):
+    """``"redis"`` or ``"rabbitmq"``: the broker of this module's clusters."""
+    return getattr(request, "param", test_brokers()[0])
+
+
+@pytest.fixture(scope="session")
+def amqp_vhosts():
+    """Fresh vhosts on the test RabbitMQ. Fails (never skips) when none is reachable."""
+    from tests.support.rabbitmq import VhostFactory, amqp_url, answers
+
+    url = amqp_url()
+    if not answers(url):
+        pytest.fail(f"no RabbitMQ answers at {url}; run the README's test command "
+                    "(scripts/test.sh), which starts or installs one")  # fmt: skip
+    factory = VhostFactory(url)
+    yield factory
+    factory.close()
+
+
+def broker_url_for(broker: str, request) -> str | None:
+    """The broker URL a new cluster uses: None for the test Redis, else a fresh vhost."""
+    if broker == "redis":
+        return None
+    return request.getfixturevalue("amqp_vhosts").new_url()
+
+
 @pytest.fixture
-def celery_cluster(redis_url, prefix, tmp_path, request):
+def celery_cluster(redis_url, prefix, tmp_path, request, broker):
     """Start real Celery workers for this test; all are killed at teardown (logs on failure)."""
     import redis
 
     from gpuhedge_celery.store.listener import enable_notifications
 
     enable_notifications(redis.Redis.from_url(redis_url))
-    cluster = CeleryCluster(redis_url, prefix, tmp_path)
+    cluster = CeleryCluster(redis_url, prefix, tmp_path, broker_url_for(broker, request))
     yield cluster
     failed = getattr(request.node, "rep_call", None)
     if failed is not None and failed.failed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -148,3 +149,39 @@ def queued_waiter(
     out.put(("acquired", holder, lease.token, got))
     time.sleep(hold_s)
     store.release(lease)
+
+
+def waiting_threads(
+    url: str, prefix: str, pool: str, holders: list[str], hold_s: float | dict[str, float], out, go
+) -> None:
+    """Once ``go`` is set, start one waiting thread per holder, in list order (each joins the
+    queue after the one before it). Each reports ``("acquired", holder, gpu, token, t)`` when it
+    holds a GPU and ``("released", holder, gpu, token, t)`` just before releasing it ``hold_s``
+    (or ``hold_s[holder]``) later (t: time.monotonic, comparable across processes on one
+    machine)."""
+    store = make_store(url, prefix)
+    waiter = LeaseWaiter(store, recheck_s=1.0)
+    assert waiter.listener.alive  # subscribed and heartbeating before the parent counts us
+    out.put(("ready", os.getpid()))
+    go.wait(60)
+
+    def run(holder: str, done: threading.Event) -> None:
+        lease = waiter.acquire(pool, holder, timeout_s=60)
+        done.set()
+        out.put(("acquired", holder, lease.gpu_id, lease.token, time.monotonic()))
+        time.sleep(hold_s[holder] if isinstance(hold_s, dict) else hold_s)
+        out.put(("released", holder, lease.gpu_id, lease.token, time.monotonic()))
+        store.release(lease)
+
+    threads = []
+    for holder in holders:
+        done = threading.Event()
+        thread = threading.Thread(target=run, args=(holder, done), daemon=True)
+        thread.start()
+        threads.append(thread)
+        deadline = time.monotonic() + 20
+        while not done.is_set() and holder not in store.queue(pool):
+            assert time.monotonic() < deadline, f"{holder} never queued"
+            time.sleep(0.002)
+    for thread in threads:
+        thread.join(90)

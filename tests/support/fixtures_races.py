@@ -184,14 +184,24 @@ class RaceCluster:
         return self.cluster.logs()
 
 
-def start_race_cluster(redis_url: str, tmp: Path, workers: int = 2, **env: str) -> RaceCluster:
-    """Two (by default) real coordination workers on a fresh prefix with the test config."""
+def start_race_cluster(
+    redis_url: str,
+    tmp: Path,
+    workers: int = 2,
+    config: str = RACE_CONFIG,
+    *,
+    broker_url: str | None = None,
+    **env: str,
+) -> RaceCluster:
+    """Two (by default) real coordination workers on a fresh prefix with the test config
+    (``config``: another YAML text, e.g. with a budget; ``broker_url``: the broker when it is
+    not the test Redis, e.g. a RabbitMQ vhost)."""
     from tests.support.fixtures_celery import CeleryCluster
 
     config_path = tmp / "races.yaml"
-    config_path.write_text(RACE_CONFIG)
+    config_path.write_text(config)
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    cluster = CeleryCluster(redis_url, prefix, tmp)
+    cluster = CeleryCluster(redis_url, prefix, tmp, broker_url)
     extra = {
         "GPUHEDGE_CONFIG": str(config_path),
         "GPUHEDGE_PLUGINS": "tests.support.fixtures_races",
@@ -216,14 +226,17 @@ def stop_race_cluster(rc: RaceCluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def race_cluster(redis_url, tmp_path_factory):
+def race_cluster(redis_url, tmp_path_factory, broker, request):
     """Two real coordination workers shared by one test module (logs printed on teardown)."""
     import redis
 
     from gpuhedge_celery.store.listener import enable_notifications
+    from tests.support.fixtures_celery import broker_url_for
 
     enable_notifications(redis.Redis.from_url(redis_url))
-    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("races"))
+    rc = start_race_cluster(
+        redis_url, tmp_path_factory.mktemp("races"), broker_url=broker_url_for(broker, request)
+    )
     yield rc
     stop_race_cluster(rc)
 

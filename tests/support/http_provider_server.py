@@ -56,6 +56,7 @@ class Knobs:
     cancel_terminal_after_s: float = 0.05  # a cancelled job shows CANCELLED after this
     cancel_never_terminal: bool = False  # cancel answers 200 CANCELLED; status never changes
     cancel_errors: int = 0  # the next N cancels answer HTTP 500
+    error_status: int = 500  # the status those errors answer with (429: rate limited)
 
 
 @dataclass
@@ -165,7 +166,7 @@ class HttpProviderServer:
         with self.lock:
             if k.submit_errors > 0:
                 k.submit_errors -= 1
-                return 500, "internal error"
+                return k.error_status, "internal error"
             self._n += 1
             job_id = k.job_id_template.format(n=self._n)
             self.jobs[job_id] = Job(job_id, time.monotonic(), (body or {}).get("input"),
@@ -178,7 +179,7 @@ class HttpProviderServer:
         with self.lock:
             if k.status_errors > 0:
                 k.status_errors -= 1
-                return 500, "upstream unavailable"
+                return k.error_status, "upstream unavailable"
             job = self.jobs.get(job_id)
             if job is None:
                 return 404, json.dumps({"error": f"no job {job_id}"})
@@ -209,7 +210,7 @@ class HttpProviderServer:
         with self.lock:
             if k.cancel_errors > 0:
                 k.cancel_errors -= 1
-                return 500, "cancel failed"
+                return k.error_status, "cancel failed"
             job = self.jobs.get(job_id)
             if job is None:
                 return 404, json.dumps({"error": f"no job {job_id}"})

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import redis
 
+from tests.support.processes import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,13 +39,7 @@ class RedisServer:
     workdir: str
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process, grace_s=5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
