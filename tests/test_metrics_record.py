@@ -347,3 +347,22 @@ def test_http_adapter_counts_its_calls_and_errors_by_kind():
     assert errors("submit", "rate_limited") == 1
     assert [errors("status", k) for k in ("http", "protocol", "timeout")] == [1, 1, 1]
     assert errors("status", "rate_limited") == 0
+
+
+def test_http_adapter_counts_a_body_it_refused_as_too_big():
+    from tests.support.http_provider_server import HttpProviderServer
+    from tests.test_http import KEY, make
+
+    with HttpProviderServer() as server:
+        server.knobs.api_key, server.knobs.queue_s, server.knobs.run_s = KEY, 0, 0
+        p = make(server, max_response_bytes=2_000)  # the finished job's audio is ~43 KB
+        d = Delta()
+        handle = p.submit({"text": "hi"})
+        time.sleep(0.05)
+        with pytest.raises(ProviderError, match="max_response_bytes"):
+            p.status(handle)
+
+    errors = "gpuhedge_provider_errors_total"
+    assert d.of("gpuhedge_provider_requests_total", provider="rp", route="status") == 1
+    assert d.of(errors, provider="rp", route="status", kind="protocol") == 1
+    assert d.of(errors, provider="rp", route="submit", kind="protocol") == 0

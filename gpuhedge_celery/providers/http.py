@@ -35,7 +35,7 @@ from ..metrics import record as metrics
 from . import account_checks
 from .account import LoginCheck, SpendReport
 from .base import Provider
-from .bounded_read import BodyRefused, read_bounded
+from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .httpspec import Endpoint, HttpSpec, MissingField, fill_url, get_path, render, substitute_env
 from .options import Block
 
@@ -264,7 +264,7 @@ class HttpProvider(Provider):
                 json=body,
                 **({"timeout": timeout} if timeout else {}),
             ) as response:
-                content = self._read_body(response, read_s, where, error_cls)
+                content = self._read_body(response, read_s, where, error_cls, op)
         except httpx.TimeoutException as e:
             metrics.provider_call(self.name, op, "timeout")
             hint = (
@@ -300,13 +300,15 @@ class HttpProvider(Provider):
 
     def _read_body(
         self, response: httpx.Response, read_s: float, where: str,
-        error_cls: type[ProviderError],
+        error_cls: type[ProviderError], op: str,
     ) -> bytes:  # fmt: skip
         """The response body, read within ``read_s`` in all and at most ``max_response_bytes``
-        long (see :mod:`.bounded_read`)."""
+        long (see :mod:`.bounded_read`); a refused body is counted in the provider metrics
+        (``timeout`` when too slow, ``protocol`` when too big)."""
         try:
             return read_bounded(response, limit=self.spec.max_response_bytes, read_s=read_s)
         except BodyRefused as e:
+            metrics.provider_call(self.name, op, failure_kind(e))
             raise error_cls(self.name, f"{where}: {e}") from None
 
     def _field(self, data: Any, op: str, endpoint: Endpoint, what: str, path: str | None) -> Any:
