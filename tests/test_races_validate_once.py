@@ -80,9 +80,9 @@ def test_a_step_retried_after_a_version_conflict_does_not_send_the_result_again(
     other = RaceStore(driver.store.client, driver.prefix)  # another process
     real_save, queued = driver.store.save, []
 
-    def save(race_id, state, version, also=None, scripts=(), before=None):
+    def save(race_id, state, version, also=None, scripts=(), before=None, **more):
         if before is None:
-            return real_save(race_id, state, version, also=also, scripts=scripts)
+            return real_save(race_id, state, version, also=also, scripts=scripts, **more)
         if not queued:  # another process saves the race first: this save conflicts
             record = other.load(race_id)
             other.save(race_id, record.state, record.version)
@@ -92,7 +92,9 @@ def test_a_step_retried_after_a_version_conflict_does_not_send_the_result_again(
             before(pipe)
             queued.append(len(pipe.command_stack) - n)
 
-        return real_save(race_id, state, version, also=also, scripts=scripts, before=counted)
+        return real_save(
+            race_id, state, version, also=also, scripts=scripts, before=counted, **more
+        )
 
     monkeypatch.setattr(driver.store, "save", save)
     driver.conclude("v3", "a1", providers["p"], handle, 180.0, result=result)
