@@ -15,7 +15,8 @@ import pytest
 from gpuhedge_celery.core.race_events import SubmitFailed, TimerDue
 from gpuhedge_celery.providers.redis_ledger import sim_job_running
 from gpuhedge_celery.providers.simledger import seq_key
-from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT, launch_backstop_id
+from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT
+from gpuhedge_celery.race.backstops import launch_backstop_id
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.timers import Timer

@@ -16,10 +16,10 @@ from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.race import DEADLINE_TIMER
 from gpuhedge_celery.errors import RateLimited
 from gpuhedge_celery.providers.simledger import RedisLedger
-from gpuhedge_celery.race.attempts import DECISION_LEAD_S
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.race.watch import DECISION_LEAD_S
 from gpuhedge_celery.store.races import RaceStore
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_races import RACE_CONFIG

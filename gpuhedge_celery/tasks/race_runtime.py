@@ -20,7 +20,7 @@ from ..config import GpuHedgeConfig, load_config
 from ..errors import BudgetExceeded, RaceFailed
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
-from ..race.attempts import launch_backstop_id
+from ..race.backstops import launch_backstop_id
 from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
 from ..race.receipt import by_reference, result_key

@@ -1,0 +1,192 @@
+"""Cancel work of the race driver: an attempt's job cancelled natively, with its receipt.
+
+Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver` (through
+:class:`~gpuhedge_celery.race.attempts.AttemptWork`). A cancel is asked for durably (a backstop
+timer first, then the cancel on this process's threads), and its outcome (confirmed,
+acknowledged, failed) is reported to the race through ``step``; never Celery's revoke.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..core.attempts import Attempt, Phase
+from ..core.jobs import JobHandle, JobState
+from ..core.race import Race
+from ..core.race_events import CancelAcknowledged, CancelFailed
+from ..core.receipts import CancelReceipt, Evidence
+from ..providers.base import Provider
+from .backstops import BackstopDrop, cancel_backstop_id
+from .base import due_ms, find_attempt, remember
+from .conclude import ResultWork
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..core.clock import Clock
+    from ..store.timers import TimerStore
+    from .base import Effects
+
+log = logging.getLogger(__name__)
+
+
+class CancelWork(ResultWork):
+    """Per-attempt cancels; needs the attributes and ``step``/``resume`` of the driver."""
+
+    timers: TimerStore
+    budget: Any  # RaceBudget | None
+    providers: Callable[[str], Provider]
+    clock: Clock
+    effects: Effects
+    _decided: dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]
+
+    def resume(self, race_id: str) -> None:
+        raise NotImplementedError
+
+    def _cancel_orphan(
+        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle
+    ) -> None:
+        """Cancel a job whose report came after its attempt ended; unregister it once stopped.
+
+        Registered again when the cancel is not confirmed (the race's finish may have dropped
+        it meanwhile, with its ended attempt): the janitor cancels the registered jobs of races
+        nobody advances, with receipts.
+        """
+        log.error(
+            "race %s: %s's submit returned job %s after the attempt ended (its launch window "
+            "passed); cancelling it", race_id, attempt_id, handle.job_id,
+        )  # fmt: skip
+        try:
+            confirmed = provider.cancel(handle).confirmed_terminal
+        except Exception:
+            log.exception("race %s: cancel of orphan job %s failed", race_id, handle.job_id)
+            confirmed = False
+        if confirmed:
+            self.store.remove_job(race_id, attempt_id)
+        else:
+            self.store.add_job(race_id, attempt_id, handle.to_dict())
+
+    def request_cancel(
+        self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,
+        caps: dict[str, Any] | None = None, armed: bool = False,
+    ) -> None:  # fmt: skip
+        """Have an attempt's job cancelled now, durably: a backstop timer, then the effect.
+
+        :meth:`Effects.cancel` runs the cancel at once (in production: on a thread of this
+        process, no task hop). The backstop timer hands the cancel to any live worker if this
+        process dies before :meth:`cancel_attempt` reports back; it never waits for a broker's
+        visibility timeout. Its id is fixed per attempt, so re-arming is a no-op. ``saved`` is
+        the race as the step that decided the cancel just saved it (and ``caps`` its spec's
+        caps): a cancel run in this process starts from it instead of reading the race again.
+        ``armed``: the backstop rode in that step's save already.
+        """
+        if saved is not None:
+            a = find_attempt(saved, attempt_id)
+            if a is not None:
+                snapshot = (Attempt.from_dict(a.to_dict()), caps)
+                remember(self._decided, (race_id, attempt_id), snapshot)
+        # The backstop first: a crash right after the save must still get the loser cancelled
+        # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
+        if not armed:
+            key, due, payload, timer_id = self._backstop(race_id, attempt_id)
+            self.timers.arm(key, due, payload, timer_id=timer_id)
+        self.effects.cancel(race_id, attempt_id, provider)
+
+    def _backstop(self, race_id: str, attempt_id: str) -> tuple[str, int, dict[str, Any], str]:
+        """Key, due time, payload and fixed id of an attempt's cancel backstop timer."""
+        at = self.clock.now() + self.settings.cancel_backstop_s
+        payload = {"race": race_id, "kind": "cancel", "attempt": attempt_id}
+        timer_id = cancel_backstop_id(race_id, attempt_id)
+        return f"{race_id}:c:{attempt_id}", due_ms(at), payload, timer_id
+
+    def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
+        """Cancel an attempt's job natively and report the receipt (never Celery's revoke).
+
+        Returns once the outcome (confirmed, acknowledged, failed) is saved in the race; the
+        attempt's backstop timer is dropped in that save's round trip (or after it), so a crash
+        before it leaves the timer to finish the job elsewhere.
+        """
+        drop = BackstopDrop(self.timers, cancel_backstop_id(race_id, attempt_id))
+        self._cancel_attempt(race_id, attempt_id, drop)
+        drop.now()  # unless the report's save carried it
+
+    def _cancel_attempt(self, race_id: str, attempt_id: str, drop: BackstopDrop) -> None:
+        decided = self._decided.pop((race_id, attempt_id), None)
+        if decided is not None and decided[0].phase is Phase.CANCELLING:
+            a, caps = decided  # as the deciding step saved it: no read on the way to the call
+        else:
+            record = self.store.load(race_id)
+            if record is None:
+                return
+            race = Race.from_dict(record.state["race"], self.clock)
+            caps = record.state["spec"]["caps_s"]
+            found = find_attempt(race, attempt_id)
+            if found is None:
+                return
+            a = found
+        if not a.handle:
+            return
+        if a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
+            self._cancel_capped(race_id, a)
+            return
+        if a.phase is not Phase.CANCELLING:
+            self.resume(race_id)  # a redelivery after the cancel was reported: see submit
+            return
+        provider = self.providers(a.provider)
+        handle = JobHandle.from_dict(a.handle)
+        try:
+            receipt = provider.cancel(handle)
+        except Exception as e:
+            failure = CancelFailed(attempt_id, f"{type(e).__name__}: {e}")
+            self.step(race_id, failure, None, drop.queue)
+            return
+        if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
+            # It finished before the cancel took effect: its result may still win the race.
+            ack = replace(
+                receipt, confirmed_terminal=False, terminal_status=None, terminal_ms=None,
+                leaked=True, evidence=Evidence.PROVIDER_ACK,
+            )  # fmt: skip
+            self.step(race_id, CancelAcknowledged(attempt_id, ack))
+            cap = float((caps or {}).get(a.provider, 180.0))
+            self.conclude(race_id, attempt_id, provider, handle, cap)
+            return
+        acknowledged = CancelAcknowledged(attempt_id, receipt)
+        if receipt.confirmed_terminal:
+            self.step(race_id, acknowledged, None, drop.queue)
+        else:  # both in one save
+            failed = CancelFailed(attempt_id, "no terminal state within the cancel window")
+            self.step(race_id, (acknowledged, failed), None, drop.queue)
+
+    def _cancel_capped(self, race_id: str, a: Attempt) -> None:
+        """Cancel a job that passed its cap, and record the receipt beside the race's own.
+
+        The engine ended the attempt as TIMEOUT (it cannot win any more), but a cap is ours,
+        not the provider's: without this the job would run on, unseen, until it ends by itself.
+        """
+        if a.id not in self.store.live_jobs(race_id):
+            return  # already stopped and unregistered (a duplicate delivery)
+        provider = self.providers(a.provider)
+        try:
+            receipt = provider.cancel(JobHandle.from_dict(a.handle or {}))
+        except Exception as e:
+            receipt = CancelReceipt(a.provider, a.job_id, note=f"cancel raised {type(e).__name__}")
+        receipt.note = receipt.note or "past its cap: cancelled"
+        data = receipt.to_dict()
+
+        def change(state: dict[str, Any]) -> dict[str, Any]:
+            results = dict(state.get("results") or {})
+            results[a.id] = {**(results.get(a.id) or {}), "cap_cancel": data}
+            return {**state, "results": results}
+
+        updated = self.store.update(race_id, change)
+        if receipt.confirmed_terminal:
+            self.store.remove_job(race_id, a.id)
+            if self.budget is not None:  # shown stopped: its reservation can settle now
+                race = Race.from_dict(updated.state["race"], self.clock)
+                self.budget.settle_race(race_id, race, updated.state)
+        self.refresh_receipt(race_id)
+
+    def refresh_receipt(self, race_id: str) -> None:
+        raise NotImplementedError
