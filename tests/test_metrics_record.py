@@ -24,7 +24,8 @@ from gpuhedge_celery.metrics.definitions import WORKER_METRICS
 from gpuhedge_celery.race.budget import RaceBudget, attempt_worst_case_usd
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
-from gpuhedge_celery.store.timers import TimerService, TimerStore
+from gpuhedge_celery.store.timer_service import TimerService
+from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_races import RACE_CONFIG
 from tests.test_flower_events import LEAKY
 from tests.test_races_driver import Recorder, build_driver

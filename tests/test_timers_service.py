@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpuhedge_celery.store.timers import Timer, TimerService, TimerStore
+from gpuhedge_celery.store.timer_service import TimerService
+from gpuhedge_celery.store.timers import Timer, TimerStore
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -30,7 +30,8 @@ from typing import Any
 import click
 
 from ..store.connection import client_for, ping, translate_errors
-from ..store.timers import Timer, TimerService, TimerStore
+from ..store.timer_service import TimerService
+from ..store.timers import Timer, TimerStore
 
 _NAMES = ("hedge", "cutover", "safety")
 

@@ -29,7 +29,8 @@ from ..store.budget import BudgetStore
 from ..store.connection import client_for
 from ..store.races import RaceStore
 from ..store.redis_clock import RedisClock
-from ..store.timers import TimerService, TimerStore
+from ..store.timer_service import TimerService
+from ..store.timers import TimerStore
 
 log = logging.getLogger(__name__)
 

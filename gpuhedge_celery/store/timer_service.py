@@ -1,0 +1,359 @@
+"""The thread that fires durable timers (:mod:`.timers`) in this process.
+
+:class:`TimerService` is a daemon thread per process that sleeps until the earliest due time,
+woken early by a pub/sub message when an earlier timer is armed, and re-reads at least every
+``idle_ms`` in case a message was lost (pub/sub is fire-and-forget). With ``threads > 1`` it
+hands each claimed timer to one of that many worker threads, so handlers that wait on Redis
+overlap instead of queueing behind each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..core.clock import Clock, WallClock
+from ..metrics import record as metrics
+from .timers import Timer, TimerStore
+
+log = logging.getLogger(__name__)
+
+TimerHandler = Callable[[Timer], None]
+
+
+class TimerService:
+    """A daemon thread that fires a namespace's timers in this process (start one per process).
+
+    For each claimed timer it calls ``handler(timer)`` and acknowledges the timer once the
+    handler returns. A handler that raises leaves its timer in flight, so it is delivered again
+    after ``lease_ms`` (up to ``max_deliveries`` times, then dropped with an error in the log).
+
+    With ``threads == 1`` (the default) handlers run one after another in the service thread and
+    a claim's lease covers its whole batch, so handlers should be short (send a task, write a
+    flag).
+
+    With ``threads > 1`` handlers run concurrently on that many daemon worker threads, so the
+    handler must be thread-safe. The service thread claims only as many timers as there are
+    free slots (claimed and unacknowledged timers never number more than ``threads``, so none
+    waits here for a worker beyond at most one ack round trip and a lease is spent on its own
+    handler), hands them over earliest due first, and sleeps until a slot frees when all are
+    busy. A finished timer is acknowledged at once by the worker that ran it, together with any
+    others that finished meanwhile (one ``ack_many``).
+
+    With ``ahead_ms`` (a pool only) a claim also takes the timers due within that many ms; the
+    service thread holds them (each holds a slot) and hands each over at its due time, so a
+    window of timers costs one claim instead of one each, and processes that wake for the same
+    due time do not each claim once per timer. On stop, held timers are given back to wait in
+    Redis again (this delivery not counted).
+    """
+
+    def __init__(
+        self,
+        store: TimerStore,
+        handler: TimerHandler,
+        *,
+        batch: int = 200,
+        lease_ms: int = 10_000,
+        idle_ms: int = 100,
+        use_pubsub: bool = True,
+        max_deliveries: int = 10,
+        threads: int = 1,
+        ahead_ms: int = 0,
+        clock: Clock | None = None,
+        name: str = "gpuhedge-timers",
+    ):
+        if idle_ms < 1:
+            raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if ahead_ms < 0 or (ahead_ms and threads == 1):
+            raise ValueError(f"ahead_ms must be >= 0, and 0 with one thread; got {ahead_ms}")
+        self.store = store
+        self.handler = handler
+        self.batch = batch
+        self.lease_ms = lease_ms
+        # Without wake-up messages only polling bounds the lag, so poll often.
+        self.idle_ms = idle_ms if use_pubsub else min(idle_ms, 5)
+        self.use_pubsub = use_pubsub
+        self.max_deliveries = max_deliveries
+        self.threads = threads
+        self.ahead_ms = ahead_ms
+        self.clock = clock or WallClock()
+        self.fired = 0
+        self.failed = 0
+        self.last_error: BaseException | None = None
+        self._name = name
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._pubsub: Any = None
+        self._counts = threading.Lock()  # fired, failed
+        # Worker pool (threads > 1): _running counts timers handed to workers, not yet acked.
+        self._slots = threading.Condition()
+        self._running = 0
+        self._jobs: queue.SimpleQueue[Timer | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._finished: list[Timer] = []  # waiting for an ack; guarded by _slots
+        self._acking = False  # a worker is acknowledging _finished; guarded by _slots
+        # Timers claimed ahead of their due time (ahead_ms), held here until due; each holds a
+        # slot. Only the service thread touches it.
+        self._early: list[tuple[int, int, Timer]] = []
+        self._early_seq = itertools.count()
+
+    def now_ms(self) -> int:
+        return int(self.clock.now() * 1000)
+
+    def start(self) -> TimerService:
+        """Start the thread (once), and the worker threads when ``threads > 1``; returns self."""
+        self._start_workers()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the thread to stop and wait for it, at most ``timeout`` seconds in all.
+
+        With ``threads == 1`` the claimed batch is finished first. With ``threads > 1`` running
+        handlers are waited for and acknowledged, no handler starts after this call (a timer
+        claimed but not yet started stays in flight and is delivered again after its lease),
+        and the worker threads exit.
+        """
+        deadline = time.monotonic() + timeout
+        self._stop.set()
+        with self._slots:
+            self._slots.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._workers:
+            return
+        with self._slots:
+            while self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._slots.wait(left)
+        for _ in self._workers:
+            self._jobs.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def running(self) -> int:
+        """Timers handed to worker threads and not yet acknowledged (or given up on)."""
+        with self._slots:
+            return self._running
+
+    def run_once(self) -> int | None:
+        """Claim and fire one batch; returns when to look again (epoch ms), None if idle.
+
+        With ``threads > 1`` it claims at most as many timers as there are free workers and
+        returns once they are handed over, without waiting for their handlers.
+        """
+        if self.threads > 1:
+            return self._submit_once()
+        claim = self.store.claim(self.now_ms(), self.batch, self.lease_ms)
+        done = []
+        for timer in claim.timers:
+            if self._fire(timer):
+                done.append(timer)
+        if done:
+            self.store.ack_many(done)
+        # The claim says when the next timer is due (now or earlier when one batch did not hold
+        # all that were due): no second claim just to learn that nothing else is due yet.
+        return claim.next_ms
+
+    def _fire(self, timer: Timer) -> bool:
+        """Run the handler; True when the timer is done (fired, or dropped after its last try)."""
+        metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)
+        try:
+            self.handler(timer)
+        except Exception:
+            with self._counts:
+                self.failed += 1
+            if timer.deliveries >= self.max_deliveries:
+                log.error("timer %s dropped after %d failed deliveries", timer.id, timer.deliveries)
+                return True
+            log.exception("timer %s handler failed; it will be delivered again", timer.id)
+            return False
+        with self._counts:
+            self.fired += 1
+        return True
+
+    # -- worker pool (threads > 1) ------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        if self.threads == 1 or self._workers:
+            return
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"{self._name}-{i + 1}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _submit_once(self) -> int | None:
+        self._start_workers()
+        with self._slots:
+            free = self.threads - self._running
+        if free <= 0:
+            return self.now_ms()
+        claim = self.store.claim(self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms)
+        with self._slots:
+            self._running += len(claim.timers)
+        for timer in claim.timers:  # earliest due first
+            heapq.heappush(self._early, (timer.due_ms, next(self._early_seq), timer))
+        self._hand_over_due(self.now_ms())
+        return claim.next_ms  # as in run_once: now (or earlier) when more are already due
+
+    def _hand_over_due(self, now_ms: int) -> None:
+        """Hand every held timer that is due to the workers (its slot is already counted)."""
+        while self._early and self._early[0][0] <= now_ms:
+            self._jobs.put(heapq.heappop(self._early)[2])
+
+    def _give_back_early(self) -> None:
+        """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
+        early, self._early = [t for _, _, t in self._early], []
+        if not early:
+            return
+        try:
+            self.store.release(early)
+        except Exception as e:  # they stay in flight: delivered again after their lease
+            log.warning("timer service: giving back %d timers failed: %s", len(early), e)
+        self._free(len(early))
+
+    def _wait_for_slot(self) -> None:
+        """Block until a worker is free or stop() is called (notified, not polled); timers
+        held ahead are handed over as they come due meanwhile."""
+        while True:
+            self._hand_over_due(self.now_ms())
+            with self._slots:
+                if self._running < self.threads or self._stop.is_set():
+                    return
+                timeout = 1.0
+                if self._early:
+                    timeout = min(timeout, max(0.0005, (self._early[0][0] - self.now_ms()) / 1000))
+                self._slots.wait(timeout)
+
+    def _free(self, n: int) -> None:
+        with self._slots:
+            self._running -= n
+            self._slots.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            timer = self._jobs.get()
+            if timer is None:
+                return
+            done = False
+            try:
+                # After stop() nothing starts: the timer stays in flight for redelivery.
+                done = not self._stop.is_set() and self._fire(timer)
+            finally:
+                if done:
+                    self._ack_finished(timer)  # frees its slot once acknowledged
+                else:
+                    self._free(1)
+
+    def _ack_finished(self, timer: Timer) -> None:
+        """Acknowledge ``timer`` now, with whatever else finished meanwhile, in one call.
+
+        One worker at a time acknowledges; timers that finish while it does are picked up by
+        its next round, so each waits for at most one ack round trip besides its own. A slot is
+        freed only once its timer is acknowledged, so claimed and unacknowledged timers never
+        number more than ``threads``.
+        """
+        with self._slots:
+            self._finished.append(timer)
+            if self._acking:
+                return
+            self._acking = True
+        while True:
+            with self._slots:
+                done, self._finished = self._finished, []
+                if not done:
+                    self._acking = False  # in the same lock hold: no finished timer is missed
+                    return
+            try:
+                self.store.ack_many(done)
+            except Exception as e:  # they stay in flight and are delivered again
+                self.last_error = e
+                log.warning("timer service: acknowledging %d timers failed: %s", len(done), e)
+            except BaseException:
+                with self._slots:
+                    self._acking = False
+                raise
+            finally:
+                self._free(len(done))
+
+    def _wait(self, ms: int) -> bool:
+        """Sleep ``ms``; True when a wake-up message (an earlier timer was armed) ended it."""
+        if ms <= 0:
+            return False
+        if self._pubsub is None:
+            self._stop.wait(ms / 1000)
+            return False
+        # Wait in slices so stop() is honoured promptly even during a long idle wait.
+        until = time.monotonic() + ms / 1000
+        while not self._stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            if self._pubsub.get_message(timeout=min(left, 0.25)) is not None:
+                # An earlier timer was armed; drain the rest so a burst costs one claim.
+                while self._pubsub.get_message(timeout=0) is not None:
+                    pass
+                return True
+        return False
+
+    def _subscribe(self) -> None:
+        if not self.use_pubsub:
+            return
+        self._close_pubsub()
+        pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.store.keys.channel)
+        self._pubsub = pubsub
+
+    def _close_pubsub(self) -> None:
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                self._pubsub.close()
+            self._pubsub = None
+
+    def _run(self) -> None:
+        backoff = 0.0
+        claim_at = 0  # epoch ms of the next claim (0: at once)
+        while not self._stop.is_set():
+            try:
+                if self.threads > 1:
+                    self._wait_for_slot()
+                    if self._stop.is_set():
+                        break
+                if self.use_pubsub and self._pubsub is None:
+                    # Subscribe before claiming, so no wake-up between the two is missed.
+                    self._subscribe()
+                    claim_at = 0
+                now = self.now_ms()
+                if now >= claim_at:
+                    next_ms = self.run_once()
+                    now = self.now_ms()
+                    idle = now + self.idle_ms
+                    claim_at = idle if next_ms is None else min(next_ms, idle)
+                else:  # woken for a timer held ahead: hand it over, no claim
+                    self._hand_over_due(now)
+                backoff = 0.0
+                wake = min(claim_at, self._early[0][0]) if self._early else claim_at
+                if self._wait(wake - self.now_ms()):
+                    claim_at = 0
+            except Exception as e:  # the thread must not die silently: log, back off, retry
+                self.last_error = e
+                log.warning("timer service: %s; retrying", e)
+                self._close_pubsub()
+                backoff = min(max(backoff * 2, 0.05), 2.0)
+                self._stop.wait(backoff)
+        self._give_back_early()
+        self._close_pubsub()
