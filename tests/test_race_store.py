@@ -13,7 +13,8 @@ import redis
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_keys import race_keys
-from gpuhedge_celery.store.races import OwnershipLost, RaceStore, VersionConflict
+from gpuhedge_celery.store.race_liveness import OwnershipLost
+from gpuhedge_celery.store.races import RaceStore, VersionConflict
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)

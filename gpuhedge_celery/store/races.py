@@ -8,10 +8,10 @@ race engine's serialised state machine on top:
   both advance a race from the same version;
 * **the winner** is claimed with set-if-absent: exactly one attempt ever wins, and the same
   attempt claiming again (a duplicate delivery) is told it won;
-* **live provider jobs** are registered per race, and every race has a heartbeat in one
-  cross-race ZSET, so a janitor can find the jobs of races nobody advances any more;
-* **ownership** is a lease with a fencing token: a janitor (or a coordinator holding a race for
-  a while) takes it before acting, which tells a slow owner (lease renewed) from a dead one;
+* **live provider jobs** are registered per race, for the janitor;
+* **heartbeats and ownership** (:mod:`.race_liveness`): every race has a heartbeat in one
+  cross-race ZSET, and an ownership lease with a fencing token that a janitor takes before
+  acting;
 * **receipts** are kept with a configurable TTL and read by race id.
 
 All keys of one race share the hash tag ``{race_id}`` (see :mod:`.race_keys`). The heartbeat
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..core.clock import Clock, WallClock
-from ..errors import LeaseError, StoreError, StoreUnavailable
+from ..errors import StoreError, StoreUnavailable
 from . import codec
 from .race_keys import RECENT_FINISHED, finished_races_key, live_races_key, race_keys
+from .race_liveness import RaceLiveness
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -62,15 +63,6 @@ class VersionConflict(StoreError):
         super().__init__(what)
 
 
-class OwnershipLost(LeaseError):
-    """The caller's ownership lease on a race expired or was taken over."""
-
-    def __init__(self, race_id: str, token: int):
-        self.race_id = race_id
-        self.token = token
-        super().__init__(f"ownership of race {race_id!r} with token {token} is no longer held")
-
-
 @dataclass(frozen=True)
 class RaceRecord:
     """A race's state as loaded, with the version a save must name."""
@@ -88,24 +80,6 @@ class WinnerClaim:
     won: bool
     winner: str
     first: bool
-
-
-@dataclass(frozen=True)
-class Ownership:
-    """An ownership lease on a race; ``token`` strictly increases per race (fencing)."""
-
-    race_id: str
-    owner: str
-    token: int
-
-
-@dataclass(frozen=True)
-class StaleRace:
-    """A race whose heartbeat stopped and that nobody owns: its live jobs need cancelling."""
-
-    race_id: str
-    last_seen_ms: int
-    live_jobs: dict[str, dict[str, Any]]
 
 
 class SaveMark(NamedTuple):
@@ -136,7 +110,7 @@ def _dumps(value: dict[str, Any], what: str) -> str:
         raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
 
 
-class RaceStore:
+class RaceStore(RaceLiveness):
     """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
 
     def __init__(
@@ -167,13 +141,6 @@ class RaceStore:
         # The last state this process saved, per race (LRU): see load(fresh=True).
         self._fresh: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._fresh_lock = threading.Lock()
-
-    def now_ms(self) -> int:
-        return int(self.clock.now() * 1000)
-
-    def _touch(self, pipe: Any, race_id: str) -> None:
-        # GT: hosts with skewed clocks never move a heartbeat backwards.
-        pipe.zadd(self.live_key, {race_id: self.now_ms()}, gt=True)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -470,106 +437,6 @@ class RaceStore:
         with store_errors(f"reading the jobs of race {race_id!r}"):
             raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
         return {as_text(k): codec.loads(v) for k, v in raw.items()}
-
-    def touch(
-        self,
-        race_id: str,
-        *,
-        also: Callable[[Any], None] | None = None,
-        scripts: Iterable[Any] = (),
-    ) -> None:
-        """Record that the race is being advanced (its heartbeat for the janitor).
-
-        ``also(pipe)`` may queue more commands in the same round trip (``scripts``: the
-        scripts they use), as for :meth:`save`.
-        """
-
-        def build(pipe: Any) -> None:
-            self._touch(pipe, race_id)
-            if also is not None:
-                also(pipe)
-
-        with store_errors(f"touching race {race_id!r}"):
-            run_pipeline(self.client, build, scripts)
-
-    def last_seen_ms(self, race_id: str) -> int | None:
-        """The race's last heartbeat (epoch ms), None if it is not in the live index."""
-        with store_errors(f"reading the heartbeat of race {race_id!r}"):
-            score = self.client.zscore(self.live_key, race_id)
-        return None if score is None else int(score)
-
-    def forget(self, race_id: str) -> None:
-        """Drop the race from the live index (it finished and has no live job left)."""
-        with store_errors(f"forgetting race {race_id!r}"):
-            self.client.zrem(self.live_key, race_id)
-
-    def stale_races(self, stale_ms: int, limit: int = 100) -> list[StaleRace]:
-        """Races whose heartbeat is older than ``stale_ms`` and whose owner lease has lapsed.
-
-        A race with a live owner lease is slow, not dead, and is left out. The index is only a
-        hint: a caller should take ownership (:meth:`claim_owner`) before cancelling anything.
-        """
-        cutoff = self.now_ms() - stale_ms
-        with store_errors("scanning stale races"):
-            found = self.client.zrangebyscore(
-                self.live_key, "-inf", cutoff, start=0, num=limit, withscores=True
-            )
-            pipe = self.client.pipeline(transaction=False)
-            for race_id, _ in found:
-                keys = race_keys(self.prefix, as_text(race_id))
-                pipe.exists(keys.owner)
-                pipe.hgetall(keys.jobs)
-            answers = pipe.execute()
-        stale = []
-        for i, (race_id, score) in enumerate(found):
-            owned, jobs = answers[2 * i], answers[2 * i + 1]
-            if owned:
-                continue
-            live = {as_text(k): codec.loads(v) for k, v in jobs.items()}
-            stale.append(StaleRace(as_text(race_id), int(score), live))
-        return stale
-
-    # -- ownership ---------------------------------------------------------------------------
-
-    def claim_owner(self, race_id: str, owner: str, lease_ms: int) -> Ownership | None:
-        """Take the race's ownership lease (or renew our own); None if someone else holds it."""
-        if not owner or "|" in owner:
-            raise ValueError(f"invalid owner name {owner!r}: non-empty, without '|'")
-        keys = race_keys(self.prefix, race_id)
-        with store_errors(f"claiming race {race_id!r}"):
-            ok, token, _holder = self._owner_claim(
-                keys=[keys.owner, keys.owner_seq], args=[owner, lease_ms]
-            )
-        return Ownership(race_id, owner, int(token)) if ok else None
-
-    def owner(self, race_id: str) -> Ownership | None:
-        """Who holds the race's ownership lease now, None if nobody does."""
-        with store_errors(f"reading the owner of race {race_id!r}"):
-            held = self.client.get(race_keys(self.prefix, race_id).owner)
-        if held is None:
-            return None
-        token, _, owner = as_text(held).partition("|")
-        return Ownership(race_id, owner, int(token))
-
-    def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
-        """Extend our lease and refresh the heartbeat; OwnershipLost if it is no longer ours."""
-        keys = race_keys(self.prefix, ownership.race_id)
-        args = [ownership.token, lease_ms]
-
-        def build(pipe: Any) -> None:
-            queue_script(pipe, self._owner_renew, [keys.owner], args)
-            self._touch(pipe, ownership.race_id)
-
-        with store_errors(f"renewing race {ownership.race_id!r}"):
-            renewed, _ = run_pipeline(self.client, build, [self._owner_renew])
-        if not renewed:
-            raise OwnershipLost(ownership.race_id, ownership.token)
-
-    def release_owner(self, ownership: Ownership) -> bool:
-        """Give the lease up; False if it had already lapsed or been taken over."""
-        keys = race_keys(self.prefix, ownership.race_id)
-        with store_errors(f"releasing race {ownership.race_id!r}"):
-            return bool(self._owner_renew(keys=[keys.owner], args=[ownership.token, 0]))
 
     # -- receipts ----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A race costs no process and no thread while it waits: it is state in Redis (see
 :mod:`gpuhedge_celery.race.driver`), advanced by short tasks and by durable timers that a
-:class:`~gpuhedge_celery.store.timer_service.TimerService` thread fires in every coordination worker.
+:class:`~gpuhedge_celery.store.timer_service.TimerService` thread fires in every coordination
+worker.
 
 * ``gpuhedge.hedged_infer`` (queue ``gpuhedge.coord``): validates its arguments (one-line
   ``ConfigError``), creates the race under race id = the task id (a redelivery resumes it),
