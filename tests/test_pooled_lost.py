@@ -102,6 +102,8 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
     # sent back to waiting after its GPU was lost: a higher attempt always takes it
     assert r.take("a", "p2", "d3", attempt=1) == TAKEN
     assert r.handoff("a", "d1") == SUPERSEDED and r.handoff("a", "d3") == HANDED
+    assert r.handoff("a", "d3") == HANDED  # its own handoff sent again (the reply was lost)
+    assert r.handoff("a", "d1") == SUPERSEDED
     assert r.take("a", "p1", "d4", attempt=1) == HANDED  # a late copy of a handed request
     assert r.take("a", "p1", "d5", attempt=2) == TAKEN
     assert r.dead_takers(0) == []  # p1 and p2 alive
@@ -252,3 +254,25 @@ def test_a_second_delivery_while_the_first_waits_is_dropped(cluster):
              "the duplicate dropped")  # fmt: skip
     time.sleep(0.5)
     assert runs_of(cluster, "dup-1") == 1
+
+
+def test_a_send_that_fails_leaves_no_record_to_send_again(cluster, monkeypatch):
+    """A publish that raised sent nothing: the caller has the error (and may send again), so
+    the sweep must not find a record on no queue and send it a second time."""
+    from celery.app.task import Task
+    from kombu.exceptions import OperationalError
+
+    from gpuhedge_celery.tasks.pool import pooled_infer
+
+    def refuse(*args, **kwargs):
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(cluster.app, "send_task", refuse)
+    with pytest.raises(OperationalError):
+        send_pooled(cluster.app, {"text": "x"}, task_id="unsent-by-name")
+    monkeypatch.setattr(Task, "apply_async", refuse)  # what pooled_infer.delay calls underneath
+    with pytest.raises(OperationalError):
+        cluster.app.tasks[pooled_infer.name].apply_async(({"text": "x"},), task_id="unsent-delay")
+    for request_id in ("unsent-by-name", "unsent-delay"):
+        assert not records(cluster).known(request_id)
+        assert cluster.client.zscore(records(cluster).unseen_key, request_id) is None

@@ -16,8 +16,10 @@ together with the message (a restart that lost its last writes): ``.get()`` rais
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -90,9 +92,11 @@ class PooledTask(Task):
         if self.app.conf.task_always_eager or options.get("producer") is not None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         task_id = task_id or uuid()
-        records_for(self.app).sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
-                                   options.get("queue"))  # fmt: skip
-        result = super().apply_async(args, kwargs, task_id=task_id, **options)
+        records = records_for(self.app)
+        records.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
+                     options.get("queue"))  # fmt: skip
+        with _unsent_forgotten(records, task_id):
+            result = super().apply_async(args, kwargs, task_id=task_id, **options)
         if isinstance(result, PooledResult):
             result.recorded = True
         return result
@@ -127,11 +131,25 @@ def send_pooled(app: Any, request: Any, *, task_id: str | None = None, **kwargs:
     task_kwargs = {k: kwargs.pop(k) for k in ("pool", "labels", "timeout_s") if k in kwargs}
     kwargs.setdefault("queue", QUEUE_POOL)
     task_id = task_id or uuid()
-    records_for(app).sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
-                          kwargs["queue"])  # fmt: skip
-    app.send_task(TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id,
-                  **kwargs)  # fmt: skip
+    records = records_for(app)
+    records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
+                 kwargs["queue"])  # fmt: skip
+    with _unsent_forgotten(records, task_id):
+        app.send_task(TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id,
+                      **kwargs)  # fmt: skip
     return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
+
+
+@contextlib.contextmanager
+def _unsent_forgotten(records: PooledRecords, task_id: str) -> Iterator[None]:
+    """A publish that raised sent nothing (the caller sees the error and may send again): its
+    record goes, or the sweep would find it on no queue and send it a second time."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(GpuHedgeError):
+            records.forget(task_id)
+        raise
 
 
 def records_for(app: Any) -> PooledRecords:

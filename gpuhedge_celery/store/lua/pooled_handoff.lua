@@ -5,6 +5,8 @@
 -- took the request since, its taker judged dead: give the GPU back, drop this one).
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'unrecorded' end
 local state, delivery = unpack(redis.call('HMGET', KEYS[1], 'state', 'delivery'))
+-- A repeat of this delivery's own handoff (its reply was lost, and the call sent again) goes on.
+if state == 'handed' and delivery == ARGV[2] then return 'handed' end
 if state ~= 'taken' or delivery ~= ARGV[2] then return 'superseded' end
 redis.call('HSET', KEYS[1], 'state', 'handed')
 redis.call('ZREM', KEYS[2], ARGV[1])
