@@ -110,7 +110,7 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
     # a taker that dies: its subscription closes with its socket
     assert r.take("b", "p2", "e1") == TAKEN
     p2.close()
-    assert r.dead_takers(0) == ["b"] and r.dead_takers(60_000) == []  # too recent
+    assert r.dead_takers(0) == [("b", "p2")] and r.dead_takers(60_000) == []  # too recent
     assert r.requeue("b", "taken", "p2", 20_000) == ([{"x": 2}], {}, None)
     assert r.state("b") == "sent" and r.taker("b") == "" and r.untaken_since(20_000) == ["b"]
     assert r.requeue("b", "taken", "p2", 21_000) is None  # changed since the sweep saw it
@@ -118,6 +118,10 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
     assert r.take("never-recorded", "p1", "x") == UNRECORDED
     assert not r.known("never-recorded")
     assert client.pttl(r.record_key("a")) > 0
+    client.pexpire(r.record_key("b"), 5_000)  # a wait near the end of the record's TTL
+    assert r.take("b", "p1", "e2") == TAKEN and client.pttl(r.record_key("b")) > 5_000
+    client.pexpire(r.record_key("b"), 5_000)
+    assert r.handoff("b", "e2") == HANDED and client.pttl(r.record_key("b")) > 5_000
     r.forget("a")
     assert not r.known("a") and client.zscore(r.missing_key, "a") is None
     assert client.zscore(r.taken_key, "a") is None

@@ -103,7 +103,7 @@ class PooledRecords:
         keys = [self.record_key(request_id), self.unseen_key, self.taken_key,
                 self.missing_key, self.keys.procs()]  # fmt: skip
         args = [request_id, process_id, delivery, PROCESS_TTL_MS, self.keys.proc_channel(),
-                int(attempt)]  # fmt: skip
+                int(attempt), self.ttl_ms]  # fmt: skip
         with store_errors(f"taking pooled request {request_id!r}"):
             return as_text(lua_script(self.client, "pooled_take")(keys=keys, args=args))
 
@@ -113,7 +113,9 @@ class PooledRecords:
         keys = [self.record_key(request_id), self.taken_key]
         with store_errors(f"handing pooled request {request_id!r} to a GPU"):
             return as_text(
-                lua_script(self.client, "pooled_handoff")(keys=keys, args=[request_id, delivery])
+                lua_script(self.client, "pooled_handoff")(
+                    keys=keys, args=[request_id, delivery, self.ttl_ms]
+                )
             )
 
     def forget(self, request_id: str) -> None:
@@ -133,14 +135,17 @@ class PooledRecords:
             found = self.client.zrangebyscore(self.unseen_key, "-inf", before_ms, 0, limit)
         return [as_text(i) for i in found]
 
-    def dead_takers(self, min_age_ms: int, limit: int = 500) -> list[str]:
-        """Ids of requests taken at least ``min_age_ms`` ago whose taking process is dead."""
+    def dead_takers(self, min_age_ms: int, limit: int = 500) -> list[tuple[str, str]]:
+        """(id, taker) of requests taken at least ``min_age_ms`` ago whose taking process is
+        dead: the taker as judged dead, so a live delivery that takes the request meanwhile is
+        not sent again over (see :meth:`requeue`)."""
         keys = [self.taken_key, self.keys.procs()]
         args = [self.keys.pooled(""), PROCESS_TTL_MS, self.keys.proc_channel(), limit,
                 min_age_ms]  # fmt: skip
         with store_errors("listing pooled requests of dead processes"):
             found = lua_script(self.client, "pooled_dead_takers")(keys=keys, args=args)
-        return [as_text(i) for i in found]
+        flat = [as_text(i) for i in found]
+        return list(zip(flat[::2], flat[1::2], strict=True))
 
     def requeue(
         self, request_id: str, seen_state: str, seen_taker: str, now_ms: int

@@ -79,8 +79,7 @@ def resend_lost(celery_app: Any, records: PooledRecords, now_ms: int | None = No
 def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
     """Send again the requests whose taking process died while they waited."""
     resent = []
-    for request_id in records.dead_takers(int(ORPHAN_MIN_AGE_S * 1000), LIMIT):
-        taker = records.taker(request_id)
+    for request_id, taker in records.dead_takers(int(ORPHAN_MIN_AGE_S * 1000), LIMIT):
         if taker and _send_again(celery_app, records, request_id, "taken", taker, now_ms):
             log.warning("pooled request %s: its process %s died while it waited for a GPU; "
                         "sent again", request_id, taker)  # fmt: skip

@@ -3,7 +3,7 @@
 -- ARGV[1] record key prefix (the id is appended)   ARGV[2] dead after this silence (ms)
 -- ARGV[3] prefix of the processes' liveness channels   ARGV[4] at most this many ids
 -- ARGV[5] ignore requests taken less than this long ago (ms)
--- Returns the ids; drops index entries whose record is gone or no longer taken.
+-- Returns id, taker, id, taker...; drops index entries whose record is gone or no longer taken.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[5]))
@@ -20,7 +20,8 @@ for _, id in ipairs(ids) do
     end
     if not alive[taker] then
       dead[#dead + 1] = id
-      if #dead >= tonumber(ARGV[4]) then break end
+      dead[#dead + 1] = taker
+      if #dead >= 2 * tonumber(ARGV[4]) then break end
     end
   end
 end

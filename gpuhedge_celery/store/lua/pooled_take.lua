@@ -7,6 +7,7 @@
 -- ARGV[5] prefix of the processes' liveness channels
 -- ARGV[6] this delivery's attempt (a request sent back to waiting after its GPU was lost comes
 --         with a higher attempt: it always takes the request, and the older delivery is stale)
+-- ARGV[7] the record's TTL (ms), counted again from the take: a long wait does not expire it
 -- Returns 'taken' (go on), 'duplicate' (another live delivery has it: drop this one),
 -- 'handed' (already handed to a GPU: drop this one) or 'unrecorded' (no record: go on).
 -- A taker counts as alive as in wait_claim.lua: a fresh heartbeat and its channel subscribed.
@@ -27,6 +28,7 @@ if tonumber(ARGV[6]) <= tonumber(attempt or '-1') then
 end
 redis.call('HSET', KEYS[1], 'state', 'taken', 'taker', ARGV[2], 'delivery', ARGV[3],
   'attempt', ARGV[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
