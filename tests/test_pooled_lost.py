@@ -105,7 +105,11 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
     assert r.handoff("a", "d3") == HANDED  # its own handoff sent again (the reply was lost)
     assert r.handoff("a", "d1") == SUPERSEDED
     assert r.take("a", "p1", "d4", attempt=1) == HANDED  # a late copy of a handed request
+    assert r.handed_to("a") == ("", 0, "p2")  # handed without a lease named (older callers)
+    assert r.handed_before(10**13) == ["a"]
     assert r.take("a", "p1", "d5", attempt=2) == TAKEN
+    assert r.handed_before(10**13) == [] and r.handed_to("a") is None  # taken again
+    assert r.handoff("a", "d5", "gpu-3", 41) == HANDED and r.handed_to("a") == ("gpu-3", 41, "p1")
     assert r.dead_takers(0) == []  # p1 and p2 alive
     # a taker that dies: its subscription closes with its socket
     assert r.take("b", "p2", "e1") == TAKEN
@@ -124,6 +128,7 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
     assert r.handoff("b", "e2") == HANDED and client.pttl(r.record_key("b")) > 5_000
     r.forget("a")
     assert not r.known("a") and client.zscore(r.missing_key, "a") is None
+    assert client.zscore(r.handed_key, "a") is None
     assert client.zscore(r.taken_key, "a") is None
     with pytest.raises(ConfigError, match="not JSON-serialisable"):
         r.sent("c", [object()], {}, 1)
@@ -280,3 +285,55 @@ def test_a_send_that_fails_leaves_no_record_to_send_again(cluster, monkeypatch):
     for request_id in ("unsent-by-name", "unsent-delay"):
         assert not records(cluster).known(request_id)
         assert cluster.client.zscore(records(cluster).unseen_key, request_id) is None
+
+
+def test_a_request_whose_gpu_job_never_ran_is_sent_again_once_its_lease_ends(cluster):
+    """Handed to a GPU, and then nothing: the process holding the lease died before it sent the
+    GPU job, or the broker lost that message. Made by hand: the request is taken and handed
+    under a lease nobody holds, and its message is gone."""
+    stop_pool_workers(cluster)
+    rec = records(cluster)
+    result = send_pooled(cluster.app, {"id": "unrun-1", "duration_s": 0.1})
+    lose_message(cluster, result.id)
+    assert rec.take(result.id, "a-process-that-died", "d1") == "taken"
+    assert rec.handoff(result.id, "d1", "gpu-nobody-holds", 7) == "handed"
+    later = int(time.time() * 1000) + int(pooled_sweep.MISSING_S * 1000) + 100
+    step = int(pooled_sweep.MISSING_S * 1000)
+    assert resend_lost(cluster.app, rec, now_ms=later, leases=cluster.store) == []  # noted once
+    assert resend_lost(cluster.app, rec, now_ms=later + step, leases=cluster.store) == [result.id]
+    assert rec.state(result.id) == "sent"
+    start_pool_worker(cluster)
+    assert result.get(timeout=60)["output"]["id"] == "unrun-1"
+    assert runs_of(cluster, "unrun-1") == 1
+
+
+def test_a_handed_request_whose_gpu_job_holds_the_lease_is_left_alone(cluster):
+    if not getattr(cluster, "pool_workers", []):
+        start_pool_worker(cluster)
+    rec = records(cluster)
+    busy = send_pooled(cluster.app, {"id": "running-1", "duration_s": 5})
+    wait_for(lambda: rec.state(busy.id) == "handed", 20, "the request on the GPU")
+    time.sleep(pooled_sweep.MISSING_S + 0.2)
+    step = int(pooled_sweep.MISSING_S * 1000)
+    for n in range(3):
+        now = int(time.time() * 1000) + n * step
+        assert resend_lost(cluster.app, rec, now_ms=now, leases=cluster.store) == []
+    assert busy.get(timeout=30)["output"]["id"] == "running-1"
+    assert runs_of(cluster, "running-1") == 1
+
+
+def test_a_request_whose_result_is_stored_is_never_sent_again(cluster):
+    """Its end stored the result but could not delete the record (Redis blinked): the sweep
+    finds it taken by a process that is gone, sees the stored result, and forgets it."""
+    if not getattr(cluster, "pool_workers", []):
+        start_pool_worker(cluster)
+    rec = records(cluster)
+    done = send_pooled(cluster.app, {"id": "ended-1", "duration_s": 0.1})
+    assert done.get(timeout=30)["output"]["id"] == "ended-1"
+    rec.sent(done.id, [{"id": "ended-1", "duration_s": 0.1}], {}, int(time.time() * 1000))
+    assert rec.take(done.id, "a-process-that-died", "d1") == "taken"
+    time.sleep(pooled_sweep.ORPHAN_MIN_AGE_S + 0.2)
+    assert resend_lost(cluster.app, rec, leases=cluster.store) == []
+    assert not rec.known(done.id)
+    time.sleep(1.0)
+    assert runs_of(cluster, "ended-1") == 1

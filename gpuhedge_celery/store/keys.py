@@ -132,6 +132,10 @@ class Keys:
         """Sorted set request id -> taken (server ms): pooled requests waiting for a GPU."""
         return self._k("pooled-taken")
 
+    def pooled_handed(self) -> str:
+        """Sorted set request id -> handed (server ms): pooled requests handed to a GPU."""
+        return self._k("pooled-handed")
+
     def pooled_missing(self) -> str:
         """Sorted set request id -> when a sweep first found its broker message missing."""
         return self._k("pooled-missing")

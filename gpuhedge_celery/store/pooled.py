@@ -63,6 +63,7 @@ class PooledRecords:
         self.unseen_key = keys.pooled_unseen()
         self.taken_key = keys.pooled_taken()
         self.missing_key = keys.pooled_missing()
+        self.handed_key = keys.pooled_handed()
 
     def record_key(self, request_id: str) -> str:
         return self.keys.pooled(request_id)
@@ -83,11 +84,12 @@ class PooledRecords:
         with store_errors(f"recording pooled request {request_id!r}"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(key, mapping={"data": data, "state": "sent"})
-            pipe.hdel(key, "taker", "delivery", "attempt")
+            pipe.hdel(key, "taker", "delivery", "attempt", "gpu", "token")
             pipe.pexpire(key, self.ttl_ms)
             pipe.zadd(self.unseen_key, {request_id: now_ms})
             pipe.zrem(self.taken_key, request_id)
             pipe.zrem(self.missing_key, request_id)
+            pipe.zrem(self.handed_key, request_id)
             pipe.execute()
 
     def known(self, request_id: str) -> bool:
@@ -101,20 +103,22 @@ class PooledRecords:
         a record) to go on, :data:`DUPLICATE` or :data:`HANDED` to drop it. A higher
         ``attempt`` (sent back to waiting after its GPU was lost) always takes it."""
         keys = [self.record_key(request_id), self.unseen_key, self.taken_key,
-                self.missing_key, self.keys.procs()]  # fmt: skip
+                self.missing_key, self.keys.procs(), self.handed_key]  # fmt: skip
         args = [request_id, process_id, delivery, PROCESS_TTL_MS, self.keys.proc_channel(),
                 int(attempt), self.ttl_ms]  # fmt: skip
         with store_errors(f"taking pooled request {request_id!r}"):
             return as_text(lua_script(self.client, "pooled_take")(keys=keys, args=args))
 
-    def handoff(self, request_id: str, delivery: str) -> str:
+    def handoff(self, request_id: str, delivery: str, gpu_id: str = "", token: int = 0) -> str:
         """This delivery hands the request to a GPU: :data:`HANDED` (or :data:`UNRECORDED`) to
-        go on, :data:`SUPERSEDED` to give the GPU back and drop it."""
-        keys = [self.record_key(request_id), self.taken_key]
+        go on, :data:`SUPERSEDED` to give the GPU back and drop it. ``gpu_id`` and ``token``:
+        the lease it runs under; should that lease end with the request still handed, the sweep
+        sends it again (:meth:`handed_to`)."""
+        keys = [self.record_key(request_id), self.taken_key, self.handed_key]
         with store_errors(f"handing pooled request {request_id!r} to a GPU"):
             return as_text(
                 lua_script(self.client, "pooled_handoff")(
-                    keys=keys, args=[request_id, delivery, self.ttl_ms]
+                    keys=keys, args=[request_id, delivery, self.ttl_ms, gpu_id, int(token)]
                 )
             )
 
@@ -126,6 +130,7 @@ class PooledRecords:
             pipe.zrem(self.unseen_key, request_id)
             pipe.zrem(self.taken_key, request_id)
             pipe.zrem(self.missing_key, request_id)
+            pipe.zrem(self.handed_key, request_id)
             pipe.execute()
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -147,13 +152,32 @@ class PooledRecords:
         flat = [as_text(i) for i in found]
         return list(zip(flat[::2], flat[1::2], strict=True))
 
+    def handed_before(self, before_ms: int, limit: int = 500) -> list[str]:
+        """Ids of requests handed to a GPU before ``before_ms`` (server ms) and not ended."""
+        with store_errors("listing pooled requests handed to GPUs"):
+            found = self.client.zrangebyscore(self.handed_key, "-inf", before_ms, 0, limit)
+        return [as_text(i) for i in found]
+
+    def handed_to(self, request_id: str) -> tuple[str, int, str] | None:
+        """(GPU, lease token, taker) of a request handed to a GPU; None (and its index entry
+        dropped) when it ended or is no longer handed."""
+        with store_errors(f"reading pooled request {request_id!r}"):
+            state, gpu, token, taker = self.client.hmget(
+                self.record_key(request_id), "state", "gpu", "token", "taker"
+            )
+            if state is None or as_text(state) != "handed" or gpu is None:
+                self.client.zrem(self.handed_key, request_id)
+                return None
+        return as_text(gpu), int(token or 0), as_text(taker or "")
+
     def requeue(
         self, request_id: str, seen_state: str, seen_taker: str, now_ms: int
     ) -> tuple[list[Any], dict[str, Any], str | None] | None:
         """Mark the request sent again (no taker) if it is still in ``seen_state`` with
         ``seen_taker`` ('' for none); its arguments and queue to send, or None when it changed
         meanwhile (taken by a live delivery, handed to a GPU, ended)."""
-        keys = [self.record_key(request_id), self.unseen_key, self.taken_key, self.missing_key]
+        keys = [self.record_key(request_id), self.unseen_key, self.taken_key, self.missing_key,
+                self.handed_key]  # fmt: skip
         with store_errors(f"sending pooled request {request_id!r} again"):
             raw = lua_script(self.client, "pooled_requeue")(
                 keys=keys, args=[request_id, seen_state, seen_taker, now_ms]

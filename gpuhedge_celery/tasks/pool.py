@@ -144,7 +144,8 @@ def pooled_infer(
     except (UnknownPool, EmptyPool, LeaseLost, StaleToken, ConfigError) as e:
         raise celery_safe(e) from None
     handed = through_outage(store.client, f"request {holder}: hand it to a GPU",
-                            lambda: records.handoff(holder, delivery))  # fmt: skip
+                            lambda: records.handoff(holder, delivery, lease.gpu_id,
+                                                    lease.token))  # fmt: skip
     if handed == SUPERSEDED:  # this process was judged dead meanwhile and the request re-sent
         log.warning("request %s: taken again by another delivery while this one waited; "
                     "GPU %s given back", holder, lease.gpu_id)  # fmt: skip

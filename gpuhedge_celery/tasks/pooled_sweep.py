@@ -19,6 +19,14 @@ the delivery that takes it (``store/pooled.py``). Two ways it can be orphaned:
   connection drops, and the second copy then finds the request taken by a live process and is
   dropped.
 
+* **Handed to a GPU whose job never ran.** A request handed to a GPU whose lease (the GPU and
+  token saved at the handoff) is no longer held, on two sweeps at least :data:`MISSING_S`
+  apart, while its record still says handed, is sent again: the process that held the lease
+  died between the handoff and sending the GPU job, or the broker lost that message. A job
+  that ran ends the record within milliseconds of releasing its lease (hence two sweeps); a
+  job that lost its lease sends the request back to waiting itself, and a late copy of the GPU
+  job is refused by the lease's fence and does the same (the newer attempt takes over).
+
 A request sent again keeps its task id, so the caller's ``.get()`` gets its result as if
 nothing had happened; a copy of the old message that turns up later is dropped as a duplicate.
 """
@@ -30,6 +38,7 @@ import time
 from typing import Any
 
 import redis
+from celery import states
 
 from ..store.pooled import PooledRecords
 from .app import QUEUE_POOL, TASK_POOLED_INFER
@@ -70,10 +79,37 @@ return found
 """
 
 
-def resend_lost(celery_app: Any, records: PooledRecords, now_ms: int | None = None) -> list[str]:
-    """One sweep; returns the ids of the requests sent again."""
+def resend_lost(
+    celery_app: Any, records: PooledRecords, now_ms: int | None = None, leases: Any = None
+) -> list[str]:
+    """One sweep; returns the ids of the requests sent again (``leases``: the lease store, to
+    look at handed requests; without it they are not looked at)."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    return resend_orphaned(celery_app, records, now_ms) + resend_unseen(celery_app, records, now_ms)
+    resent = resend_orphaned(celery_app, records, now_ms)
+    resent += resend_unseen(celery_app, records, now_ms)
+    if leases is not None:
+        resent += resend_unrun(celery_app, records, leases, now_ms)
+    return resent
+
+
+def resend_unrun(celery_app: Any, records: PooledRecords, leases: Any, now_ms: int) -> list[str]:
+    """Send again the handed requests whose GPU lease ended with no GPU job to end them."""
+    resent = []
+    for request_id in records.handed_before(now_ms - int(MISSING_S * 1000), LIMIT):
+        handed = records.handed_to(request_id)
+        if handed is None:
+            continue
+        gpu_id, token, taker = handed
+        lease = leases.current(gpu_id)
+        if lease is not None and lease.token == token:
+            records.found(request_id)  # its GPU job holds the lease: running, or about to
+        elif now_ms - records.missing_since(request_id, now_ms) >= MISSING_S * 1000:
+            if _send_again(celery_app, records, request_id, "handed", taker, now_ms):
+                log.warning("pooled request %s: handed to GPU %s under token %d, whose lease "
+                            "ended with no GPU job ending the request; sent again",
+                            request_id, gpu_id, token)  # fmt: skip
+                resent.append(request_id)
+    return resent
 
 
 def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
@@ -117,7 +153,11 @@ def resend_unseen(celery_app: Any, records: PooledRecords, now_ms: int) -> list[
 def _send_again(
     celery_app: Any, records: PooledRecords, request_id: str, state: str, taker: str, now_ms: int
 ) -> bool:
-    """Mark the request sent (if it is still as the sweep saw it) and send it, same task id."""
+    """Mark the request sent (if it is still as the sweep saw it) and send it, same task id;
+    never one whose result or error is stored already (its end could not forget the record)."""
+    if celery_app.backend.get_task_meta(request_id).get("status") in states.READY_STATES:
+        records.forget(request_id)
+        return False
     arguments = records.requeue(request_id, state, taker, now_ms)
     if arguments is None:
         return False

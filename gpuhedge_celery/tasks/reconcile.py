@@ -239,7 +239,7 @@ def reconcile_once(
                     action.reason,
                 )
         rescued = rescue_stranded(celery_app, store, views)
-        resent = resend_lost(celery_app, PooledRecords(store.client, store.keys))
+        resent = resend_lost(celery_app, PooledRecords(store.client, store.keys), leases=store)
         return {
             "gpus": len(views),
             "answered": sorted(reports),

@@ -2,6 +2,7 @@
 -- KEYS[1] the request's record (hash: data, state, taker, delivery)
 -- KEYS[2] untaken index (zset id -> sent ms)   KEYS[3] taken index (zset id -> taken ms)
 -- KEYS[4] missing index (zset)                   KEYS[5] processes zset (id -> heartbeat ms)
+-- KEYS[6] handed index (zset)
 -- ARGV[1] request id   ARGV[2] this process id   ARGV[3] this delivery (unique per run)
 -- ARGV[4] a heartbeat older than this (ms) is a dead process
 -- ARGV[5] prefix of the processes' liveness channels
@@ -31,5 +32,6 @@ redis.call('HSET', KEYS[1], 'state', 'taken', 'taker', ARGV[2], 'delivery', ARGV
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 return 'taken'
