@@ -164,6 +164,23 @@ def test_ownership_lease_with_fencing_tokens(races):
         races.claim_owner("r", "a|b", 100)
 
 
+def test_the_fencing_counter_expires_with_its_race_never_before_its_lease(redis_client, prefix):
+    from gpuhedge_celery.store.race_keys import race_keys
+
+    races = RaceStore(redis_client, prefix, receipt_ttl_s=60, state_ttl_s=3600)
+    races.create("live", {"n": 1})
+    races.claim_owner("live", "coord", lease_ms=1000)
+    seq = race_keys(prefix, "live").owner_seq
+    state_ttl = redis_client.pttl(race_keys(prefix, "live").state)
+    assert 0 < state_ttl - 1000 <= redis_client.pttl(seq) <= state_ttl  # as the state's
+    # a janitor claiming a race whose keys expired already (its finish dropped them): the
+    # counter it creates must not stay for ever
+    races.claim_owner("gone", "janitor", lease_ms=1000)
+    assert 59_000 < redis_client.pttl(race_keys(prefix, "gone").owner_seq) <= 60_000
+    races.claim_owner("brief", "janitor", lease_ms=90_000)  # never before the lease
+    assert redis_client.pttl(race_keys(prefix, "brief").owner_seq) > 89_000
+
+
 def test_stale_races_are_found_and_owned_or_fresh_ones_are_not(redis_client, prefix):
     now = time.time()
     old = RaceStore(redis_client, prefix, clock=VirtualClock(now - 120))

@@ -55,6 +55,7 @@ class RaceLiveness:
     prefix: str
     clock: Clock
     live_key: str
+    receipt_ttl_s: float
     _owner_claim: Any
     _owner_renew: Any
 
@@ -132,7 +133,8 @@ class RaceLiveness:
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"claiming race {race_id!r}"):
             ok, token, _holder = self._owner_claim(
-                keys=[keys.owner, keys.owner_seq], args=[owner, lease_ms]
+                keys=[keys.owner, keys.owner_seq, keys.state],
+                args=[owner, lease_ms, int(self.receipt_ttl_s * 1000)],
             )
         return Ownership(race_id, owner, int(token)) if ok else None
 

@@ -3,6 +3,8 @@
 -- KEYS[2] fencing counter (strictly increasing per race)
 -- ARGV[1] owner name (a coordinator or janitor id)
 -- ARGV[2] lease in ms
+-- KEYS[3] the race's state: a new counter expires with it (or after ARGV[3] ms when the state
+--         is gone, a janitor claiming a finished race), never before the lease
 -- Returns {1, token, owner}   claimed, or already ours (lease renewed, token unchanged)
 --         {0, token, owner}   held by another owner whose lease is still running
 local held = redis.call('GET', KEYS[1])
@@ -17,5 +19,12 @@ if held then
   return {0, token, owner}
 end
 local token = redis.call('INCR', KEYS[2])
+if redis.call('PTTL', KEYS[2]) == -1 then
+  local keep = redis.call('PTTL', KEYS[3])
+  if keep == -2 then keep = tonumber(ARGV[3]) end
+  if keep >= 0 then
+    redis.call('PEXPIRE', KEYS[2], math.max(keep, tonumber(ARGV[2])))
+  end
+end
 redis.call('SET', KEYS[1], token .. '|' .. ARGV[1], 'PX', ARGV[2])
 return {1, token, ARGV[1]}
