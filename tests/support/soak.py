@@ -191,6 +191,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
             "redis_used_mb": summary([s[2] for s in samples]),
             "redis_without_sim_mb": summary([s[3] for s in samples]),
             "series": samples, "redis_keys": key_census(cluster.client),
+            "redis_memory_at_end": memory_parts(cluster.client),
         }  # fmt: skip
     finally:
         cluster.close()
@@ -286,6 +287,17 @@ def sim_ledger_mb(client, prefix: str) -> float:
             pipe.memory_usage(key)
         total += sum(n or 0 for n in pipe.execute())
     return total / 2**20
+
+
+def memory_parts(client) -> dict[str, float]:
+    """Where Redis's memory is at the end (MB): data, overhead, scripts, client buffers, AOF."""
+    info = client.info("memory")
+    parts = ("used_memory_dataset", "used_memory_overhead", "used_memory_scripts",
+             "mem_clients_normal", "mem_clients_slaves", "mem_aof_buffer",
+             "used_memory_lua")  # fmt: skip
+    found = {name: round(info[name] / 2**20, 2) for name in parts if name in info}
+    found["keys"] = client.dbsize()
+    return found
 
 
 def key_census(client, limit: int = 200_000) -> dict[str, int]:
