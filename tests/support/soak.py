@@ -297,7 +297,24 @@ def memory_parts(client) -> dict[str, float]:
              "used_memory_lua")  # fmt: skip
     found = {name: round(info[name] / 2**20, 2) for name in parts if name in info}
     found["keys"] = client.dbsize()
+    found["biggest_keys_kb"] = biggest_keys(client)
     return found
+
+
+def biggest_keys(client, top: int = 8) -> dict[str, float]:
+    """The largest keys at the end (KB, by ``MEMORY USAGE``): one key can hold many entries
+    (a stream, a hash of timers, the broker's unacknowledged messages), which the census by
+    kind counts once."""
+    keys = list(client.scan_iter(count=1000))
+    sizes: list[tuple[int, str]] = []
+    for start in range(0, len(keys), 1000):
+        pipe = client.pipeline(transaction=False)
+        batch = keys[start : start + 1000]
+        for key in batch:
+            pipe.memory_usage(key)
+        sizes.extend(zip((n or 0 for n in pipe.execute()), batch, strict=True))
+    sizes.sort(reverse=True)
+    return {key: round(n / 1024, 1) for n, key in sizes[:top]}
 
 
 def key_census(client, limit: int = 200_000) -> dict[str, int]:
