@@ -24,7 +24,6 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Task, states
-from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 from celery.utils import uuid
 
@@ -48,18 +47,14 @@ class PooledResult(AsyncResult):
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
-        bound = None if timeout is None else time.monotonic() + timeout
-        while True:
-            slice_s = RECHECK_S
-            if bound is not None:
-                slice_s = max(0.0, min(RECHECK_S, bound - time.monotonic()))
-            try:
-                return super().get(timeout=slice_s, propagate=propagate, interval=interval,
-                                   **kwargs)  # fmt: skip
-            except CeleryTimeout:
-                if bound is not None and time.monotonic() >= bound:
-                    raise
-            self._check_known()
+        from .result import get_in_slices
+
+        def fetch(slice_s: float) -> Any:
+            return super(PooledResult, self).get(
+                timeout=slice_s, propagate=propagate, interval=interval, **kwargs
+            )
+
+        return get_in_slices(fetch, timeout, RECHECK_S, self._check_known)
 
     def _check_known(self) -> None:
         if not self.recorded:

@@ -17,6 +17,7 @@ one), unless the caller gave a shorter ``timeout`` (then Celery's ``TimeoutError
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -27,6 +28,24 @@ from ..errors import GpuHedgeError, RaceFailed
 
 RECHECK_S = 2.0  # how often a waiting caller re-reads the stored result and the deadline
 GRACE_S = 10.0  # after the deadline, the workers' own explicit failure has this long to land
+
+
+def get_in_slices(
+    fetch: Callable[[float], Any], timeout: float | None, slice_s: float,
+    between: Callable[[], None],
+) -> Any:  # fmt: skip
+    """``fetch(seconds)`` (an ``AsyncResult.get`` that raises Celery's TimeoutError) in slices
+    of at most ``slice_s`` until ``timeout`` (None: no end), calling ``between()`` after each
+    slice that timed out; it may raise to end the wait with an explicit error."""
+    bound = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait_s = slice_s if bound is None else max(0.0, min(slice_s, bound - time.monotonic()))
+        try:
+            return fetch(wait_s)
+        except CeleryTimeout:
+            if bound is not None and time.monotonic() >= bound:
+                raise
+        between()
 
 
 class RaceResult(AsyncResult):
@@ -45,20 +64,12 @@ class RaceResult(AsyncResult):
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
-        bound = None if timeout is None else time.monotonic() + timeout
-        while True:
-            slice_s = RECHECK_S
-            if bound is not None:
-                slice_s = max(0.0, min(RECHECK_S, bound - time.monotonic()))
-            try:
-                result = super().get(
-                    timeout=slice_s, propagate=propagate, interval=interval, **kwargs
-                )
-                return self._inline(result)
-            except CeleryTimeout:
-                if bound is not None and time.monotonic() >= bound:
-                    raise
-            self._check_deadline()
+        def fetch(slice_s: float) -> Any:
+            return super(RaceResult, self).get(
+                timeout=slice_s, propagate=propagate, interval=interval, **kwargs
+            )
+
+        return self._inline(get_in_slices(fetch, timeout, RECHECK_S, self._check_deadline))
 
     def _inline(self, result: Any) -> Any:
         """The payload inline, whatever result backend this app has: workers store a race's

@@ -1,10 +1,10 @@
 -- race_owner_claim: take (or re-take) the ownership lease of a race, with a fencing token.
 -- KEYS[1] owner STRING "token|owner" with a PX expiry
 -- KEYS[2] fencing counter (strictly increasing per race)
+-- KEYS[3] the race's state: a new counter expires with it, never before the lease
 -- ARGV[1] owner name (a coordinator or janitor id)
 -- ARGV[2] lease in ms
--- KEYS[3] the race's state: a new counter expires with it (or after ARGV[3] ms when the state
---         is gone, a janitor claiming a finished race), never before the lease
+-- ARGV[3] a new counter's TTL in ms when the state is gone (a janitor claiming a finished race)
 -- Returns {1, token, owner}   claimed, or already ours (lease renewed, token unchanged)
 --         {0, token, owner}   held by another owner whose lease is still running
 local held = redis.call('GET', KEYS[1])
