@@ -103,6 +103,8 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
         started = time.monotonic()
         next_kill = started + kill_every_s
         restart_at = started + seconds / 2
+        snapshot_at: float | None = started + seconds * 0.4
+        mid: dict = {}
         next_sample = started
         next_gpu_job = started
         sent = []
@@ -128,6 +130,13 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
                 else:
                     cluster.start_coordinator(wait=False)
                 next_kill += kill_every_s
+            if snapshot_at is not None and now >= snapshot_at:  # where memory is, mid-run
+                try:
+                    by_kind = memory_by_kind(cluster.client)
+                    mid = {"at_s": round(now - started), "by_kind_mb": by_kind}
+                except Exception:
+                    pass
+                snapshot_at = None
             if restart_at is not None and now >= restart_at:
                 redis.kill()
                 redis.start()
@@ -191,6 +200,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
             "redis_used_mb": summary([s[2] for s in samples]),
             "redis_without_sim_mb": summary([s[3] for s in samples]),
             "series": samples, "redis_keys": key_census(cluster.client),
+            "redis_memory_mid_run": mid,
             "redis_memory_at_end": memory_parts(cluster.client),
         }  # fmt: skip
     finally:
@@ -298,7 +308,32 @@ def memory_parts(client) -> dict[str, float]:
     found = {name: round(info[name] / 2**20, 2) for name in parts if name in info}
     found["keys"] = client.dbsize()
     found["biggest_keys_kb"] = biggest_keys(client)
+    found["by_kind_mb"] = memory_by_kind(client)
     return found
+
+
+def memory_by_kind(client, top: int = 15) -> dict[str, float]:
+    """Redis memory by kind of key (MB, exact ``MEMORY USAGE ... SAMPLES 0``), the largest
+    first: a kind whose total grows between two snapshots is where memory goes."""
+    totals: dict[str, int] = {}
+    keys = list(client.scan_iter(count=1000))
+    for start in range(0, len(keys), 1000):
+        batch = keys[start : start + 1000]
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.memory_usage(key, samples=0)
+        for key, n in zip(batch, pipe.execute(), strict=True):
+            kind = key_kind(key)
+            totals[kind] = totals.get(kind, 0) + (n or 0)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {kind: round(n / 2**20, 3) for kind, n in ranked}
+
+
+def key_kind(key: str) -> str:
+    """A key's name with its ids replaced by ``*``."""
+    import re
+
+    return re.sub(r"\{[^}]*\}|[0-9a-f]{8}-[0-9a-f-]{27}|[0-9a-f]{10,}", "*", key)
 
 
 def biggest_keys(client, top: int = 8) -> dict[str, float]:
@@ -311,7 +346,7 @@ def biggest_keys(client, top: int = 8) -> dict[str, float]:
         pipe = client.pipeline(transaction=False)
         batch = keys[start : start + 1000]
         for key in batch:
-            pipe.memory_usage(key)
+            pipe.memory_usage(key, samples=0)
         sizes.extend(zip((n or 0 for n in pipe.execute()), batch, strict=True))
     sizes.sort(reverse=True)
     return {key: round(n / 1024, 1) for n, key in sizes[:top]}
@@ -319,13 +354,11 @@ def biggest_keys(client, top: int = 8) -> dict[str, float]:
 
 def key_census(client, limit: int = 200_000) -> dict[str, int]:
     """Keys in Redis at the end, by kind (the part of the name that is not an id)."""
-    import re
-
     kinds: dict[str, int] = {}
     for i, key in enumerate(client.scan_iter(count=1000)):
         if i >= limit:
             break
-        kind = re.sub(r"\{[^}]*\}|[0-9a-f]{8}-[0-9a-f-]{27}|[0-9a-f]{10,}", "*", key)
+        kind = key_kind(key)
         kinds[kind] = kinds.get(kind, 0) + 1
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:15])
 
