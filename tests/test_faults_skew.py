@@ -43,6 +43,27 @@ def test_a_redis_clock_reads_redis_time_whatever_the_host_says(redis_client, mon
     assert clock.syncs == 1  # one TIME per sync period, not one per reading
 
 
+def test_a_redis_clock_sync_keeps_its_shortest_round_trip(redis_client):
+    """A reply read late (the thread held up by the GIL) would put the midpoint, and so the
+    clock, off by half the delay; the shortest of a sync's round trips is kept."""
+    import time
+
+    class SlowFirstReply:
+        calls = 0
+
+        def time(self):
+            answer = redis_client.time()
+            SlowFirstReply.calls += 1
+            if SlowFirstReply.calls == 1:
+                time.sleep(0.4)  # the reply sat unread for 0.4 s: a midpoint 0.2 s late
+            return answer
+
+    clock = RedisClock(SlowFirstReply(), sync_s=60)
+    seconds, micros = redis_client.time()
+    assert abs(clock.now() - (seconds + micros / 1e6)) < 0.05
+    assert SlowFirstReply.calls == 3 and clock.syncs == 1
+
+
 def test_hosts_2s_ahead_and_behind_neither_fire_timers_early_nor_reap_live_races(
     redis_url, tmp_path
 ):

@@ -196,6 +196,26 @@ def test_cancel_is_idempotent_across_provider_instances():
     assert first.terminal_ms == second.terminal_ms  # the first cancel's record is reused
 
 
+def test_an_audit_allows_for_the_canceller_reading_another_clock():
+    """The canceller's clock (Redis's, read through a round trip) may run a little ahead of
+    the auditor's: a cancel it confirmed 0.1 s "from now" is not a running job, a job queued
+    for seconds still is."""
+    from gpuhedge_celery.providers.redis_ledger import sim_job_running
+
+    ledger = MemoryLedger()
+    canceller = sim(clock=VirtualClock(100.1), ledger=ledger)
+    auditor = sim(clock=VirtualClock(100.0), ledger=ledger)  # 0.1 s behind the canceller
+    spec = {
+        "sim": {"sim-a": {"queue_s": 30, "run_s": 5, "cancel_ack_s": 0, "cancel_terminal_s": 0}}
+    }
+    h = auditor.submit(spec)
+    assert canceller.cancel(h).terminal_status is JobState.CANCELLED
+    assert auditor.status(h) is JobState.QUEUED  # on the auditor's own clock, not yet
+    assert not sim_job_running(auditor, h)
+    assert sim_job_running(auditor, auditor.submit(spec))  # never cancelled: queued for 30 s
+    assert sim_job_running(auditor, h, slack_s=0.0)
+
+
 def test_coarse_provider_reports_in_progress_while_queued():
     clock = VirtualClock(0.0)
     p = sim(SimSpec(reports_queue_state=False, fast=FIXED.fast), clock=clock)

@@ -39,13 +39,24 @@ def install_redis_ledger(client: Any, prefix: str) -> SimLedger:
         return get_default_ledger()
 
 
-def sim_job_running(provider: Provider, handle: Any) -> bool:
+CLOCK_SLACK_S = 0.25
+
+
+def sim_job_running(provider: Provider, handle: Any, slack_s: float = CLOCK_SLACK_S) -> bool:
     """True when a sim job is not (yet) terminal: for audits such as "no sim job left running".
 
-    ``handle`` is a :class:`~gpuhedge_celery.core.jobs.JobHandle` or its dict form.
+    ``handle`` is a :class:`~gpuhedge_celery.core.jobs.JobHandle` or its dict form. A sim job's
+    state is a function of the clock, and the worker that cancelled it read Redis's clock
+    (:class:`~gpuhedge_celery.store.redis_clock.RedisClock`, exact to within a round trip) where
+    this audit reads its own: the job is judged ``slack_s`` ahead of now, so a cancel whose
+    terminal moment that worker's clock put a few milliseconds later is not taken for a running
+    job. A job still queued or running for longer than that is.
     """
     from ..core.jobs import JobHandle
 
     if isinstance(handle, dict):
         handle = JobHandle.from_dict(handle)
+    state_at = getattr(provider, "state_at", None)
+    if state_at is not None:
+        return not state_at(handle, provider.clock.now() + slack_s).terminal
     return not provider.status(handle).terminal

@@ -235,6 +235,11 @@ class SimProvider(Provider):
             return JobState.IN_PROGRESS
         return state
 
+    def state_at(self, handle: JobHandle, at: float) -> JobState:
+        """The job's state at epoch ``at`` as the ledger stands now (for audits: no metrics)."""
+        self.check_handle(handle)
+        return self._view(handle, at).state
+
     def result(self, handle: JobHandle, cap_s: float) -> AttemptResult:
         """Sleep until the job's terminal moment (or the cap), re-reading the ledger as it goes."""
         self.check_handle(handle)
