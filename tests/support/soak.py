@@ -17,10 +17,14 @@
   pass sent again (``tasks/pooled_sweep.py``); ``pooled_errors`` what each unfinished job ended
   with;
 * ``worker_rss_mb`` / ``redis_used_mb``: samples over time (first, last, max, and every sample
-  in ``series``: seconds, RSS, Redis, Redis without the sim fake's ledger), to check both stay
-  flat; ``redis_without_sim_mb`` leaves out the sim fake's per-job ledger (a day's TTL);
-  ``--receipt-ttl`` shortens how long finished races' keys stay (``GPUHEDGE_RECEIPT_TTL_S``)
-  so a short run can reach the level where they expire as fast as they are written;
+  in ``series``, its columns named by ``series_fields``), to check both stay flat;
+  ``redis_without_sim_mb`` leaves out the sim fake's per-job ledger (a day's TTL: test
+  scaffolding); ``redis_growth_mb_per_min`` is the least-squares slope of Redis's memory
+  without that ledger over the run's second half. Two product keys are bounded by design but
+  take a while to level: finished races' keys (``--receipt-ttl`` shortens how long they stay,
+  ``GPUHEDGE_RECEIPT_TTL_S``) and the race-record stream (capped at ``GPUHEDGE_RECORDS_MAXLEN``
+  records; ``--records-maxlen`` lowers the cap so a short run reaches it);
+  ``redis_memory_by_kind`` snapshots memory by kind of key at each quarter of the run;
   ``redis_keys`` says what Redis held at the end.
 
 Run it with ``bash scripts/soak.sh`` (``--minutes 60`` for the full hour of traffic; the
@@ -31,6 +35,7 @@ version runs in CI (tests/test_faults_soak.py). Loopback only; bounded in time a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import signal
@@ -70,7 +75,7 @@ POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": "gpuhedge.pool"}
 def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
          seed: int = 1, gpus: int = 0, gpu_rho: float = 0.5,
          receipt_ttl_s: float | None = None, sample_every_s: float = 5.0,
-         pool_workers: int = 0) -> dict:  # fmt: skip
+         pool_workers: int = 0, records_maxlen: int | None = None) -> dict:  # fmt: skip
     """``pool_workers`` > 0 runs the pooled waits on that many workers of their own
     (``GPUHEDGE_COORD_QUEUES=gpuhedge.pool``) and the ``workers`` race coordinators without
     them; 0 runs everything on the ``workers`` coordinators (the default deployment)."""
@@ -78,6 +83,8 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
     redis = RestartableRedis(aof=True).start()
     tmp = Path(tempfile.mkdtemp(prefix="gpuhedge-soak-"))
     env = {} if receipt_ttl_s is None else {"GPUHEDGE_RECEIPT_TTL_S": f"{receipt_ttl_s:g}"}
+    if records_maxlen is not None:
+        env["GPUHEDGE_RECORDS_MAXLEN"] = str(records_maxlen)
     if pool_workers:
         env["GPUHEDGE_COORD_QUEUES"] = "gpuhedge.coord,gpuhedge.attempts"
     cluster = start_fault_cluster(redis.url, tmp, deadline_s=30.0, coordinators=workers,
@@ -87,7 +94,8 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
     pooled: list = []
     outcomes: dict[str, tuple[str, object]] = {}
     threads: list[threading.Thread] = []
-    samples: list[tuple[float, float, float]] = []
+    samples: list[tuple[float, ...]] = []  # SERIES_FIELDS
+    by_kind: list[dict] = []
     kills = restarts = 0
     watch = PooledWatch(cluster).start()
 
@@ -103,8 +111,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
         started = time.monotonic()
         next_kill = started + kill_every_s
         restart_at = started + seconds / 2
-        snapshot_at: float | None = started + seconds * 0.4
-        mid: dict = {}
+        snapshots = [started + seconds * q for q in (0.25, 0.5, 0.75)]  # memory by kind
         next_sample = started
         next_gpu_job = started
         sent = []
@@ -130,29 +137,18 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
                 else:
                     cluster.start_coordinator(wait=False)
                 next_kill += kill_every_s
-            if snapshot_at is not None and now >= snapshot_at:  # where memory is, mid-run
-                try:
-                    by_kind = memory_by_kind(cluster.client)
-                    mid = {"at_s": round(now - started), "by_kind_mb": by_kind}
-                except Exception:
-                    pass
-                snapshot_at = None
             if restart_at is not None and now >= restart_at:
                 redis.kill()
                 redis.start()
                 restarts += 1
                 restart_at = None
+            if snapshots and now >= snapshots[0]:
+                snapshots.pop(0)
+                with contextlib.suppress(Exception):
+                    kinds = memory_by_kind(cluster.client)
+                    by_kind.append({"at_s": round(now - started), "mb": kinds})
             if now >= next_sample:
-                live = [w for w in cluster.workers if w.alive() and "@" in w.nodename]
-                mem = sim = 0.0
-                try:
-                    mem = cluster.client.info("memory")["used_memory"] / 2**20
-                    sim = sim_ledger_mb(cluster.client, cluster.prefix)
-                except Exception:
-                    pass
-                samples.append((round(now - started, 1),
-                                round(sum(rss_mb(w.pid) for w in live) / max(1, len(live)), 1),
-                                round(mem, 2), round(mem - sim, 2)))  # fmt: skip
+                samples.append(memory_sample(cluster, round(now - started, 1)))
                 next_sample += sample_every_s
             try:
                 result = send_race(cluster, HEDGED_REQUEST)
@@ -196,11 +192,14 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
             "gpus": gpus, "gpu_rho": gpu_rho if gpus else 0, "pool_workers": pool_workers,
             "receipt_ttl_s": receipt_ttl_s,
             "worker_kills": kills, "redis_restarts": restarts,
+            "records_maxlen": records_maxlen,
             "worker_rss_mb": summary([s[1] for s in samples]),
             "redis_used_mb": summary([s[2] for s in samples]),
-            "redis_without_sim_mb": summary([s[3] for s in samples]),
-            "series": samples, "redis_keys": key_census(cluster.client),
-            "redis_memory_mid_run": mid,
+            "redis_without_sim_mb": summary([s[2] - s[3] for s in samples]),
+            "redis_growth_mb_per_min": growth_per_min(samples),
+            "series_fields": SERIES_FIELDS, "series": samples,
+            "redis_keys": key_census(cluster.client),
+            "redis_memory_by_kind": by_kind,
             "redis_memory_at_end": memory_parts(cluster.client),
         }  # fmt: skip
     finally:
@@ -284,6 +283,39 @@ def resent_ids(cluster) -> set[str]:
         text = path.read_text(errors="replace")
         found.update(re.findall(r"pooled request ([0-9a-f-]{36}): its message was on no", text))
     return found
+
+
+SERIES_FIELDS = ("s", "worker_rss_mb", "redis_used_mb", "sim_ledger_mb", "record_stream_mb",
+                 "dataset_mb", "client_buffers_mb")  # fmt: skip
+
+
+def memory_sample(cluster, at_s: float) -> tuple[float, ...]:
+    """One row of ``series`` (SERIES_FIELDS); Redis's parts 0 while it restarts."""
+    from gpuhedge_celery.store.race_keys import records_key
+
+    live = [w for w in cluster.workers if w.alive() and "@" in w.nodename]
+    rss = round(sum(rss_mb(w.pid) for w in live) / max(1, len(live)), 1)
+    parts = [0.0] * 5
+    with contextlib.suppress(Exception):
+        info = cluster.client.info("memory")
+        stream = cluster.client.memory_usage(records_key(cluster.prefix), samples=0) or 0
+        parts = [info["used_memory"] / 2**20, sim_ledger_mb(cluster.client, cluster.prefix),
+                 stream / 2**20, info["used_memory_dataset"] / 2**20,
+                 info.get("mem_clients_normal", 0) / 2**20]  # fmt: skip
+    return (at_s, rss, *(round(p, 2) for p in parts))
+
+
+def growth_per_min(samples: list[tuple[float, ...]]) -> float | None:
+    """Least-squares slope (MB a minute) of Redis's memory without the sim ledger over the
+    second half of the samples (the first half fills the TTL-bounded keys)."""
+    rows = [(s[0], s[2] - s[3]) for s in samples[len(samples) // 2 :] if s[2] > 0]
+    if len(rows) < 3:
+        return None
+    mean_t = sum(t for t, _ in rows) / len(rows)
+    mean_m = sum(m for _, m in rows) / len(rows)
+    var = sum((t - mean_t) ** 2 for t, _ in rows)
+    cov = sum((t - mean_t) * (m - mean_m) for t, m in rows)
+    return round(cov / var * 60, 3) if var else None
 
 
 def sim_ledger_mb(client, prefix: str) -> float:
@@ -420,11 +452,14 @@ def main() -> None:
     parser.add_argument("--sample-every", type=float, default=15.0, help="seconds per sample")
     parser.add_argument("--pool-workers", type=int, default=0,
                         help="run pooled waits on this many workers of their own")  # fmt: skip
+    parser.add_argument("--records-maxlen", type=int, default=None,
+                        help="GPUHEDGE_RECORDS_MAXLEN for the workers")  # fmt: skip
     args = parser.parse_args()
     print(json.dumps(soak(args.minutes * 60, args.rate, args.kill_every, gpus=args.gpus,
                           gpu_rho=args.gpu_rho, receipt_ttl_s=args.receipt_ttl,
                           sample_every_s=args.sample_every,
-                          pool_workers=args.pool_workers)))  # fmt: skip
+                          pool_workers=args.pool_workers,
+                          records_maxlen=args.records_maxlen)))  # fmt: skip
 
 
 if __name__ == "__main__":
