@@ -31,12 +31,14 @@ POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": QUEUE_POOL}
 @pytest.fixture(scope="module")
 def cluster(redis_url, tmp_path_factory):
     """A GPU worker and a coordinator that does not take pooled requests: they stay queued
-    until a test starts a pool worker."""
+    until a test starts a pool worker (direct dispatch off: these losses are the queued
+    path's; tests/test_pool_direct.py has the direct path's)."""
     # the Redis broker's default visibility timeout: a dead worker's messages come back only
     # after an hour, so whatever comes back sooner came back through the sweep
     cluster = start_fault_cluster(redis_url, tmp_path_factory.mktemp("lost"), deadline_s=30.0,
                                   coordinators=0, gpus=1, beat=False,
-                                  GPUHEDGE_VISIBILITY_TIMEOUT_S="3600")  # fmt: skip
+                                  GPUHEDGE_VISIBILITY_TIMEOUT_S="3600",
+                                  GPUHEDGE_POOL_DIRECT="off")  # fmt: skip
     cluster.start_coordinator(**RACE_QUEUES)
     yield cluster
     cluster.close()

@@ -3,8 +3,11 @@
 For each runner spec the bench starts real Celery workers on the real Redis (one coordination
 worker, and one GPU worker per runner in a pool of its own, under a throw-away key and broker
 prefix), waits until the GPU serves (a warm model loaded, a model server ready), sends a few
-warm-up requests, then ``--jobs`` requests one after another (closed loop: no queueing) through
-``pooled_infer`` and measures each from the client's ``send_task`` to its ``.get()``:
+warm-up requests, then ``--jobs`` requests one after another (closed loop: no queueing) and
+measures each from the client's ``send_pooled`` to its ``.get()``. ``--dispatch`` says how each
+is sent: ``queued`` through ``pooled_infer`` on the coordination worker (its wait, its claim,
+its hand-off to the GPU's queue), ``direct`` by the caller claiming the free GPU and sending
+``gpu_run`` to it (``tasks/pooled_direct.py``), ``both`` (default) interleaved:
 
 ``e2e_ms``
     send to result, as a caller sees it.
@@ -40,8 +43,9 @@ import click
 DEFAULT_REQUEST = {"x": [0.5, 1.0], "prompt": "hello", "max_tokens": 1}
 HARNESS = (
     "real celery workers (1 coordinator, 1 GPU worker per runner, prefork, 1 child) on the real "
-    "Redis; one request at a time from this process, runners interleaved job by job: "
-    "send_task(pooled_infer) to .get()"
+    "Redis; one request at a time from this process, runners and dispatches interleaved job by "
+    "job: send_pooled to .get(), queued (pooled_infer on the coordinator) or direct (the caller "
+    "claims the free GPU and sends gpu_run to it)"
 )
 
 
@@ -60,13 +64,19 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def measure_job(app: Any, pool: str, request: Any, timeout_s: float) -> dict[str, float]:
-    """One pooled request, timed from send to result, split as the module docstring says."""
-    from ..tasks.app import TASK_POOLED_INFER
+def sender(app: Any, pool: str, request: Any, dispatch: str) -> Any:
+    """What sends one request of this case: ``send_pooled``, direct or always queued."""
+    from ..tasks.pooled_result import send_pooled
 
+    return lambda: send_pooled(app, request, pool=pool, direct=dispatch == "direct")
+
+
+def measure_job(send: Any, timeout_s: float) -> dict[str, float]:
+    """One pooled request (``send()`` returns its AsyncResult), timed from send to result,
+    split as the module docstring says."""
     sent_at = time.time()
     started = time.perf_counter()
-    result = app.send_task(TASK_POOLED_INFER, (request,), {"pool": pool})
+    result = send()
     out = result.get(timeout=timeout_s)
     e2e = time.perf_counter() - started
     run_s = float(out["run_s"])
@@ -98,6 +108,7 @@ def run_overhead(
     request: Any,
     server_cmd: str | None,
     ready_timeout_s: float = 180.0,
+    dispatches: tuple[str, ...] = ("queued",),
 ) -> dict[str, Any]:
     """Measure every runner (see the module docstring); the JSON report."""
     from ..demo.workers import LocalWorkers
@@ -144,19 +155,22 @@ def run_overhead(
                         f"{spec}: the GPU never served: {out_reasons(store, f'bench:{i}')}"
                     )
                 time.sleep(0.1)
-        for i in range(len(runners)):
+        cases = [(i, how) for i in range(len(runners)) for how in dispatches]
+        sends = [sender(app, f"r{i}", request, how) for i, how in cases]
+        for send in sends:
             for _ in range(warmup):
-                measure_job(app, f"r{i}", request, ready_timeout_s)
-        rows: list[list[dict[str, float]]] = [[] for _ in runners]
+                measure_job(send, ready_timeout_s)
+        rows: list[list[dict[str, float]]] = [[] for _ in cases]
         for _ in range(jobs):  # interleaved, so every runner sees the same machine
-            for i in range(len(runners)):
-                rows[i].append(measure_job(app, f"r{i}", request, ready_timeout_s))
+            for n, send in enumerate(sends):
+                rows[n].append(measure_job(send, ready_timeout_s))
         keys = ("e2e_ms", "compute_ms", "overhead_ms", "scheduling_ms", "lease_ms",
                 "dispatch_ms", "result_ms", "runner_ms")  # fmt: skip
-        for spec, measured in zip(runners, rows, strict=True):
+        for (i, how), measured in zip(cases, rows, strict=True):
             results.append(
                 {
-                    "runner": spec,
+                    "runner": runners[i],
+                    "dispatch": how,
                     "jobs": jobs,
                     "retried": sum(1 for r in measured if r["attempt"]),
                     **{k: summary([r[k] for r in measured]) for k in keys},
@@ -182,7 +196,7 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
         return
     for r in report["results"]:
         click.echo(
-            f"{r['runner']}: overhead p50 {r['overhead_ms']['p50']:.2f} ms "
+            f"{r['runner']} ({r['dispatch']}): overhead p50 {r['overhead_ms']['p50']:.2f} ms "
             f"p95 {r['overhead_ms']['p95']:.2f} ms (e2e p50 {r['e2e_ms']['p50']:.2f} ms, "
             f"compute p50 {r['compute_ms']['p50']:.2f} ms, scheduling p50 "
             f"{r['scheduling_ms']['p50']:.2f} ms = lease {r['lease_ms']['p50']:.2f} + dispatch "
@@ -205,6 +219,10 @@ def runner_options(command: Any) -> Any:
                      help="With --runner: the request sent (default: one each kind accepts)."),
         click.option("--server-cmd", default=None, metavar="CMD",
                      help="With --runner server:...: GPUHEDGE_SERVER_CMD for its GPU worker."),
+        click.option("--dispatch", type=click.Choice(["both", "direct", "queued"]),
+                     default="both", show_default=True,
+                     help="With --runner: requests sent straight to the free GPU (direct), "
+                     "through a coordination worker's wait (queued), or both interleaved."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -219,6 +237,7 @@ def run_from_cli(
     request_json: str | None,
     server_cmd: str | None,
     as_json: bool,
+    dispatch: str = "both",
 ) -> None:
     """``bench pool --runner ...``: measure and print."""
     if jobs < 1 or warmup < 0:
@@ -227,7 +246,7 @@ def run_from_cli(
         request = json.loads(request_json) if request_json else DEFAULT_REQUEST
     except ValueError as e:
         raise click.BadParameter(f"--request is not JSON: {e}") from None
-    report = run_overhead(
-        settings, runners, jobs=jobs, warmup=warmup, request=request, server_cmd=server_cmd
-    )
+    dispatches = ("queued", "direct") if dispatch == "both" else (dispatch,)
+    report = run_overhead(settings, runners, jobs=jobs, warmup=warmup, request=request,
+                          server_cmd=server_cmd, dispatches=dispatches)  # fmt: skip
     print_report(report, as_json)

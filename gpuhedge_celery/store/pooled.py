@@ -53,6 +53,16 @@ TAKEN, DUPLICATE, HANDED, UNRECORDED, SUPERSEDED = (
 )  # fmt: skip
 
 
+def record_data(request_id: str, args: Any, kwargs: Any, queue: str | None) -> str:
+    """A record's ``data`` field: what sending the request again takes (JSON)."""
+    try:
+        return json.dumps({"args": list(args), "kwargs": dict(kwargs), "queue": queue},
+                          separators=(",", ":"))  # fmt: skip
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"pooled request {request_id}: not JSON-serialisable ({e})",
+                          key="request") from None  # fmt: skip
+
+
 class PooledRecords:
     """The records of pooled requests under one key prefix (see the module docstring)."""
 
@@ -74,12 +84,7 @@ class PooledRecords:
     ) -> None:
         """Record a request about to be sent (again): its arguments and queue, so it can be
         sent again (``queue`` None: the app's route); no taker."""
-        try:
-            data = json.dumps({"args": list(args), "kwargs": dict(kwargs), "queue": queue},
-                              separators=(",", ":"))  # fmt: skip
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"pooled request {request_id}: not JSON-serialisable ({e})",
-                              key="request") from None  # fmt: skip
+        data = record_data(request_id, args, kwargs, queue)
         key = self.record_key(request_id)
         with store_errors(f"recording pooled request {request_id!r}"):
             pipe = self.client.pipeline(transaction=False)

@@ -31,6 +31,10 @@ GPUHEDGE_COORD_QUEUES              all three   queues a coordination worker cons
 GPUHEDGE_ACQUIRE_TIMEOUT_S         none        pooled_infer gives up waiting after this
 GPUHEDGE_MAX_ATTEMPTS              3           times a request may go back to waiting after its
                                                lease was lost or refused
+GPUHEDGE_POOL_DIRECT               on          a caller that finds a GPU free and nobody
+                                               waiting sends the job straight to that GPU
+                                               (tasks/pooled_direct.py); off: always through
+                                               a coordination worker's wait
 GPUHEDGE_GPU                       none        makes this worker a GPU worker for that GPU:
                                                an index (0) or a full id (host:0)
 GPUHEDGE_POOL                      default     the GPU's pool
@@ -112,6 +116,18 @@ def default_schedule(env: Mapping[str, str], prefix: str) -> str:
 COORD_QUEUES = ("gpuhedge.coord", "gpuhedge.attempts", "gpuhedge.pool")
 
 
+def parse_on_off(text: str | None, key: str, default: bool = True) -> bool:
+    """An on/off switch (``on``/``off``, also ``1``/``0``, ``true``/``false``, ``yes``/``no``)."""
+    value = (text or "").strip().lower()
+    if not value:
+        return default
+    if value in ("on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise ConfigError(f"expected on or off, got {text!r}", key=key)
+
+
 def parse_coord_queues(text: str | None) -> tuple[str, ...]:
     """``GPUHEDGE_COORD_QUEUES``: the comma-separated queues a coordination worker consumes."""
     if text is None or not text.strip():
@@ -145,6 +161,7 @@ class GlueConfig:
     coord_queues: tuple[str, ...] = COORD_QUEUES
     acquire_timeout_s: float | None = None
     max_attempts: int = 3
+    pool_direct: bool = True
     gpu: str | None = None
     pool: str = "default"
     labels: dict[str, str] = field(default_factory=dict)
@@ -268,6 +285,7 @@ class GlueConfig:
             coord_queues=parse_coord_queues(env.get("GPUHEDGE_COORD_QUEUES")),
             acquire_timeout_s=acquire,
             max_attempts=int(_number(env, "GPUHEDGE_MAX_ATTEMPTS", 3, integer=True)),
+            pool_direct=parse_on_off(env.get("GPUHEDGE_POOL_DIRECT"), "GPUHEDGE_POOL_DIRECT"),
             gpu=gpu,
             pool=pool,
             labels=parse_labels(env.get("GPUHEDGE_GPU_LABELS")),

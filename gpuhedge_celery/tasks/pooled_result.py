@@ -1,7 +1,8 @@
 """A pooled request from send to end: its record in Redis, and a ``.get()`` that never hangs.
 
 ``pooled_infer.delay()`` / ``apply_async()`` (and :func:`send_pooled`, for apps that call
-``send_task`` by name) write the request's record before its message goes out
+``send_task`` by name) send the request straight to a free GPU when nobody waits
+(``tasks/pooled_direct.py``), else write the request's record before its message goes out
 (``store/pooled.py``): a reconcile pass can then send again a request whose message the broker
 lost before any worker took it (``tasks/pooled_sweep.py``). Each end of the request (a result
 or an error stored by ``pooled_infer`` or ``gpu_run``) deletes the record.
@@ -30,6 +31,7 @@ from celery.utils import uuid
 from ..errors import GpuHedgeError, RequestLost
 from ..store.keys import Keys
 from ..store.pooled import PooledRecords
+from .pooled_direct import send_direct
 
 RECHECK_S = 2.0  # how often a waiting caller re-reads the stored result and the record
 LOST_AFTER_S = 3.0  # a record gone this long, with no result, is a lost request
@@ -87,6 +89,8 @@ class PooledTask(Task):
         if self.app.conf.task_always_eager or options.get("producer") is not None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         task_id = task_id or uuid()
+        if send_direct(self.app, task_id, args, kwargs, options):  # a free GPU, nobody waiting
+            return self.AsyncResult(task_id, recorded=True)
         records = records_for(self.app)
         records.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
                      options.get("queue"))  # fmt: skip
@@ -118,14 +122,18 @@ def forget_on_end(task: Task, status: str) -> None:
         pass
 
 
-def send_pooled(app: Any, request: Any, *, task_id: str | None = None, **kwargs: Any) -> Any:
+def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: bool = True,
+                **kwargs: Any) -> Any:  # fmt: skip
     """``pooled_infer`` for an app that calls it by name (``send_task``), recorded the same way;
-    ``kwargs``: ``pool``, ``labels``, ``timeout_s``, and Celery's options (``queue``, ...)."""
+    ``kwargs``: ``pool``, ``labels``, ``timeout_s``, and Celery's options (``queue``, ...).
+    ``direct=False`` always sends it to wait in the queue, whatever ``GPUHEDGE_POOL_DIRECT``."""
     from .app import QUEUE_POOL, TASK_POOLED_INFER
 
     task_kwargs = {k: kwargs.pop(k) for k in ("pool", "labels", "timeout_s") if k in kwargs}
     kwargs.setdefault("queue", QUEUE_POOL)
     task_id = task_id or uuid()
+    if direct and send_direct(app, task_id, (request,), task_kwargs, kwargs):  # a free GPU
+        return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
     records = records_for(app)
     records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
                  kwargs["queue"])  # fmt: skip
