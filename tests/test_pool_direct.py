@@ -60,7 +60,9 @@ def test_a_claim_takes_only_a_free_live_gpu_and_never_overtakes_a_waiter(redis_c
     matched = claim("r6", labels={"model": "b"})
     assert matched is not None and matched.gpu_id == "h2:0"
     assert claims.claim("r7", [{}], {"pool": "no-such-pool"}, None) is None
-    for request_id in ("r2", "r3", "r4", "r5", "r7"):
+    assert claims.claim("r8", [{}], {"pool": 3}, None) is None  # left to the queued path's
+    assert claims.claim("r9", [{}], {"pool": "p", "labels": "a=b"}, None) is None  # errors
+    for request_id in ("r2", "r3", "r4", "r5", "r7", "r8", "r9"):
         assert not records.known(request_id)  # a declined claim writes nothing
     claims.undo(matched)
     assert store.current("h2:0") is None and not records.known("r6")

@@ -48,8 +48,9 @@ class DirectClaims:
     def claim(self, request_id: str, args: Any, kwargs: Any, queue: str | None) -> Lease | None:
         """Claim a free GPU of ``kwargs["pool"]`` for the request and record it as handed, or
         None when it should wait in the queue (someone waits, nothing free, an unknown pool)."""
-        pool = kwargs.get("pool") or "default"
-        labels = kwargs.get("labels") or {}
+        pool, labels = kwargs.get("pool", "default"), kwargs.get("labels") or {}
+        if not isinstance(pool, str) or not isinstance(labels, dict):
+            return None  # the queued path refuses it with a one-line ConfigError
         candidates = [g for g in self._registered(pool)
                       if all(g.labels.get(a) == b for a, b in labels.items())]  # fmt: skip
         if not candidates:
