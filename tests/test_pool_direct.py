@@ -68,17 +68,50 @@ def test_a_claim_takes_only_a_free_live_gpu_and_never_overtakes_a_waiter(redis_c
     assert store.current("h2:0") is None and not records.known("r6")
 
 
-def test_the_off_switch_sends_every_request_to_wait(redis_url):
+def test_a_claim_asked_again_after_a_lost_reply_gets_the_same_lease(redis_client):
+    store = LeaseStore(redis_client, f"direct{time.time_ns()}")
+    claims = DirectClaims(store, PooledRecords(redis_client, store.keys))
+    for gpu in ("h1:0", "h1:1"):
+        store.register_gpu(GpuInfo(gpu, "p", "h1"))
+    store.host_heartbeat("h1", 60_000)
+    first = claims.claim("r1", [{}], {"pool": "p"}, None)
+    again = claims.claim("r1", [{}], {"pool": "p"}, None)  # its reply was lost: asked again
+    assert again == first  # the same GPU, token and start, never a second GPU
+    assert store.current("h1:1") is None
+    sec, _ = redis_client.time()
+    assert abs(first.since_ms - sec * 1000) < 2_000  # Redis's clock, not the caller's
+
+
+def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
+    """The switch, Celery options a direct send cannot honour, pooled_infer's internal
+    arguments and arguments pooled_infer refuses all go to the queued path, with a free GPU
+    right there for the taking."""
     from gpuhedge_celery.tasks.app import create_app
     from gpuhedge_celery.tasks.config import GlueConfig
+    from gpuhedge_celery.tasks.pooled_direct import claims_for
 
-    off = create_app(GlueConfig.from_env({"GPUHEDGE_REDIS_URL": redis_url,
-                                          "GPUHEDGE_POOL_DIRECT": "off"}))  # fmt: skip
+    prefix = f"direct{time.time_ns()}"
+    env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
+    store = LeaseStore(redis_client, prefix)
+    store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
+    store.host_heartbeat("h1", 60_000)
+    off = create_app(GlueConfig.from_env({**env, "GPUHEDGE_POOL_DIRECT": "off"}))
     assert send_direct(off, "t1", ({"x": 1},), {"pool": "p"}, {}) is False
-    on = create_app(GlueConfig.from_env({"GPUHEDGE_REDIS_URL": redis_url}))
-    # Celery options a direct send cannot honour, or pooled_infer's internal arguments
-    assert send_direct(on, "t2", ({"x": 1},), {"pool": "p"}, {"countdown": 5}) is False
-    assert send_direct(on, "t3", ({"x": 1},), {"pool": "p", "attempt": 1}, {}) is False
+    on = create_app(GlueConfig.from_env(env))
+    refused = [
+        ({"pool": "p"}, {"countdown": 5}),
+        ({"pool": "p", "attempt": 1}, {}),
+        ({"pool": "p", "timeout_s": -5}, {}),
+        ({"pool": "p", "labels": {"model": None}}, {}),
+        ({"pool": "a pool"}, {}),
+    ]
+    for n, (kwargs, options) in enumerate(refused):
+        assert send_direct(on, f"t{n + 2}", ({"x": 1},), kwargs, options) is False, kwargs
+    assert store.current("h1:0") is None  # nothing claimed
+    # the control: the same GPU is there for a request a direct send takes
+    lease = claims_for(on).claim("t9", ({"x": 1},), {"pool": "p"}, None)
+    assert lease is not None and lease.gpu_id == "h1:0"
+    claims_for(on).undo(lease)
 
 
 @pytest.fixture(scope="module")

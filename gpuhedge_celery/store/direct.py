@@ -7,7 +7,10 @@ the wait is empty too, and the first hop buys nothing: :class:`DirectClaims` let
 claim that GPU in one script (``lua/pooled_direct.lua``), which also records the request as
 handed to the GPU (``store/pooled.py``), and the caller sends the job straight to the GPU's
 queue. When anybody waits, or no GPU is free, the claim declines and the request takes the
-queue as usual, so a direct claim never overtakes a waiter.
+queue as usual, so a direct claim never takes a GPU while a request is queued for the pool (a
+request still on its way to the queue, such as one a GPU job sent back to waiting or the
+sweep sent again, is not queued yet: it can be overtaken, as by any request that queues
+first).
 
 What keeps this as safe as the queued path: the record is written in the same script as the
 lease, so a caller that dies before its message goes out leaves a handed record under a lease
@@ -17,7 +20,8 @@ the record at once. The GPU's host must have heartbeated (checked in the script)
 must not be out of the pool (drained, unhealthy, its model not loaded).
 
 The pool's registered GPUs (ids, hosts, labels) are read at most once per
-:data:`CANDIDATES_S` per process; liveness and freedom are read in the script itself.
+:data:`CANDIDATES_S` per process; registration, liveness and freedom are checked again in the
+script itself. The lease's start time is Redis's clock, not the caller's.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 from ..core.lease_rules import DEFAULT_POOL_TTL_MS, Lease
 from ..errors import GpuHedgeError
-from .leases import GpuInfo, LeaseStore, now_ms
+from .leases import GpuInfo, LeaseStore
 from .pooled import PooledRecords, record_data
 from .scripts import lua_script
 from .timers import as_text, store_errors
@@ -47,7 +51,10 @@ class DirectClaims:
 
     def claim(self, request_id: str, args: Any, kwargs: Any, queue: str | None) -> Lease | None:
         """Claim a free GPU of ``kwargs["pool"]`` for the request and record it as handed, or
-        None when it should wait in the queue (someone waits, nothing free, an unknown pool)."""
+        None when it should wait in the queue (someone waits, nothing free, an unknown pool).
+
+        Safe to call again for the same request after a lost reply: a request this script
+        already claimed for gets the same lease back, never a second GPU."""
         pool, labels = kwargs.get("pool", "default"), kwargs.get("labels") or {}
         if not isinstance(pool, str) or not isinstance(labels, dict):
             return None  # the queued path refuses it with a one-line ConfigError
@@ -59,15 +66,15 @@ class DirectClaims:
         keys = [self.records.record_key(request_id), self.records.handed_key, k.waiters(pool),
                 k.pool_ttl(), k.freeat(pool)]  # fmt: skip
         for g in candidates:
-            keys += [k.lease(g.gpu_id), k.fence(g.gpu_id), k.out(g.gpu_id), k.host(g.host)]
-        since = now_ms()
+            keys += [k.lease(g.gpu_id), k.fence(g.gpu_id), k.out(g.gpu_id), k.host(g.host),
+                     k.gpu(g.gpu_id)]  # fmt: skip
         args_ = [request_id, record_data(request_id, args, kwargs, queue), self.records.ttl_ms,
-                 since, pool, DEFAULT_POOL_TTL_MS] + [g.gpu_id for g in candidates]  # fmt: skip
+                 pool, DEFAULT_POOL_TTL_MS] + [g.gpu_id for g in candidates]  # fmt: skip
         with store_errors(f"claiming a GPU of pool {pool!r} for request {request_id!r}"):
             reply = lua_script(self.store.client, "pooled_direct")(keys=keys, args=args_)
         if int(reply[0]) != 1:
             return None
-        gpu_id, token, ttl = as_text(reply[1]), int(reply[2]), int(reply[3])
+        gpu_id, token, ttl, since = as_text(reply[1]), int(reply[2]), int(reply[3]), int(reply[4])
         return Lease(gpu_id, pool, token, request_id, ttl, since)
 
     def undo(self, lease: Lease) -> None:

@@ -37,7 +37,7 @@ from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
 from .outage import through_outage
-from .pooled_result import PooledTask, records_for
+from .pooled_result import PooledTask, check_arguments, records_for
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +57,6 @@ def celery_safe(exc: BaseException) -> BaseException:
     elif isinstance(exc, ConfigError):
         exc.args = (str(exc),)
     return exc
-
-
-def _validate(pool: Any, labels: Any, timeout_s: Any) -> None:
-    if not isinstance(pool, str) or not pool or any(c.isspace() for c in pool):
-        raise ConfigError(f"expected a pool name without spaces, got {pool!r}", key="pool")
-    if labels is not None and (
-        not isinstance(labels, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
-    ):
-        raise ConfigError(f"expected a dict of str to str, got {labels!r}", key="labels")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-        raise ConfigError(f"expected seconds > 0, got {timeout_s!r}", key="timeout_s")
 
 
 OUTAGE_RETRY_S = 1.0  # how often a waiter whose Redis went away tries again
@@ -114,7 +102,7 @@ def pooled_infer(
     if done:  # a duplicate delivery of a request that already completed
         return result
     try:
-        _validate(pool, labels, timeout_s)
+        check_arguments(pool, labels, timeout_s)
         store = lease_store()
         stopped = through_outage(
             store.client,

@@ -21,7 +21,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
-from ..errors import GpuHedgeError
+from ..errors import ConfigError, GpuHedgeError, StoreUnavailable
 from ..store.direct import DirectClaims
 
 DIRECT_OPTIONS = frozenset({"queue"})  # Celery options a direct send can honour
@@ -44,16 +44,27 @@ def send_direct(app: Any, task_id: str, args: Any, kwargs: Any, options: dict[st
     False when it should be sent to wait in the queue. A publish that raises gives the GPU
     back and forgets the record before the error goes to the caller."""
     from .app import TASK_GPU_RUN, gpu_queue
+    from .pooled_result import check_arguments
 
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if (len(args) != 1 or set(kwargs) - DIRECT_KWARGS or set(options) - DIRECT_OPTIONS
             or not direct_enabled(app)):  # fmt: skip
         return False
+    try:
+        check_arguments(kwargs.get("pool", "default"), kwargs.get("labels"),
+                        kwargs.get("timeout_s"))  # fmt: skip
+    except ConfigError:
+        return False  # pooled_infer refuses it with this one-line error, as it always did
     claims = claims_for(app)
     try:
         lease = claims.claim(task_id, args, kwargs, options.get("queue"))
+    except StoreUnavailable:
+        # The script may have run and its reply been lost: asking again returns the same
+        # lease (or raises again, and the caller sees Redis is away, as the queued path's
+        # record write would show it).
+        lease = claims.claim(task_id, args, kwargs, options.get("queue"))
     except GpuHedgeError:
-        return False  # Redis trouble: the queued path reports it (or succeeds once it is back)
+        return False  # refused by Redis (not run): the queued path reports what is wrong
     if lease is None:
         return False
     job_kwargs = {"attempt": 0, "labels": kwargs.get("labels"), "leased_at": time.time()}

@@ -28,7 +28,7 @@ from celery import Task, states
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from ..errors import GpuHedgeError, RequestLost
+from ..errors import ConfigError, GpuHedgeError, RequestLost
 from ..store.keys import Keys
 from ..store.pooled import PooledRecords
 from .pooled_direct import send_direct
@@ -120,6 +120,19 @@ def forget_on_end(task: Task, status: str) -> None:
         records_for(task.app).forget(task.request.id)
     except GpuHedgeError:  # the record expires with its TTL; nothing waits on it
         pass
+
+
+def check_arguments(pool: Any, labels: Any, timeout_s: Any) -> None:
+    """``pooled_infer``'s own arguments, or a one-line ConfigError naming the bad one."""
+    if not isinstance(pool, str) or not pool or any(c.isspace() for c in pool):
+        raise ConfigError(f"expected a pool name without spaces, got {pool!r}", key="pool")
+    if labels is not None and (
+        not isinstance(labels, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+    ):
+        raise ConfigError(f"expected a dict of str to str, got {labels!r}", key="labels")
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        raise ConfigError(f"expected seconds > 0, got {timeout_s!r}", key="timeout_s")
 
 
 def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: bool = True,
