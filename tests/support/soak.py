@@ -95,20 +95,22 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
     outcomes: dict[str, tuple[str, object]] = {}
     threads: list[threading.Thread] = []
     samples: list[tuple[float, ...]] = []  # SERIES_FIELDS
+    latencies: list[tuple[float, float]] = []  # (sent at, s from start; send to result, s)
     by_kind: list[dict] = []
     kills = restarts = 0
     watch = PooledWatch(cluster).start()
 
-    def wait(result) -> None:
+    def wait(result, sent_at: float) -> None:
         try:
             outcomes[result.id] = ("won", result.get())
+            latencies.append((sent_at - started, time.monotonic() - sent_at))
         except RaceFailed as e:
             outcomes[result.id] = ("failed", e)
         except Exception as e:  # a lost or broken race: counted
             outcomes[result.id] = (type(e).__name__, e)
 
+    started = time.monotonic()
     try:
-        started = time.monotonic()
         next_kill = started + kill_every_s
         restart_at = started + seconds / 2
         snapshots = [started + seconds * q for q in (0.25, 0.5, 0.75)]  # memory by kind
@@ -156,7 +158,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
                 time.sleep(0.2)
                 continue
             sent.append(result)
-            t = threading.Thread(target=wait, args=(result,), daemon=True)
+            t = threading.Thread(target=wait, args=(result, time.monotonic()), daemon=True)
             t.start()
             threads.append(t)
             time.sleep(rng.expovariate(rate))
@@ -197,6 +199,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
             "redis_used_mb": summary([s[2] for s in samples]),
             "redis_without_sim_mb": summary([s[2] - s[3] for s in samples]),
             "redis_growth_mb_per_min": growth_per_min(samples),
+            "race_latency_s_by_window": latency_windows(latencies, seconds),
             "series_fields": SERIES_FIELDS, "series": samples,
             "redis_keys": key_census(cluster.client),
             "redis_memory_by_kind": by_kind,
@@ -285,8 +288,27 @@ def resent_ids(cluster) -> set[str]:
     return found
 
 
+def latency_windows(latencies: list[tuple[float, float]], seconds: float) -> list[dict]:
+    """Won races' send-to-result time (p50, p99, s) by sixth of the run, by when they were
+    sent: a backlog building up shows as a rising latency."""
+    width = seconds / 6
+    rows = []
+    for n in range(6):
+        window = sorted(d for at, d in latencies if n * width <= at < (n + 1) * width)
+        if window:
+            rows.append(
+                {
+                    "from_s": round(n * width),
+                    "races": len(window),
+                    "p50": round(window[len(window) // 2], 2),
+                    "p99": round(window[min(len(window) - 1, int(len(window) * 0.99))], 2),
+                }
+            )
+    return rows  # fmt: skip
+
+
 SERIES_FIELDS = ("s", "worker_rss_mb", "redis_used_mb", "sim_ledger_mb", "record_stream_mb",
-                 "dataset_mb", "client_buffers_mb")  # fmt: skip
+                 "dataset_mb", "client_buffers_mb", "broker_mb")  # fmt: skip
 
 
 def memory_sample(cluster, at_s: float) -> tuple[float, ...]:
@@ -295,14 +317,25 @@ def memory_sample(cluster, at_s: float) -> tuple[float, ...]:
 
     live = [w for w in cluster.workers if w.alive() and "@" in w.nodename]
     rss = round(sum(rss_mb(w.pid) for w in live) / max(1, len(live)), 1)
-    parts = [0.0] * 5
+    parts = [0.0] * 6
     with contextlib.suppress(Exception):
         info = cluster.client.info("memory")
         stream = cluster.client.memory_usage(records_key(cluster.prefix), samples=0) or 0
         parts = [info["used_memory"] / 2**20, sim_ledger_mb(cluster.client, cluster.prefix),
                  stream / 2**20, info["used_memory_dataset"] / 2**20,
-                 info.get("mem_clients_normal", 0) / 2**20]  # fmt: skip
+                 info.get("mem_clients_normal", 0) / 2**20,
+                 broker_mb(cluster.client)]  # fmt: skip
     return (at_s, rss, *(round(p, 2) for p in parts))
+
+
+def broker_mb(client) -> float:
+    """Memory of the broker's queues (lists) and unacknowledged messages (kombu's hashes)."""
+    keys = list(client.scan_iter(count=1000, _type="list"))
+    keys += [k for k in client.scan_iter(match="*unacked*", count=1000)]
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.memory_usage(key, samples=0)
+    return sum(n or 0 for n in pipe.execute()) / 2**20 if keys else 0.0
 
 
 def growth_per_min(samples: list[tuple[float, ...]]) -> float | None:
