@@ -75,7 +75,8 @@ POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": "gpuhedge.pool"}
 def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
          seed: int = 1, gpus: int = 0, gpu_rho: float = 0.5,
          receipt_ttl_s: float | None = None, sample_every_s: float = 5.0,
-         pool_workers: int = 0, records_maxlen: int | None = None) -> dict:  # fmt: skip
+         pool_workers: int = 0, records_maxlen: int | None = None,
+         reclaim_expired: bool = False) -> dict:  # fmt: skip
     """``pool_workers`` > 0 runs the pooled waits on that many workers of their own
     (``GPUHEDGE_COORD_QUEUES=gpuhedge.pool``) and the ``workers`` race coordinators without
     them; 0 runs everything on the ``workers`` coordinators (the default deployment)."""
@@ -150,7 +151,7 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
                     kinds = memory_by_kind(cluster.client)
                     by_kind.append({"at_s": round(now - started), "mb": kinds})
             if now >= next_sample:
-                samples.append(memory_sample(cluster, round(now - started, 1)))
+                samples.append(memory_sample(cluster, round(now - started, 1), reclaim_expired))
                 next_sample += sample_every_s
             try:
                 result = send_race(cluster, HEDGED_REQUEST)
@@ -199,6 +200,9 @@ def soak(seconds: float, rate: float, kill_every_s: float, workers: int = 3,
             "redis_used_mb": summary([s[2] for s in samples]),
             "redis_without_sim_mb": summary([s[2] - s[3] for s in samples]),
             "redis_growth_mb_per_min": growth_per_min(samples),
+            "redis_after_reclaim_mb": summary([s[9] for s in samples if s[9] > 0]),
+            "redis_after_reclaim_growth_mb_per_min": growth_per_min(samples, column=9),
+            "reclaim_expired": reclaim_expired,
             "race_latency_s_by_window": latency_windows(latencies, seconds),
             "series_fields": SERIES_FIELDS, "series": samples,
             "redis_keys": key_census(cluster.client),
@@ -308,23 +312,37 @@ def latency_windows(latencies: list[tuple[float, float]], seconds: float) -> lis
 
 
 SERIES_FIELDS = ("s", "worker_rss_mb", "redis_used_mb", "sim_ledger_mb", "record_stream_mb",
-                 "dataset_mb", "client_buffers_mb", "broker_mb")  # fmt: skip
+                 "dataset_mb", "client_buffers_mb", "broker_mb", "expired_stale_pct",
+                 "redis_after_reclaim_mb")  # fmt: skip
 
 
-def memory_sample(cluster, at_s: float) -> tuple[float, ...]:
-    """One row of ``series`` (SERIES_FIELDS); Redis's parts 0 while it restarts."""
+def memory_sample(cluster, at_s: float, reclaim: bool = False) -> tuple[float, ...]:
+    """One row of ``series`` (SERIES_FIELDS); Redis's parts 0 while it restarts.
+
+    ``expired_stale_pct`` is Redis's own estimate of the keys whose TTL has passed but that it
+    has not reclaimed yet (INFO ``expired_stale_perc``): Redis deletes an expired key when it
+    is read, or when its background cycle, sampling keys that have a TTL, happens on it. With
+    ``reclaim`` the sample then reads every key name (``SCAN``, which deletes the expired keys
+    it passes) and Redis's memory again: ``redis_after_reclaim_mb``, what the keys still alive
+    hold (0 without ``reclaim``)."""
     from gpuhedge_celery.store.race_keys import records_key
 
     live = [w for w in cluster.workers if w.alive() and "@" in w.nodename]
     rss = round(sum(rss_mb(w.pid) for w in live) / max(1, len(live)), 1)
-    parts = [0.0] * 6
+    parts = [0.0] * 8
     with contextlib.suppress(Exception):
-        info = cluster.client.info("memory")
-        stream = cluster.client.memory_usage(records_key(cluster.prefix), samples=0) or 0
-        parts = [info["used_memory"] / 2**20, sim_ledger_mb(cluster.client, cluster.prefix),
+        client = cluster.client
+        info = client.info("memory")
+        stale = float(client.info("stats").get("expired_stale_perc", 0.0))
+        stream = client.memory_usage(records_key(cluster.prefix), samples=0) or 0
+        parts = [info["used_memory"] / 2**20, sim_ledger_mb(client, cluster.prefix),
                  stream / 2**20, info["used_memory_dataset"] / 2**20,
-                 info.get("mem_clients_normal", 0) / 2**20,
-                 broker_mb(cluster.client)]  # fmt: skip
+                 info.get("mem_clients_normal", 0) / 2**20, broker_mb(client), stale,
+                 0.0]  # fmt: skip
+        if reclaim:
+            for _ in client.scan_iter(count=1000):
+                pass
+            parts[7] = client.info("memory")["used_memory"] / 2**20
     return (at_s, rss, *(round(p, 2) for p in parts))
 
 
@@ -338,10 +356,10 @@ def broker_mb(client) -> float:
     return sum(n or 0 for n in pipe.execute()) / 2**20 if keys else 0.0
 
 
-def growth_per_min(samples: list[tuple[float, ...]]) -> float | None:
-    """Least-squares slope (MB a minute) of Redis's memory without the sim ledger over the
-    second half of the samples (the first half fills the TTL-bounded keys)."""
-    rows = [(s[0], s[2] - s[3]) for s in samples[len(samples) // 2 :] if s[2] > 0]
+def growth_per_min(samples: list[tuple[float, ...]], column: int = 2) -> float | None:
+    """Least-squares slope (MB a minute) of Redis's memory (``column``) without the sim
+    ledger over the second half of the samples (the first half fills the TTL-bounded keys)."""
+    rows = [(s[0], s[column] - s[3]) for s in samples[len(samples) // 2 :] if s[column] > 0]
     if len(rows) < 3:
         return None
     mean_t = sum(t for t, _ in rows) / len(rows)
@@ -487,12 +505,16 @@ def main() -> None:
                         help="run pooled waits on this many workers of their own")  # fmt: skip
     parser.add_argument("--records-maxlen", type=int, default=None,
                         help="GPUHEDGE_RECORDS_MAXLEN for the workers")  # fmt: skip
+    parser.add_argument("--reclaim-expired", action="store_true",
+                        help="each sample also SCANs the keyspace (reclaiming expired keys) "
+                        "and reads Redis's memory again")  # fmt: skip
     args = parser.parse_args()
     print(json.dumps(soak(args.minutes * 60, args.rate, args.kill_every, gpus=args.gpus,
                           gpu_rho=args.gpu_rho, receipt_ttl_s=args.receipt_ttl,
                           sample_every_s=args.sample_every,
                           pool_workers=args.pool_workers,
-                          records_maxlen=args.records_maxlen)))  # fmt: skip
+                          records_maxlen=args.records_maxlen,
+                          reclaim_expired=args.reclaim_expired)))  # fmt: skip
 
 
 if __name__ == "__main__":
