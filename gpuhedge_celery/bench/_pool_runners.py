@@ -22,7 +22,9 @@ its hand-off to the GPU's queue), ``direct`` by the caller claiming the free GPU
 ``runner_ms`` = run_s - compute; ``scheduling_ms`` = e2e - run_s, split (wall clocks of one
 host) into ``lease_ms`` (send to the coordinator holding the lease: its pickup, the wait
 queue's claim script), ``dispatch_ms`` (lease to the GPU worker starting the job) and
-``result_ms`` (the job's end to the caller holding the result: lease release, result store).
+``result_ms`` (the job's end to the caller holding the result: lease release, result store);
+the dispatch is itself ``hop_ms`` (the broker and the worker's hand-over into its child) and
+``start_ms`` (``gpu_run``'s checks and helper threads before the runner starts).
 
 Run it from a clone's root so the workers can import ``tests.support`` (the bench puts the
 current directory on their ``PYTHONPATH``).
@@ -82,6 +84,8 @@ def measure_job(send: Any, timeout_s: float) -> dict[str, float]:
     run_s = float(out["run_s"])
     dispatch_s = float(out.get("dispatch_s") or 0.0)
     lease_s = float(out["started_at"]) - dispatch_s - sent_at
+    entered = out.get("entered_at")  # when gpu_run began: splits the dispatch in two
+    start_s = float(out["started_at"]) - float(entered) if entered else 0.0
     output = out.get("output")
     compute = output.get("compute_s") if isinstance(output, dict) else None
     compute = run_s if compute is None else float(compute)
@@ -94,6 +98,8 @@ def measure_job(send: Any, timeout_s: float) -> dict[str, float]:
         "scheduling_ms": (e2e - run_s) * 1000,
         "lease_ms": lease_s * 1000,
         "dispatch_ms": dispatch_s * 1000,
+        "hop_ms": (dispatch_s - start_s) * 1000,
+        "start_ms": start_s * 1000,
         "result_ms": (e2e - lease_s - dispatch_s - run_s) * 1000,
         "attempt": out["attempt"],
     }
@@ -165,7 +171,7 @@ def run_overhead(
             for n, send in enumerate(sends):
                 rows[n].append(measure_job(send, ready_timeout_s))
         keys = ("e2e_ms", "compute_ms", "overhead_ms", "scheduling_ms", "lease_ms",
-                "dispatch_ms", "result_ms", "runner_ms")  # fmt: skip
+                "dispatch_ms", "hop_ms", "start_ms", "result_ms", "runner_ms")  # fmt: skip
         for (i, how), measured in zip(cases, rows, strict=True):
             results.append(
                 {

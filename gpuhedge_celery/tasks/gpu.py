@@ -31,7 +31,8 @@ from ..runners import RunContext, Runner, RunnerStopped, RunnerUnavailable, runn
 from ..store.connection import wait_for_redis
 from ..store.leases import GpuInfo, Lease, LeaseKeeper, LeaseStore
 from .app import TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
-from .cancel import StopWatch, stop_requested
+from .cancel import StopWatch
+from .gpu_steps import STOPPED, RunningRecord, begin, clear_running, finish
 from .model_host import wait_ready
 from .outage import OUTAGE_WAIT_S, through_outage
 from .pooled_result import PooledEndTask
@@ -155,44 +156,6 @@ def already_done(task: Task) -> tuple[bool, Any]:
     return meta.get("status") == "SUCCESS", meta.get("result")
 
 
-class RunningRecord:
-    """The GPU's "running" record (``task id|token|ms``) that tells a redelivered job it died."""
-
-    def __init__(self, store: LeaseStore, lease: Lease, task_id: str):
-        self.store = store
-        self.key = store.keys.running(lease.gpu_id)
-        self.token = str(lease.token)
-        self.task_id = task_id
-        # Written once per delivery (its time in epoch ms: the pool adapter reads it as when the
-        # job started), so a repeat after a lost answer finds its own value. A crashed delivery
-        # of the same job under the same token wrote its value at least one dispatch earlier.
-        self.value = f"{task_id}|{lease.token}|{int(time.time() * 1000)}"
-
-    def claim(self) -> bool:
-        """Record this delivery as running; True when a crashed delivery of this very job, under
-        this very token, left its record (the worker died running it)."""
-        with self.store.guard():
-            previous = self.store.client.set(self.key, self.value, get=True)
-        if previous is None:
-            return False
-        previous = previous.decode() if isinstance(previous, bytes) else previous
-        if previous == self.value:  # our own write, whose answer an outage lost
-            return False
-        prev_task, _, rest = previous.partition("|")
-        return prev_task == self.task_id and rest.partition("|")[0] == self.token
-
-
-def _clear_running(store: LeaseStore, gpu_id: str, task_id: str) -> None:
-    def clear() -> None:
-        key = store.keys.running(gpu_id)
-        with store.guard():
-            value = store.client.get(key)
-            if value is not None and str(value).startswith(f"{task_id}|"):
-                store.client.delete(key)
-
-    through_outage(store.client, f"request {task_id}: clear its running record", clear)
-
-
 @app.task(
     bind=True,
     base=PooledEndTask,
@@ -211,6 +174,7 @@ def gpu_run(
     leased_at: float | None = None,
 ) -> dict[str, Any]:
     """Run ``request`` on this worker's GPU under ``lease`` (see the module docstring)."""
+    entered = time.time()
     config = glue_config()
     held = Lease.from_dict(lease)
     pool = held.pool
@@ -229,22 +193,21 @@ def gpu_run(
     if done:
         log.warning("request %s already completed: duplicate delivery ignored", task_id)
         return result
-    if redis("read its stop flag", lambda: stop_requested(store, task_id)):
-        _finish(store, held, task_id)
-        raise RunnerStopped(f"request {task_id} cancelled before it started")
-    try:
-        redis("check its fence", lambda: store.check_fence(held.gpu_id, held.token))
+    running = RunningRecord(store, held, task_id)
+    try:  # the stop flag, the fencing check and the running record: one script
+        began, crashed = redis("start it", lambda: begin(store, held, running))
     except (StaleToken, LeaseLost) as e:
         metrics.lease_lost(pool, "fence")
-        _clear_running(store, held.gpu_id, task_id)
         return back_to_waiting(self, request, pool, attempt, f"refused: {e}", labels)
-    running = RunningRecord(store, held, task_id)
-    if redis("record it as running", running.claim):
+    if began == STOPPED:
+        finish(store, held, task_id)
+        raise RunnerStopped(f"request {task_id} cancelled before it started")
+    if crashed:
         # The record of this very job under this very token survived: this GPU's worker died
         # running it and the broker redelivered it. Free the GPU and let the pool decide where
         # it runs next (the crash may have been the job's fault, so attempts are bounded).
         redis("free its old lease", lambda: store.force_release(held.gpu_id, held.token))
-        _clear_running(store, held.gpu_id, task_id)
+        clear_running(store, held.gpu_id, task_id)
         return back_to_waiting(
             self, request, pool, attempt, f"GPU {held.gpu_id} worker died running it", labels
         )
@@ -268,25 +231,25 @@ def gpu_run(
             # waiting once Redis answers again, so wait for that rather than fail it.
             wait_for_redis(store.client, OUTAGE_WAIT_S)
         if watch.cancelled.is_set() and not keeper.lost.is_set():
-            _finish(store, keeper.lease, task_id)
+            finish(store, keeper.lease, task_id)
             raise RunnerStopped(f"request {task_id} cancelled while running") from None
-        _clear_running(store, held.gpu_id, task_id)
+        clear_running(store, held.gpu_id, task_id)
         metrics.lease_lost(pool, "running")
         return back_to_waiting(self, request, pool, attempt, str(e), labels)
     except RunnerUnavailable as e:
         keeper.stop()
         watch.close()
-        _finish(store, keeper.lease, task_id)  # never hold a GPU that cannot serve
+        finish(store, keeper.lease, task_id)  # never hold a GPU that cannot serve
         return back_to_waiting(self, request, pool, attempt, str(e), labels)
     except BaseException:
         keeper.stop()
         watch.close()
-        _finish(store, keeper.lease, task_id)
+        finish(store, keeper.lease, task_id)
         raise
     keeper.stop()
     watch.close()
     run_s = time.time() - started
-    if not _finish(store, keeper.lease, task_id):
+    if not finish(store, keeper.lease, task_id):
         metrics.lease_lost(pool, "release")
         return back_to_waiting(
             self, request, pool, attempt, f"lease on GPU {held.gpu_id} lost before release", labels
@@ -302,34 +265,7 @@ def gpu_run(
         "token": held.token,
         "attempt": attempt,
         "started_at": started,
+        "entered_at": entered,  # the job's message reached this child (its checks began)
         "dispatch_s": None if leased_at is None else max(0.0, started - leased_at),
         "run_s": run_s,
     }
-
-
-def _finish(store: LeaseStore, lease: Lease, task_id: str) -> bool:
-    """Release the lease and clear the running record; False when the lease was already lost.
-
-    A release repeated after an outage that finds the lease gone counts as released: the first
-    try may have freed it before its answer was lost, and the job itself has finished.
-    """
-    _clear_running(store, lease.gpu_id, task_id)
-    repeated = []
-    try:
-        through_outage(
-            store.client,
-            f"request {task_id}: release GPU {lease.gpu_id}",
-            lambda: store.release(lease),
-            on_retry=lambda: repeated.append(True),
-        )
-        return True
-    except LeaseLost:
-        if repeated:
-            log.warning(
-                "request %s: GPU %s was already free when its release was repeated after an "
-                "outage; the job had finished",
-                task_id,
-                lease.gpu_id,
-            )
-            return True
-        return False

@@ -8,7 +8,7 @@ most ``OUTAGE_WAIT_S`` in all, then lets the error through.
 
 The calls it wraps are reads, or writes whose repetition is harmless (``SET`` of the same
 value, a delete of our own record); a release whose first answer was lost is handled by
-``gpu.py``'s ``_finish``.
+``gpu_steps.py``'s ``finish``.
 """
 
 from __future__ import annotations
