@@ -6,6 +6,7 @@
 # Default: a compressed ten minutes; --minutes 60 for the hour.
 #   bash scripts/soak.sh [--minutes M] [--rate R] [--kill-every S] [--gpus N] [--gpu-rho F]
 #                        [--receipt-ttl S] [--sample-every S] [--pool-workers N]
+#                        [--records-maxlen N] [--reclaim-expired]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
