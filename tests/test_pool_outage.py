@@ -13,7 +13,8 @@ import pytest
 
 from gpuhedge_celery.errors import LeaseLost, StoreUnavailable
 from gpuhedge_celery.store.leases import GpuInfo, LeaseStore
-from gpuhedge_celery.tasks.gpu import RunningRecord, _finish
+from gpuhedge_celery.tasks import gpu_steps
+from gpuhedge_celery.tasks.gpu_steps import STARTED, RunningRecord, begin, finish
 from gpuhedge_celery.tasks.outage import through_outage
 
 
@@ -66,33 +67,41 @@ def _leased(redis_client, prefix):
 def test_a_running_record_rewritten_after_a_lost_answer_is_ours_not_a_crash(redis_client, prefix):
     store, lease = _leased(redis_client, prefix)
     record = RunningRecord(store, lease, "req1")
-    assert record.claim() is False  # first delivery
-    assert record.claim() is False  # the same write repeated after its answer was lost
+    assert begin(store, lease, record) == (STARTED, False)  # first delivery
+    # the same start repeated after its answer was lost
+    assert begin(store, lease, record) == (STARTED, False)
     # a redelivery of the same job under the same token (its worker died running it: always
     # later than the millisecond the record names)
     time.sleep(0.005)
-    assert RunningRecord(store, lease, "req1").claim() is True
+    assert begin(store, lease, RunningRecord(store, lease, "req1")) == (STARTED, True)
 
 
 def test_a_release_repeated_after_an_outage_that_finds_the_gpu_free_counts_as_released(
     redis_client, prefix, monkeypatch
 ):
     store, lease = _leased(redis_client, prefix)
-    real_release = store.release
+    real_script = gpu_steps.lua_script
     answers = []
 
-    def release_then_lose_the_answer(held):
-        real_release(held)  # Redis frees the GPU ...
-        if not answers:
-            answers.append("lost")
-            raise StoreUnavailable("connection closed before the answer (test)")  # ... unheard
+    def script_that_loses_its_first_answer(client, name):
+        script = real_script(client, name)
 
-    monkeypatch.setattr(store, "release", release_then_lose_the_answer)
-    assert _finish(store, lease, "req1") is True
+        def run(**kwargs):
+            reply = script(**kwargs)  # Redis frees the GPU ...
+            if not answers:
+                answers.append("lost")
+                raise StoreUnavailable("connection closed before the answer (test)")  # unheard
+            return reply
+
+        return run
+
+    monkeypatch.setattr(gpu_steps, "lua_script", script_that_loses_its_first_answer)
+    assert finish(store, lease, "req1") is True
+    assert answers == ["lost"]
     assert store.current("gpu0") is None
 
 
 def test_a_release_that_finds_the_lease_gone_at_the_first_try_is_a_lost_lease(redis_client, prefix):
     store, lease = _leased(redis_client, prefix)
     store.force_release("gpu0", lease.token)
-    assert _finish(store, lease, "req1") is False
+    assert finish(store, lease, "req1") is False
