@@ -89,6 +89,7 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
     from gpuhedge_celery.tasks.app import create_app
     from gpuhedge_celery.tasks.config import GlueConfig
     from gpuhedge_celery.tasks.pooled_direct import claims_for
+    from gpuhedge_celery.tasks.pooled_result import records_for
 
     prefix = f"direct{time.time_ns()}"
     env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
@@ -96,7 +97,7 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
     store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
     store.host_heartbeat("h1", 60_000)
     off = create_app(GlueConfig.from_env({**env, "GPUHEDGE_POOL_DIRECT": "off"}))
-    assert send_direct(off, "t1", ({"x": 1},), {"pool": "p"}, {}) is False
+    assert send_direct(off, records_for(off), "t1", ({"x": 1},), {"pool": "p"}, {}) is False
     on = create_app(GlueConfig.from_env(env))
     refused = [
         ({"pool": "p"}, {"countdown": 5}),
@@ -106,12 +107,14 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
         ({"pool": "a pool"}, {}),
     ]
     for n, (kwargs, options) in enumerate(refused):
-        assert send_direct(on, f"t{n + 2}", ({"x": 1},), kwargs, options) is False, kwargs
+        sent = send_direct(on, records_for(on), f"t{n + 2}", ({"x": 1},), kwargs, options)
+        assert sent is False, kwargs
     assert store.current("h1:0") is None  # nothing claimed
     # the control: the same GPU is there for a request a direct send takes
-    lease = claims_for(on).claim("t9", ({"x": 1},), {"pool": "p"}, None)
+    claims = claims_for(on, records_for(on))
+    lease = claims.claim("t9", ({"x": 1},), {"pool": "p"}, None)
     assert lease is not None and lease.gpu_id == "h1:0"
-    claims_for(on).undo(lease)
+    claims.undo(lease)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
 from .outage import through_outage
-from .pooled_result import PooledTask, check_arguments, records_for
+from .pooled_args import check_arguments
+from .pooled_result import PooledTask, records_for
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,8 @@ from typing import Any
 
 from ..errors import ConfigError, GpuHedgeError, StoreUnavailable
 from ..store.direct import DirectClaims
+from ..store.pooled import PooledRecords
+from .pooled_args import check_arguments
 
 DIRECT_OPTIONS = frozenset({"queue"})  # Celery options a direct send can honour
 DIRECT_KWARGS = frozenset({"pool", "labels", "timeout_s"})  # pooled_infer's, as a caller sends them
@@ -39,12 +41,13 @@ def direct_enabled(app: Any) -> bool:
     return parse_on_off(os.environ.get("GPUHEDGE_POOL_DIRECT"), "GPUHEDGE_POOL_DIRECT")
 
 
-def send_direct(app: Any, task_id: str, args: Any, kwargs: Any, options: dict[str, Any]) -> bool:
+def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwargs: Any,
+                options: dict[str, Any]) -> bool:  # fmt: skip
     """Send the request straight to a free GPU (see the module docstring): True when it went,
-    False when it should be sent to wait in the queue. A publish that raises gives the GPU
-    back and forgets the record before the error goes to the caller."""
+    False when it should be sent to wait in the queue. ``records``: the deployment's pooled
+    records (``records_for(app)``). A publish that raises gives the GPU back and forgets the
+    record before the error goes to the caller."""
     from .app import TASK_GPU_RUN, gpu_queue
-    from .pooled_result import check_arguments
 
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if (len(args) != 1 or set(kwargs) - DIRECT_KWARGS or set(options) - DIRECT_OPTIONS
@@ -55,7 +58,7 @@ def send_direct(app: Any, task_id: str, args: Any, kwargs: Any, options: dict[st
                         kwargs.get("timeout_s"))  # fmt: skip
     except ConfigError:
         return False  # pooled_infer refuses it with this one-line error, as it always did
-    claims = claims_for(app)
+    claims = claims_for(app, records)
     try:
         lease = claims.claim(task_id, args, kwargs, options.get("queue"))
     except StoreUnavailable:
@@ -77,13 +80,12 @@ def send_direct(app: Any, task_id: str, args: Any, kwargs: Any, options: dict[st
     return True
 
 
-def claims_for(app: Any) -> DirectClaims:
+def claims_for(app: Any, records: PooledRecords) -> DirectClaims:
     """The direct claims of the deployment ``app`` belongs to (one per process)."""
-    from .pooled_result import records_for
     from .result import _settings
 
     settings = _settings(app)
-    return _claims(os.getpid(), settings.redis_url, settings.prefix, records_for(app))
+    return _claims(os.getpid(), settings.redis_url, settings.prefix, records)
 
 
 @lru_cache(maxsize=16)

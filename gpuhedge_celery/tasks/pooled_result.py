@@ -28,7 +28,7 @@ from celery import Task, states
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from ..errors import ConfigError, GpuHedgeError, RequestLost
+from ..errors import GpuHedgeError, RequestLost
 from ..store.keys import Keys
 from ..store.pooled import PooledRecords
 from .pooled_direct import send_direct
@@ -89,9 +89,9 @@ class PooledTask(Task):
         if self.app.conf.task_always_eager or options.get("producer") is not None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         task_id = task_id or uuid()
-        if send_direct(self.app, task_id, args, kwargs, options):  # a free GPU, nobody waiting
-            return self.AsyncResult(task_id, recorded=True)
         records = records_for(self.app)
+        if send_direct(self.app, records, task_id, args, kwargs, options):  # a free GPU
+            return self.AsyncResult(task_id, recorded=True)
         records.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
                      options.get("queue"))  # fmt: skip
         with _unsent_forgotten(records, task_id):
@@ -122,19 +122,6 @@ def forget_on_end(task: Task, status: str) -> None:
         pass
 
 
-def check_arguments(pool: Any, labels: Any, timeout_s: Any) -> None:
-    """``pooled_infer``'s own arguments, or a one-line ConfigError naming the bad one."""
-    if not isinstance(pool, str) or not pool or any(c.isspace() for c in pool):
-        raise ConfigError(f"expected a pool name without spaces, got {pool!r}", key="pool")
-    if labels is not None and (
-        not isinstance(labels, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
-    ):
-        raise ConfigError(f"expected a dict of str to str, got {labels!r}", key="labels")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-        raise ConfigError(f"expected seconds > 0, got {timeout_s!r}", key="timeout_s")
-
-
 def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: bool = True,
                 **kwargs: Any) -> Any:  # fmt: skip
     """``pooled_infer`` for an app that calls it by name (``send_task``), recorded the same way;
@@ -145,9 +132,9 @@ def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: b
     task_kwargs = {k: kwargs.pop(k) for k in ("pool", "labels", "timeout_s") if k in kwargs}
     kwargs.setdefault("queue", QUEUE_POOL)
     task_id = task_id or uuid()
-    if direct and send_direct(app, task_id, (request,), task_kwargs, kwargs):  # a free GPU
-        return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
     records = records_for(app)
+    if direct and send_direct(app, records, task_id, (request,), task_kwargs, kwargs):
+        return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
     records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
                  kwargs["queue"])  # fmt: skip
     with _unsent_forgotten(records, task_id):
