@@ -1,4 +1,5 @@
-"""Reading one ``GPUHEDGE_*`` number from the environment, with a one-line error naming it.
+"""Reading one ``GPUHEDGE_*`` number or switch from the environment, with a one-line error
+naming it.
 
 Shared by the settings classes (race/settings.py, webhooks/settings.py, tasks/janitor.py):
 each says what it expects, so a bad value's :class:`ConfigError` reads ``expected <what>,
@@ -41,3 +42,16 @@ def env_number(
     if not valid(value):
         raise ConfigError(f"expected {bound}, got {raw!r}", key=name)
     return value
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """``name``'s on/off value (1/0, true/false, yes/no, on/off), or ``default`` when unset or
+    blank; anything else is a one-line ConfigError naming the variable."""
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}", key=name)

@@ -76,7 +76,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from ..envvars import env_number
+from ..envvars import env_flag, env_number
 from ..errors import ConfigError
 
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -106,17 +106,6 @@ def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
         env, name, default, cast=int, kind="a whole number (0: off)", valid=lambda v: v >= 0,
         bound="a whole number >= 0 (0: off)",
     )  # fmt: skip
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = (env.get(name) or "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}", key=name)
 
 
 @dataclass(frozen=True)
@@ -177,14 +166,14 @@ class RaceSettings:
             payload_inline_max=int(
                 _float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)
             ),
-            payload_by_ref=_flag(env, "GPUHEDGE_PAYLOAD_BY_REF", True),
+            payload_by_ref=env_flag(env, "GPUHEDGE_PAYLOAD_BY_REF", True),
             request_max_bytes=int(_float(env, "GPUHEDGE_REQUEST_MAX_BYTES", 1_048_576)),
             watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
-            events=_flag(env, "GPUHEDGE_RACE_EVENTS", True),
+            events=env_flag(env, "GPUHEDGE_RACE_EVENTS", True),
             event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 20.0, minimum=-1),
             timer_namespace=namespace,
-            submit_primary_inline=_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
-            launch_inline=_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
+            submit_primary_inline=env_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
+            launch_inline=env_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
             launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 8),
             timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 0.0, minimum=-1)),

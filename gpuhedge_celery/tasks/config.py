@@ -70,6 +70,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+from ..envvars import env_flag
 from ..errors import ConfigError
 from ..gpus import default_host, parse_labels
 from ..runners import runner_from_spec
@@ -114,18 +115,6 @@ def default_schedule(env: Mapping[str, str], prefix: str) -> str:
 
 
 COORD_QUEUES = ("gpuhedge.coord", "gpuhedge.attempts", "gpuhedge.pool")
-
-
-def parse_on_off(text: str | None, key: str, default: bool = True) -> bool:
-    """An on/off switch (``on``/``off``, also ``1``/``0``, ``true``/``false``, ``yes``/``no``)."""
-    value = (text or "").strip().lower()
-    if not value:
-        return default
-    if value in ("on", "1", "true", "yes"):
-        return True
-    if value in ("off", "0", "false", "no"):
-        return False
-    raise ConfigError(f"expected on or off, got {text!r}", key=key)
 
 
 def parse_coord_queues(text: str | None) -> tuple[str, ...]:
@@ -285,7 +274,7 @@ class GlueConfig:
             coord_queues=parse_coord_queues(env.get("GPUHEDGE_COORD_QUEUES")),
             acquire_timeout_s=acquire,
             max_attempts=int(_number(env, "GPUHEDGE_MAX_ATTEMPTS", 3, integer=True)),
-            pool_direct=parse_on_off(env.get("GPUHEDGE_POOL_DIRECT"), "GPUHEDGE_POOL_DIRECT"),
+            pool_direct=env_flag(env, "GPUHEDGE_POOL_DIRECT", True),
             gpu=gpu,
             pool=pool,
             labels=parse_labels(env.get("GPUHEDGE_GPU_LABELS")),

@@ -21,6 +21,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
+from ..envvars import env_flag
 from ..errors import ConfigError, GpuHedgeError, StoreUnavailable
 from ..store.direct import DirectClaims
 from ..store.pooled import PooledRecords
@@ -36,9 +37,7 @@ def direct_enabled(app: Any) -> bool:
     config = getattr(app, "gpuhedge_config", None)
     if config is not None:
         return bool(config.pool_direct)
-    from .config import parse_on_off
-
-    return parse_on_off(os.environ.get("GPUHEDGE_POOL_DIRECT"), "GPUHEDGE_POOL_DIRECT")
+    return env_flag(os.environ, "GPUHEDGE_POOL_DIRECT", True)
 
 
 def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwargs: Any,
