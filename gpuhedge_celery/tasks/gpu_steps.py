@@ -2,9 +2,10 @@
 
 Before the runner starts, :func:`begin` reads the request's stop flag, checks the lease's
 fencing token (the newest accepted, and the lease's current one) and writes the GPU's running
-record (``lua/gpu_start.lua``); after it, :func:`finish` clears that record and releases the
-lease (``lua/gpu_finish.lua``). One round trip each instead of three: the GPU's per-job
-overhead is a few milliseconds, and each round trip from a worker costs a fraction of one.
+record (``lua/check_fence.lua`` given its optional keys); after it, :func:`finish` clears that
+record and releases the lease (``lua/gpu_finish.lua``). One round trip each instead of three:
+the GPU's per-job overhead is a few milliseconds, and each round trip from a worker costs a
+fraction of one.
 Both are safe to repeat after a lost reply, which :func:`~.outage.through_outage` does while
 Redis is unreachable.
 
@@ -56,12 +57,10 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
     (:data:`STARTED`, whether a crashed delivery of this job left its running record);
     :class:`~gpuhedge_celery.errors.StaleToken` / ``LeaseLost`` when the fence refuses it."""
     k = store.keys
-    keys = [stop_key(store, running.task_id), k.lease(lease.gpu_id), k.accepted(lease.gpu_id),
+    keys = [k.lease(lease.gpu_id), k.accepted(lease.gpu_id), stop_key(store, running.task_id),
             running.key]  # fmt: skip
     with store.guard():
-        code, detail = lua_script(store.client, "gpu_start")(
-            keys=keys, args=[int(lease.token), running.value]
-        )
+        code, detail = store.scripts.check_fence(keys=keys, args=[int(lease.token), running.value])
     code = int(code)
     if code == 0:
         return STOPPED, False
