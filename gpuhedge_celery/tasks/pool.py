@@ -32,15 +32,18 @@ from ..errors import (
     UnknownPool,
 )
 from ..metrics import record as metrics
+from ..store.outage import through_outage
 from ..store.pooled import DUPLICATE, HANDED, SUPERSEDED
 from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
-from .outage import through_outage
 from .pooled_args import check_arguments
 from .pooled_result import PooledTask, records_for
 
 log = logging.getLogger(__name__)
+
+
+PUBLISH_RETRY_WAITS_S = (0.2, 0.5, 1.0)  # before each new try of a failed hand-off to a GPU
 
 
 def celery_safe(exc: BaseException) -> BaseException:
@@ -140,20 +143,42 @@ def pooled_infer(
                     "GPU %s given back", holder, lease.gpu_id)  # fmt: skip
         _give_back(store, lease, holder)
         raise Ignore()
-    job = gpu_run.s(
-        request,
-        lease.to_dict(),
-        attempt=attempt,
-        labels=labels,
-        leased_at=time.time(),
-    ).set(queue=gpu_queue(lease.gpu_id))
-    try:
-        return self.replace(job)
-    except Ignore:
-        raise  # replace's normal way out: the GPU worker owns the request now
-    except Exception:
-        _give_back(store, lease, holder)  # the job never reached the GPU's queue
-        raise
+    return hand_to_gpu(
+        self, request, lease, attempt, labels, lambda: _give_back(store, lease, holder)
+    )
+
+
+def hand_to_gpu(
+    task: Any, request: Any, lease: Any, attempt: int, labels: dict[str, str] | None,
+    give_back: Any, waits_s: tuple[float, ...] = PUBLISH_RETRY_WAITS_S,
+) -> Any:  # fmt: skip
+    """Replace ``task`` with ``gpu_run`` on the leased GPU's queue (``Task.replace``).
+
+    A publish that fails is tried again after each of ``waits_s`` (a fresh signature each time:
+    ``replace`` links the request's callbacks into the one it is given). A broker connection
+    that restarted under a worker thread can fail one publish with an error that is not a
+    connection error (kombu's Redis channel closed under it: ``AttributeError``), so every
+    error counts. Should a failed publish have reached the broker after all, the second copy
+    finds the request's result stored or its lease gone (``gpu_run``), and is dropped. When
+    every try failed the lease is given back (``give_back``) and the error raised: the
+    caller's request fails explicitly.
+    """
+    for wait_s in (*waits_s, None):
+        job = gpu_run.s(
+            request, lease.to_dict(), attempt=attempt, labels=labels, leased_at=time.time()
+        ).set(queue=gpu_queue(lease.gpu_id))
+        try:
+            return task.replace(job)
+        except Ignore:
+            raise  # replace's normal way out: the GPU worker owns the request now
+        except Exception as e:
+            if wait_s is None:
+                give_back()  # the job never reached the GPU's queue
+                raise
+            log.warning("request %s: handing it to GPU %s failed (%s: %s); again in %.1f s",
+                        task.request.id, lease.gpu_id, type(e).__name__, e, wait_s)  # fmt: skip
+            time.sleep(wait_s)
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _give_back(store: Any, lease: Any, holder: str) -> None:
