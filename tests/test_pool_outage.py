@@ -13,9 +13,9 @@ import pytest
 
 from gpuhedge_celery.errors import LeaseLost, StoreUnavailable
 from gpuhedge_celery.store.leases import GpuInfo, LeaseStore
+from gpuhedge_celery.store.outage import through_outage
 from gpuhedge_celery.tasks import gpu_steps
 from gpuhedge_celery.tasks.gpu_steps import STARTED, RunningRecord, begin, finish
-from gpuhedge_celery.tasks.outage import through_outage
 
 
 def flaky(failures: int, answer: object = "ok"):

@@ -12,6 +12,7 @@ import pytest
 
 from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.jobs import JobHandle
+from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
@@ -111,6 +112,44 @@ def test_a_job_registered_before_a_crash_is_reported_not_resubmitted(setup):
     attempt = driver.store.load("r3").state["race"]["attempts"][0]
     assert attempt["job_id"] == handle.job_id
     assert JobHandle.from_dict(attempt["handle"]) == handle
+
+
+def failing_once(call):
+    """``call``, whose first use raises StoreUnavailable (its answer lost on a cut link)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise StoreUnavailable("Redis is unreachable (Connection closed by server.)")
+        return call(*args, **kwargs)
+
+    wrapped.calls = calls
+    return wrapped
+
+
+def test_a_submitted_job_is_registered_through_a_redis_blip(setup):
+    driver, _, cfg, ledger, _ = setup
+    driver.create("rb", SLOW, build_spec(cfg))
+    driver.store.add_job = failing_once(driver.store.add_job)
+    driver.submit_attempt("rb", "a1")
+    assert submissions(ledger) == 1 and len(driver.store.add_job.calls) == 2
+    assert list(driver.store.live_jobs("rb")) == ["a1"]
+    assert driver.store.load("rb").state["race"]["attempts"][0]["phase"] == "running"
+
+
+def test_past_the_submit_window_a_failed_registration_is_left_to_the_backstop(redis_client, prefix):
+    """A handle registered after the launch backstop judged the submit unknown would sit
+    under an ended attempt: with no window left the error goes through at once."""
+    driver, _, cfg, ledger, _ = build_driver(
+        redis_client, prefix, Recorder(), RaceSettings(launch_backstop_s=0.5)
+    )
+    driver.create("rw", SLOW, build_spec(cfg))
+    driver.store.add_job = failing_once(driver.store.add_job)
+    with pytest.raises(StoreUnavailable):
+        driver.submit_attempt("rw", "a1")
+    assert submissions(ledger) == 1 and len(driver.store.add_job.calls) == 1
+    assert driver.store.live_jobs("rw")["a1"]["submitting"] is True  # the backstop's to judge
 
 
 def test_a_fast_job_wins_inline_and_a_duplicate_result_changes_nothing(setup):

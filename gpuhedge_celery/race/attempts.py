@@ -18,6 +18,7 @@ from ..core.race_events import AttemptSubmitted, SubmitFailed
 from ..errors import ProviderError
 from ..metrics import record as metrics
 from ..providers.base import Provider
+from ..store.outage import through_outage
 from ..webhooks.token import context as webhook_context
 from .backstops import BackstopDrop, launch_backstop_id
 from .base import due_ms, find_attempt
@@ -156,8 +157,7 @@ class AttemptWork(CancelWork, WatchWork):
                 self.step(race_id, SubmitFailed(attempt_id, error), None, drop.queue)
                 drop.now()
                 return
-            # Registered before it is reported: a crash now leaves the janitor a handle.
-            self.store.add_job(race_id, attempt_id, handle.to_dict())
+            self._register_job(race_id, attempt_id, handle, float(intent["until"]))
         elif known.get("submitting"):
             until = known.get("until")
             if until is not None and self.clock.now() < float(until):
@@ -180,6 +180,21 @@ class AttemptWork(CancelWork, WatchWork):
         self.watch(
             race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
         )
+
+    def _register_job(self, race_id: str, attempt_id: str, handle: JobHandle, until: float) -> None:
+        """Register a job the provider just accepted, before it is reported: a crash now leaves
+        the janitor a handle. The job is paid for from here, so a Redis blip must not lose its
+        id: the registration (an ``HSET`` of the same handle, harmless to repeat) waits for
+        Redis while the submit intent's window lasts (``until``, less a second). Past it the
+        launch backstop may judge the submit unknown, and a handle registered after that
+        would sit under an attempt already ended; so then the error goes through and the
+        attempt's receipt flags the job as leaked."""
+        limit_s = until - self.clock.now() - 1.0
+        through_outage(
+            self.store.client, f"race {race_id}: register the job of {attempt_id}",
+            lambda: self.store.add_job(race_id, attempt_id, handle.to_dict()),
+            limit_s=max(0.0, limit_s),
+        )  # fmt: skip
 
     def _submit(
         self, provider: Provider, request: dict[str, Any], race_id: str, attempt_id: str

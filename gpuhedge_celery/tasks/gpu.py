@@ -30,11 +30,11 @@ from ..metrics import record as metrics
 from ..runners import RunContext, Runner, RunnerStopped, RunnerUnavailable, runner_from_spec
 from ..store.connection import wait_for_redis
 from ..store.leases import GpuInfo, Lease, LeaseKeeper, LeaseStore
+from ..store.outage import OUTAGE_WAIT_S, through_outage
 from .app import TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
 from .cancel import StopWatch
 from .gpu_steps import STOPPED, RunningRecord, begin, clear_running, finish
 from .model_host import wait_ready
-from .outage import OUTAGE_WAIT_S, through_outage
 from .pooled_result import PooledEndTask
 
 log = logging.getLogger(__name__)

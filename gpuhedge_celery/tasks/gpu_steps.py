@@ -20,10 +20,10 @@ import time
 
 from ..errors import LeaseLost
 from ..store.leases import Lease, LeaseStore
+from ..store.outage import through_outage
 from ..store.scripts import lua_script, raise_for_code
 from ..store.timers import as_text
 from .cancel import stop_key
-from .outage import through_outage
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,16 @@
-"""Redis calls of the pooled path that wait out an outage instead of failing the request.
+"""Redis calls that wait out an outage instead of failing the work they belong to.
 
 A pooled request must end with a result or an explicit failure, never with "Redis was away for
-a moment". Every Redis call ``pooled_infer`` and ``gpu_run`` make outside the lease waiter and
-keeper (which have their own outage handling) goes through :func:`through_outage`: on
-:class:`StoreUnavailable` it waits for Redis to answer PING again and repeats the call, for at
-most ``OUTAGE_WAIT_S`` in all, then lets the error through.
+a moment", and a provider job that was just submitted must be registered, or nothing could
+cancel it. Every Redis call ``pooled_infer`` and ``gpu_run`` make outside the lease waiter and
+keeper (which have their own outage handling), and a race's registration of a submitted job,
+go through :func:`through_outage`: on :class:`StoreUnavailable` it waits for Redis to answer
+PING again and repeats the call, for at most ``limit_s`` (``OUTAGE_WAIT_S`` unless told) in
+all, then lets the error through.
 
-The calls it wraps are reads, or writes whose repetition is harmless (``SET`` of the same
-value, a delete of our own record); a release whose first answer was lost is handled by
-``gpu_steps.py``'s ``finish``.
+The calls it wraps are reads, or writes whose repetition is harmless (``SET`` or ``HSET`` of
+the same value, a delete of our own record); a GPU release whose first answer was lost is
+handled by ``tasks/gpu_steps.py``'s ``finish``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import StoreUnavailable
-from ..store.connection import wait_for_redis
+from .connection import wait_for_redis
 
 OUTAGE_WAIT_S = 120.0  # how long a pooled request waits for Redis to come back, in all
 
