@@ -124,10 +124,23 @@ def check_races(cluster, outcomes, *, expect_all_won: bool) -> dict[str, int]:
                 provider = rc.config.build(handle["provider"], ledger=rc.ledger)
                 assert not sim_job_running(provider, handle), (race_id, handle)
         final = store.receipt(race_id)
-        assert not final.get("leaks"), f"race {race_id} leaked: {final.get('leaks')}"
+        assert not final.get("leaks"), f"race {race_id} leaked: {leak_story(final)}"
     if expect_all_won:
         assert counts["won"] == len(outcomes), counts
     return counts
+
+
+def leak_story(receipt: dict) -> dict:
+    """What a failing check shows of a leaked race: each leaked attempt's timeline, reasons,
+    error and cancel receipt, and the janitor's mark (who ended the race, if it did)."""
+    leaked = {x["attempt"] for x in receipt.get("leaks") or []}
+    keep = ("id", "provider", "phase", "reasons", "timeline", "error", "cancel_receipt")
+    return {
+        "leaks": receipt.get("leaks"),
+        "attempts": [{k: a.get(k) for k in keep} for a in receipt["attempts"] if a["id"] in leaked],
+        "janitor": receipt.get("janitor"),
+        "note": receipt.get("note"),
+    }
 
 
 def test_a_10s_redis_outage_under_load_every_race_ends_and_no_gpu_is_held_twice(tmp_path):
