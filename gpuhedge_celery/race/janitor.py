@@ -286,15 +286,16 @@ class Janitor:
             if found == UNKNOWN_SUBMIT:
                 continue  # no job id: nothing was (or could be) cancelled
             if isinstance(found, CancelReceipt) and found.confirmed_terminal:
-                self.store.remove_job(race_id, attempt_id)
-                cleanup.cancelled.append(attempt_id)
+                cleanup.cancelled.append(attempt_id)  # unregistered with the new receipt
             else:
                 cleanup.leaked.append(attempt_id)
         spec = spec_from_state(record.state)
         receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
         receipt["janitor"] = record.state.get("janitor")
         final = race_record(self.store, race, record.state, spec, receipt)
-        self.store.finish(race_id, receipt, self.receipt_ttl_s, record=final)
+        self.store.finish(
+            race_id, receipt, self.receipt_ttl_s, drop_jobs=cleanup.cancelled, record=final
+        )
         if self.budget is not None:  # every attempt shown stopped settles its reservation
             self.budget.settle_race(race_id, race, record.state)
         caller = record.state.get("caller") or {}

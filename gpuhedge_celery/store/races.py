@@ -453,11 +453,11 @@ class RaceStore(RaceLiveness):
         request (only needed to submit) is dropped at once, and the race joins the index of
         recently finished races (read by :mod:`.race_lookup`).
 
-        ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered in the same
-        round trip (as :meth:`remove_job` would, one by one). ``record``: the race's record,
-        appended to the record stream in the same round trip (one ``XADD``). Returns how many
-        jobs are still registered as live; with none the race also leaves the live index,
-        otherwise it stays there for the janitor.
+        ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered by the script
+        that writes the receipt (no reader sees them gone beside the receipt before it).
+        ``record``: the race's record, appended to the record stream in the same round trip
+        (one ``XADD``). Returns how many jobs are still registered as live; with none the race
+        also leaves the live index, otherwise it stays there for the janitor.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(receipt, f"receipt of race {race_id!r}")
@@ -467,8 +467,6 @@ class RaceStore(RaceLiveness):
         now_ms = self.now_ms()
 
         def build(pipe: Any) -> None:
-            if drop:
-                pipe.hdel(keys.jobs, *drop)
             if record is not None:
                 self.records.queue_append(pipe, record)
             pipe.delete(keys.request)  # nothing submits once the race is finished
@@ -480,7 +478,7 @@ class RaceStore(RaceLiveness):
             queue_script(
                 pipe, self._finish,
                 [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
-                [data, ttl_ms],
+                [data, ttl_ms, *drop],
             )  # fmt: skip
 
         with store_errors(f"finishing race {race_id!r}"):
