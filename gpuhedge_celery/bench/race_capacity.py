@@ -54,7 +54,7 @@ def payload_bytes(bench: Bench, provider: str) -> int:
     return codec.size(_audio_b64(spec.audio_s, spec.sample_rate, False))
 
 
-def _traffic(bench: Bench) -> dict[str, int]:
+def _traffic(bench: Bench) -> dict[str, Any]:
     """Redis's input bytes and commands so far, the workers' and this client's requests."""
     stats = bench.client.info("stats")
     workers = redis_probe.read_totals(bench.probe_dir)
@@ -64,13 +64,24 @@ def _traffic(bench: Bench) -> dict[str, int]:
         "worker_round_trips": workers["round_trips"],
         "worker_bytes": workers["bytes"],
         "client_bytes": redis_probe.totals()["bytes"],
+        "sites": workers["sites"],
     }
 
 
-def traffic_fields(before: dict[str, int], after: dict[str, int], races: int) -> dict[str, Any]:
+def site_fields(before: dict[str, int], after: dict[str, int], races: int) -> dict[str, float]:
+    """The workers' round trips per race by where they were sent from, most first (counted
+    only with ``GPUHEDGE_BENCH_PROBE_SITES=on``, see :mod:`.redis_probe`)."""
+    per_race = {k: (n - before.get(k, 0)) / races for k, n in after.items()}
+    ranked = sorted(per_race.items(), key=lambda kv: -kv[1])
+    return {k: round(v, 2) for k, v in ranked if v >= 0.05}
+
+
+def traffic_fields(before: dict[str, Any], after: dict[str, Any], races: int) -> dict[str, Any]:
     """Per-race Redis traffic between two :func:`_traffic` snapshots."""
-    d = {k: after[k] - before[k] for k in before}
+    d = {k: after[k] - before[k] for k in before if k != "sites"}
+    sites = site_fields(before.get("sites", {}), after.get("sites", {}), races)
     return {
+        **({"round_trips_by_site": sites} if sites else {}),
         "round_trips_per_race": round(d["worker_round_trips"] / races, 1),
         "redis_bytes_per_race": round(d["net_input_bytes"] / races),
         "redis_bytes_per_race_by": {

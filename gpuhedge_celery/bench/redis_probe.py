@@ -14,6 +14,11 @@ Celery's broker (kombu's ``BRPOP`` polls), result backend and task events alike.
 * In the bench client: :func:`install` counts its own requests (its share of Redis's
   ``total_net_input_bytes``).
 
+With ``GPUHEDGE_BENCH_PROBE_SITES=on`` each round trip is also counted by where it was sent
+from (:func:`site`): the package's innermost function that sent it and, when that is the store
+layer, the function that called the store; else the library module (kombu, celery). Walking the
+stack costs CPU, so the CPU figures of a run with sites on are not comparable.
+
 Without ``GPUHEDGE_BENCH_PROBE_DIR`` importing it does nothing.
 """
 
@@ -21,17 +26,48 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 DIR_ENV = "GPUHEDGE_BENCH_PROBE_DIR"
+SITES_ENV = "GPUHEDGE_BENCH_PROBE_SITES"
 WRITE_INTERVAL_S = 0.05
+_PACKAGE = __name__.rsplit(".", 2)[0]  # gpuhedge_celery
+_SKIP = (f"{_PACKAGE}.bench.redis_probe", f"{_PACKAGE}.store.connection")
 
 _lock = threading.Lock()
-_totals = {"round_trips": 0, "bytes": 0}
+_totals: dict[str, Any] = {"round_trips": 0, "bytes": 0}
+_sites: dict[str, int] = {}
 _installed = False
+
+
+def _short(module: str, function: str) -> str:
+    return f"{module.removeprefix(_PACKAGE + '.')}:{function}"
+
+
+def site(frame: Any) -> str:
+    """Where a request was sent from: ``module:function`` of the package's innermost frame
+    (``store`` frames also name their first caller outside the store), else the innermost
+    library module outside redis-py."""
+    library = None
+    inner = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(_PACKAGE + ".") and module not in _SKIP:
+            here = _short(module, frame.f_code.co_name)
+            if inner is None:
+                inner = here
+                if ".store." not in module:
+                    return inner
+            elif ".store." not in module:
+                return f"{here} > {inner}"
+        elif library is None and not module.startswith(("redis", "threading")):
+            library = module
+        frame = frame.f_back
+    return inner or library or "?"
 
 
 def _size(command: Any) -> int:
@@ -49,22 +85,29 @@ def install() -> None:
         from redis.connection import AbstractConnection
 
         original = AbstractConnection.send_packed_command
+        by_site = os.environ.get(SITES_ENV, "").lower() in ("1", "on", "true", "yes")
 
         def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             size = _size(command)
+            where = site(sys._getframe(1)) if by_site else None
             with _lock:
                 _totals["round_trips"] += 1
                 _totals["bytes"] += size
+                if where is not None:
+                    _sites[where] = _sites.get(where, 0) + 1
             return original(self, command, *args, **kwargs)
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
         _installed = True
 
 
-def totals() -> dict[str, int]:
-    """This process's counts so far."""
+def totals() -> dict[str, Any]:
+    """This process's counts so far (``sites``: round trips by :func:`site`, when counted)."""
     with _lock:
-        return dict(_totals)
+        out: dict[str, Any] = dict(_totals)
+        if _sites:
+            out["sites"] = dict(_sites)
+        return out
 
 
 def _write_loop(directory: Path) -> None:
@@ -76,16 +119,18 @@ def _write_loop(directory: Path) -> None:
         time.sleep(WRITE_INTERVAL_S)
 
 
-def read_totals(directory: Path) -> dict[str, int]:
+def read_totals(directory: Path) -> dict[str, Any]:
     """The workers' counts so far, added up (files written within the last interval)."""
-    out = {"round_trips": 0, "bytes": 0}
+    out: dict[str, Any] = {"round_trips": 0, "bytes": 0, "sites": {}}
     for path in directory.glob("probe-*.json"):
         try:
             found = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        for key in out:
+        for key in ("round_trips", "bytes"):
             out[key] += int(found.get(key, 0))
+        for where, n in (found.get("sites") or {}).items():
+            out["sites"][where] = out["sites"].get(where, 0) + int(n)
     return out
 
 
