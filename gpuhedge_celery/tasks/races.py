@@ -37,6 +37,7 @@ from celery.utils.saferepr import saferepr
 from ..core.race_events import event_from_dict
 from ..errors import ConfigError, StoreError
 from ..race.spec import build_spec, check_request
+from ..store.outage import through_outage
 from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
 from .pool import celery_safe
 from .race_runtime import (  # the runtime's names are re-exported: see __all__
@@ -195,7 +196,14 @@ def hedged_infer(
             rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})
         raise celery_safe(e) from None
     caller = _caller(self)
-    rt.driver.create(race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline)
+    # Creating is idempotent (a second create resumes the race it finds), so a Redis blip waits
+    # here rather than failing the caller's .get() with StoreUnavailable while the race may run.
+    through_outage(
+        rt.driver.store.client, f"race {race_id}: start it",
+        lambda: rt.driver.create(
+            race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline
+        ),
+    )  # fmt: skip
     # The race runs the links and the rest of the chain with the winner's result, or the
     # error links and the chain's failure when it has none (see CeleryEffects.won/failed);
     # Celery's tracer must not run them now with the marker. (If create raised, it still does
