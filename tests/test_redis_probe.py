@@ -39,6 +39,9 @@ operator_script()
 from gpuhedge_celery.race.receipt import with_payload
 
 with_payload({"payload_ref": sys.argv[2] + ":no-such-payload", "payload_bytes": 1}, client)
+from gpuhedge_celery.providers.simledger import RedisLedger
+
+RedisLedger(client, sys.argv[2]).get("sim:job:p:none")  # the simulated providers' own request
 print(json.dumps({"pipeline": after_pipe - before, **redis_probe.totals()}))
 """
 
@@ -62,8 +65,11 @@ def test_a_pipeline_is_one_round_trip_and_sites_name_the_store_call_and_its_call
     assert any(k.startswith("store.races:load") for k in sites), sites
     # a package function outside the store that sends its own command is named alone
     assert sites.get("race.receipt:with_payload") == 1, sites
+    # the sim ledger's request is counted apart too (it stands in for a provider's API)
+    assert found["sim_round_trips"] == 1 and sites.get("providers.simledger:get") == 1
 
 
 def test_without_sites_only_totals_are_counted(redis_url, prefix):
     found = run_child(redis_url, prefix, "off")
     assert found["pipeline"] == 1 and "sites" not in found
+    assert found["sim_round_trips"] == 1 and 0 < found["sim_bytes"] < found["bytes"]

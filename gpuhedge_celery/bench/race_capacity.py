@@ -7,6 +7,9 @@ workers, Redis and the bench client), memory per race in flight, and Redis traff
 * ``round_trips_per_race``: requests the coordination workers sent to Redis (a pipeline or a
   script is one), counted client-side in each worker (:mod:`.redis_probe`): every request
   through redis-py, so Celery's broker polls, result writes and task events too;
+* ``coordination_round_trips_per_race``: the same less ``sim_provider_round_trips_per_race``,
+  the simulated providers' own ledger reads and writes (the sim stands in for a provider's
+  HTTP API by keeping its jobs in the same Redis; a real provider adds none of these);
 * ``redis_bytes_per_race``: Redis's ``total_net_input_bytes`` over the row / races (every
   client: the workers and this bench client, whose own share is ``redis_bytes_per_race_by``);
 * ``payload_bytes``: the size of one winning payload as JSON, to compare with the above;
@@ -63,6 +66,8 @@ def _traffic(bench: Bench) -> dict[str, Any]:
         "commands": int(stats["total_commands_processed"]),
         "worker_round_trips": workers["round_trips"],
         "worker_bytes": workers["bytes"],
+        "sim_round_trips": workers["sim_round_trips"],
+        "sim_bytes": workers["sim_bytes"],
         "client_bytes": redis_probe.totals()["bytes"],
         "sites": workers["sites"],
     }
@@ -83,9 +88,15 @@ def traffic_fields(before: dict[str, Any], after: dict[str, Any], races: int) ->
     return {
         **({"round_trips_by_site": sites} if sites else {}),
         "round_trips_per_race": round(d["worker_round_trips"] / races, 1),
+        # the same without the simulated providers' ledger (a real provider answers over HTTP)
+        "coordination_round_trips_per_race": round(
+            (d["worker_round_trips"] - d["sim_round_trips"]) / races, 1
+        ),
+        "sim_provider_round_trips_per_race": round(d["sim_round_trips"] / races, 1),
         "redis_bytes_per_race": round(d["net_input_bytes"] / races),
         "redis_bytes_per_race_by": {
             "workers": round(d["worker_bytes"] / races),
+            "sim_provider": round(d["sim_bytes"] / races),  # of the workers' bytes
             "client": round(d["client_bytes"] / races),
         },
         "redis_commands_per_race": round(d["commands"] / races, 1),

@@ -14,6 +14,11 @@ Celery's broker (kombu's ``BRPOP`` polls), result backend and task events alike.
 * In the bench client: :func:`install` counts its own requests (its share of Redis's
   ``total_net_input_bytes``).
 
+The simulated providers keep their jobs in a ledger on the same Redis (``RedisLedger``): what a
+real provider answers over HTTP, the sim answers from Redis. Those requests are counted apart
+as well (``sim_round_trips``, ``sim_bytes``), found by the ledger's frame a few frames up, so
+the bench can report the coordination's own traffic beside the total.
+
 With ``GPUHEDGE_BENCH_PROBE_SITES=on`` each round trip is also counted by where it was sent
 from (:func:`site`): the package's innermost function that sent it and, when that is the store
 layer, the function that called the store; else the library module (kombu, celery). Walking the
@@ -37,15 +42,29 @@ SITES_ENV = "GPUHEDGE_BENCH_PROBE_SITES"
 WRITE_INTERVAL_S = 0.05
 _PACKAGE = __name__.rsplit(".", 2)[0]  # gpuhedge_celery
 _SKIP = (f"{_PACKAGE}.bench.redis_probe", f"{_PACKAGE}.store.connection")
+_LEDGER = f"{_PACKAGE}.providers.simledger"
+_LEDGER_DEPTH = 8  # redis-py's frames between a ledger method and send_packed_command, and some
 
 _lock = threading.Lock()
-_totals: dict[str, Any] = {"round_trips": 0, "bytes": 0}
+_totals: dict[str, Any] = {"round_trips": 0, "bytes": 0, "sim_round_trips": 0, "sim_bytes": 0}
 _sites: dict[str, int] = {}
 _installed = False
 
 
 def _short(module: str, function: str) -> str:
     return f"{module.removeprefix(_PACKAGE + '.')}:{function}"
+
+
+def from_ledger(frame: Any) -> bool:
+    """Whether a request was sent by the simulated providers' ledger (a frame of it within
+    :data:`_LEDGER_DEPTH` frames)."""
+    for _ in range(_LEDGER_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == _LEDGER:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def site(frame: Any) -> str:
@@ -89,10 +108,15 @@ def install() -> None:
 
         def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             size = _size(command)
-            where = site(sys._getframe(1)) if by_site else None
+            caller = sys._getframe(1)
+            sim = from_ledger(caller)
+            where = site(caller) if by_site else None
             with _lock:
                 _totals["round_trips"] += 1
                 _totals["bytes"] += size
+                if sim:
+                    _totals["sim_round_trips"] += 1
+                    _totals["sim_bytes"] += size
                 if where is not None:
                     _sites[where] = _sites.get(where, 0) + 1
             return original(self, command, *args, **kwargs)
@@ -121,13 +145,14 @@ def _write_loop(directory: Path) -> None:
 
 def read_totals(directory: Path) -> dict[str, Any]:
     """The workers' counts so far, added up (files written within the last interval)."""
-    out: dict[str, Any] = {"round_trips": 0, "bytes": 0, "sites": {}}
+    counts = ("round_trips", "bytes", "sim_round_trips", "sim_bytes")
+    out: dict[str, Any] = {**dict.fromkeys(counts, 0), "sites": {}}
     for path in directory.glob("probe-*.json"):
         try:
             found = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        for key in ("round_trips", "bytes"):
+        for key in counts:
             out[key] += int(found.get(key, 0))
         for where, n in (found.get("sites") or {}).items():
             out["sites"][where] = out["sites"].get(where, 0) + int(n)
