@@ -41,11 +41,13 @@ class TimerService:
 
     With ``threads > 1`` handlers run concurrently on that many daemon worker threads, so the
     handler must be thread-safe. The service thread claims only as many timers as there are
-    free slots (claimed and unacknowledged timers never number more than ``threads``, so none
-    waits here for a worker beyond at most one ack round trip and a lease is spent on its own
-    handler), hands them over earliest due first, and sleeps until a slot frees when all are
-    busy. A finished timer is acknowledged at once by the worker that ran it, together with any
-    others that finished meanwhile (one ``ack_many``).
+    free slots (claimed timers whose handler has not finished never number more than
+    ``threads``, so none waits here for a worker and a lease is spent on its own handler),
+    hands them over earliest due first, and sleeps until a slot frees when all are busy. A
+    finished timer frees its slot at once; its acknowledgement waits for the service thread's
+    next claim and rides in it (one script, one round trip for both), or goes alone once it
+    has waited ``ack_delay_ms``. Until acknowledged it stays in flight in Redis, where only its
+    lease (far longer) would make it due again.
 
     With ``ahead_ms`` (a pool only) a claim also takes the timers due within that many ms; the
     service thread holds them (each holds a slot) and hands each over at its due time, so a
@@ -66,6 +68,7 @@ class TimerService:
         max_deliveries: int = 10,
         threads: int = 1,
         ahead_ms: int = 0,
+        ack_delay_ms: int = 50,
         clock: Clock | None = None,
         name: str = "gpuhedge-timers",
     ):
@@ -85,6 +88,9 @@ class TimerService:
         self.max_deliveries = max_deliveries
         self.threads = threads
         self.ahead_ms = ahead_ms
+        if not 0 <= ack_delay_ms < lease_ms:
+            raise ValueError(f"ack_delay_ms must be >= 0 and under lease_ms, got {ack_delay_ms}")
+        self.ack_delay_ms = ack_delay_ms
         self.clock = clock or WallClock()
         self.fired = 0
         self.failed = 0
@@ -94,13 +100,15 @@ class TimerService:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pubsub: Any = None
         self._counts = threading.Lock()  # fired, failed
-        # Worker pool (threads > 1): _running counts timers handed to workers, not yet acked.
+        # Worker pool (threads > 1): _running counts timers claimed and not yet finished.
         self._slots = threading.Condition()
         self._running = 0
         self._jobs: queue.SimpleQueue[Timer | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
-        self._finished: list[Timer] = []  # waiting for an ack; guarded by _slots
-        self._acking = False  # a worker is acknowledging _finished; guarded by _slots
+        # Finished timers waiting for their acknowledgement, and when it is due at the latest
+        # (monotonic seconds; None when none waits); guarded by _slots.
+        self._finished: list[Timer] = []
+        self._ack_by: float | None = None
         # Timers claimed ahead of their due time (ahead_ms), held here until due; each holds a
         # slot. Only the service thread touches it.
         self._early: list[tuple[int, int, Timer]] = []
@@ -137,6 +145,7 @@ class TimerService:
                 if left <= 0:
                     break
                 self._slots.wait(left)
+        self._flush_acks()
         for _ in self._workers:
             self._jobs.put(None)
 
@@ -201,8 +210,17 @@ class TimerService:
         with self._slots:
             free = self.threads - self._running
         if free <= 0:
+            if self._ack_is_due():
+                self._flush_acks()
             return self.now_ms()
-        claim = self.store.claim(self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms)
+        acks = self._take_acks()
+        try:
+            claim = self.store.claim(
+                self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms, acks=acks
+            )
+        except BaseException:
+            self._keep_acks(acks)  # sent again with the next claim
+            raise
         with self._slots:
             self._running += len(claim.timers)
         for timer in claim.timers:  # earliest due first
@@ -254,41 +272,45 @@ class TimerService:
                 # After stop() nothing starts: the timer stays in flight for redelivery.
                 done = not self._stop.is_set() and self._fire(timer)
             finally:
-                if done:
-                    self._ack_finished(timer)  # frees its slot once acknowledged
-                else:
-                    self._free(1)
-
-    def _ack_finished(self, timer: Timer) -> None:
-        """Acknowledge ``timer`` now, with whatever else finished meanwhile, in one call.
-
-        One worker at a time acknowledges; timers that finish while it does are picked up by
-        its next round, so each waits for at most one ack round trip besides its own. A slot is
-        freed only once its timer is acknowledged, so claimed and unacknowledged timers never
-        number more than ``threads``.
-        """
-        with self._slots:
-            self._finished.append(timer)
-            if self._acking:
-                return
-            self._acking = True
-        while True:
-            with self._slots:
-                done, self._finished = self._finished, []
-                if not done:
-                    self._acking = False  # in the same lock hold: no finished timer is missed
-                    return
-            try:
-                self.store.ack_many(done)
-            except Exception as e:  # they stay in flight and are delivered again
-                self.last_error = e
-                log.warning("timer service: acknowledging %d timers failed: %s", len(done), e)
-            except BaseException:
                 with self._slots:
-                    self._acking = False
-                raise
-            finally:
-                self._free(len(done))
+                    if done:  # acknowledged with the next claim (see the class docstring)
+                        self._finished.append(timer)
+                        if self._ack_by is None:
+                            self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
+                    self._running -= 1
+                    self._slots.notify_all()
+
+    # -- acknowledgements (threads > 1) --------------------------------------------------------
+
+    def _take_acks(self) -> list[Timer]:
+        with self._slots:
+            acks, self._finished, self._ack_by = self._finished, [], None
+        return acks
+
+    def _keep_acks(self, acks: list[Timer]) -> None:
+        """Put back acknowledgements that were not sent (due again at once)."""
+        if not acks:
+            return
+        with self._slots:
+            self._finished[:0] = acks
+            self._ack_by = time.monotonic()
+
+    def _ack_is_due(self) -> bool:
+        with self._slots:
+            return self._ack_by is not None and time.monotonic() >= self._ack_by
+
+    def _flush_acks(self) -> None:
+        """Acknowledge the finished timers now, without a claim (one round trip)."""
+        acks = self._take_acks()
+        if not acks:
+            return
+        try:
+            self.store.ack_many(acks)
+        except Exception as e:  # they stay in flight and are delivered again after their lease
+            self.last_error = e
+            log.warning("timer service: acknowledging %d timers failed: %s", len(acks), e)
+            if not self._stop.is_set():
+                self._keep_acks(acks)
 
     def _wait(self, ms: int) -> bool:
         """Sleep ``ms``; True when a wake-up message (an earlier timer was armed) ended it."""
@@ -297,13 +319,17 @@ class TimerService:
         if self._pubsub is None:
             self._stop.wait(ms / 1000)
             return False
-        # Wait in slices so stop() is honoured promptly even during a long idle wait.
+        # Wait in slices so stop() is honoured promptly even during a long idle wait, and so
+        # a timer that finishes meanwhile gets its acknowledgement out within ack_delay_ms.
         until = time.monotonic() + ms / 1000
         while not self._stop.is_set():
             left = until - time.monotonic()
             if left <= 0:
                 return False
-            if self._pubsub.get_message(timeout=min(left, 0.25)) is not None:
+            if self._ack_is_due():
+                return True  # claim now: the acknowledgement rides in it
+            slice_s = 0.25 if not self._running else min(0.25, max(self.ack_delay_ms, 1) / 1000)
+            if self._pubsub.get_message(timeout=min(left, slice_s)) is not None:
                 # An earlier timer was armed; drain the rest so a burst costs one claim.
                 while self._pubsub.get_message(timeout=0) is not None:
                     pass

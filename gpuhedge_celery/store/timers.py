@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -70,6 +70,7 @@ class Claim:
 
     timers: list[Timer]
     next_ms: int | None  # earliest due time or lease deadline left, None when nothing is left
+    acked: list[int] = field(default_factory=list)  # a code per timer acknowledged with it
 
 
 class TimerStore:
@@ -80,7 +81,6 @@ class TimerStore:
         self.keys = timer_keys(prefix, namespace)
         self._arm = lua_script(client, "timer_arm")
         self._claim = lua_script(client, "timer_claim")
-        self._ack = lua_script(client, "timer_ack")
         self._cancel = lua_script(client, "timer_cancel")
         self._release = lua_script(client, "timer_release")
 
@@ -156,28 +156,31 @@ class TimerStore:
         return bool(found)
 
     def claim(
-        self, now_ms: int, limit: int = 100, lease_ms: int = 10_000, ahead_ms: int = 0
-    ) -> Claim:
+        self, now_ms: int, limit: int = 100, lease_ms: int = 10_000, ahead_ms: int = 0,
+        acks: Iterable[Timer] = (),
+    ) -> Claim:  # fmt: skip
         """Atomically take up to ``limit`` timers due at ``now_ms``, each leased for ``lease_ms``.
 
         Timers whose earlier claim's lease has passed are taken first. Nothing else can claim a
         taken timer until ``now + lease_ms``; acknowledge it before then. With ``ahead_ms`` it
         also takes timers due up to that much later: the caller fires each at its due time.
+        ``acks``: fired timers to acknowledge first, in the same script (see :meth:`ack_many`;
+        their codes are the claim's ``acked``). ``limit`` 0 only acknowledges.
         """
-        if limit < 1 or lease_ms < 1 or ahead_ms < 0:
+        if limit < 0 or lease_ms < 1 or ahead_ms < 0:
             raise ValueError(
-                f"claim needs limit >= 1, lease_ms >= 1 and ahead_ms >= 0, "
+                f"claim needs limit >= 0, lease_ms >= 1 and ahead_ms >= 0, "
                 f"got {limit}, {lease_ms}, {ahead_ms}"
             )
+        args: list[Any] = [now_ms, limit, lease_ms, ahead_ms]
+        for t in acks:
+            args += [t.id, t.lease_deadline_ms]
         k = self.keys
         with store_errors("claiming due timers"):
-            raw = self._claim(
-                keys=[k.due, k.inflight, k.data, k.deliveries],
-                args=[now_ms, limit, lease_ms, ahead_ms],
-            )
-        deadline, next_ms = int(raw[0]), int(raw[1])
+            raw = self._claim(keys=[k.due, k.inflight, k.data, k.deliveries], args=args)
+        deadline, next_ms, acked = int(raw[0]), int(raw[1]), int(raw[2])
         timers = []
-        for i in range(2, len(raw), 3):
+        for i in range(3 + acked, len(raw), 3):
             record = codec.loads(raw[i + 1])
             timers.append(
                 Timer(
@@ -190,7 +193,8 @@ class TimerStore:
                 )
             )
         timers.sort(key=lambda t: t.due_ms)
-        return Claim(timers=timers, next_ms=None if next_ms < 0 else next_ms)
+        codes = [int(c) for c in raw[3 : 3 + acked]]
+        return Claim(timers=timers, next_ms=None if next_ms < 0 else next_ms, acked=codes)
 
     def claim_due(self, now_ms: int, limit: int = 100, lease_ms: int = 10_000) -> list[Timer]:
         """The timers of :meth:`claim`, earliest due first."""
@@ -201,19 +205,14 @@ class TimerStore:
         return self.ack_many([timer])[0] == ACKED
 
     def ack_many(self, timers: list[Timer]) -> list[int]:
-        """Acknowledge several timers in one call; one code per timer.
+        """Acknowledge several timers in one call (a claim of none); one code per timer.
 
         ``ACKED`` removed; ``NOT_IN_FLIGHT`` cancelled or already acknowledged;
         ``CLAIMED_ELSEWHERE`` its lease ran out and another process claimed it again.
         """
         if not timers:
             return []
-        args: list[Any] = []
-        for t in timers:
-            args += [t.id, t.lease_deadline_ms]
-        k = self.keys
-        with store_errors("acknowledging timers"):
-            return [int(c) for c in self._ack(keys=[k.inflight, k.data, k.deliveries], args=args)]
+        return self.claim(0, 0, 1, 0, acks=timers).acked
 
     def release(self, timers: list[Timer]) -> int:
         """Give claimed timers back unfired (to wait again at their due time, this delivery not

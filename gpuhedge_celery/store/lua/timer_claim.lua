@@ -1,18 +1,41 @@
--- timer_claim: take up to ARGV[2] timers that are due (or whose claimer's lease ran out).
+-- timer_claim: acknowledge fired timers, then take up to ARGV[2] timers that are due (or whose
+-- claimer's lease ran out). The acknowledgements ride in the claim that follows them, so a
+-- busy timer service spends one round trip on both; an acknowledgement alone is a claim of 0.
 -- KEYS[1] due ZSET (id -> due ms)      KEYS[2] in-flight ZSET (id -> lease deadline ms)
 -- KEYS[3] data HASH (id -> JSON record) KEYS[4] deliveries HASH (id -> claim count)
--- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim
+-- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim (0: acknowledge only)
 -- ARGV[3] lease in ms: unacknowledged claims become claimable again after it
--- ARGV[4] look-ahead in ms (optional, 0): also take timers due up to now + this; the claimer
+-- ARGV[4] look-ahead in ms (0: none): also take timers due up to now + this; the claimer
 --         holds them and fires each at its due time (one claim for a window of timers)
--- Returns {deadline, next_ms, id1, record1, deliveries1, id2, ...}
---   deadline  the lease deadline of this claim (the token ack compares)
+-- ARGV[5..] pairs to acknowledge: id1, deadline1, id2, ... (deadline = that claim's token)
+-- Returns {deadline, next_ms, n, code1..coden, id1, record1, deliveries1, id2, ...}
+--   deadline  the lease deadline of this claim (the token an acknowledgement gives back)
 --   next_ms   the earliest due time or lease deadline left after this claim, -1 if none
+--   n         how many pairs were acknowledged, then one code each:
+--              1 acknowledged and removed
+--              0 not in flight any more (cancelled, or already acknowledged)
+--             -1 claimed again by someone else after that claim's lease ran out: left to them
 local now = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
-local horizon = now + (tonumber(ARGV[4]) or 0)
-local out = {deadline, -1}
+local horizon = now + tonumber(ARGV[4])
+local out = {deadline, -1, 0}
+
+for i = 5, #ARGV, 2 do
+  local id = ARGV[i]
+  local score = redis.call('ZSCORE', KEYS[2], id)
+  local code = 0
+  if score and tonumber(score) ~= tonumber(ARGV[i + 1]) then
+    code = -1
+  elseif score then
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('HDEL', KEYS[4], id)
+    code = 1
+  end
+  out[#out + 1] = code
+end
+out[3] = #out - 3
 
 local function take(id)
   local record = redis.call('HGET', KEYS[3], id)
@@ -28,17 +51,19 @@ local function take(id)
   out[#out + 1] = n
 end
 
--- Claims whose holder died come first: they were due before anything still waiting.
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
-for _, id in ipairs(expired) do
-  take(id)
-end
-local room = limit - #expired
-if room > 0 then
-  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', horizon, 'LIMIT', 0, room)
-  for _, id in ipairs(due) do
-    redis.call('ZREM', KEYS[1], id)
+if limit > 0 then
+  -- Claims whose holder died come first: they were due before anything still waiting.
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, limit)
+  for _, id in ipairs(expired) do
     take(id)
+  end
+  local room = limit - #expired
+  if room > 0 then
+    local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', horizon, 'LIMIT', 0, room)
+    for _, id in ipairs(due) do
+      redis.call('ZREM', KEYS[1], id)
+      take(id)
+    end
   end
 end
 
