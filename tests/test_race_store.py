@@ -265,8 +265,9 @@ def test_finish_keeps_the_receipt_for_its_ttl_then_everything_expires(redis_clie
 def test_finish_with_a_live_job_leaves_the_race_to_the_janitor(races):
     races.create("r", {})
     races.add_job("r", "a2", {"provider": "sim", "job_id": "j"})
+    heartbeat = races.last_seen_ms("r")
     assert races.finish("r", {"leaks": 1}) == 1
-    assert races.last_seen_ms("r") is not None
+    assert races.last_seen_ms("r") == heartbeat  # still there, as stale as it was
 
 
 def test_finish_drops_ended_jobs_in_its_own_round_trip(races):

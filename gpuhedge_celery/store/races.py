@@ -457,7 +457,8 @@ class RaceStore(RaceLiveness):
         that writes the receipt (no reader sees them gone beside the receipt before it).
         ``record``: the race's record, appended to the record stream in the same round trip
         (one ``XADD``). Returns how many jobs are still registered as live; with none the race
-        also leaves the live index, otherwise it stays there for the janitor.
+        also leaves the live index, otherwise it stays there for the janitor (taken out and put
+        back with its heartbeat: one more round trip, only then).
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(receipt, f"receipt of race {race_id!r}")
@@ -480,11 +481,16 @@ class RaceStore(RaceLiveness):
                 [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
                 [data, ttl_ms, *drop],
             )  # fmt: skip
+            # Most races end with no job left registered: leave the live index in this round
+            # trip (its own slot, so not in the script), keeping the heartbeat to put back.
+            pipe.zscore(self.live_key, race_id)
+            pipe.zrem(self.live_key, race_id)
 
         with store_errors(f"finishing race {race_id!r}"):
-            live = int(run_pipeline(self.client, build, [self._finish])[-1])
-            if live == 0:
-                self.client.zrem(self.live_key, race_id)
+            replies = run_pipeline(self.client, build, [self._finish])
+            live, heartbeat = int(replies[-3]), replies[-2]
+            if live and heartbeat is not None:  # a job still registered: the janitor's to see
+                self.client.zadd(self.live_key, {race_id: heartbeat}, gt=True)
         return live
 
     def put_receipt(
