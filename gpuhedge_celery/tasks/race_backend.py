@@ -24,10 +24,12 @@ expired.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend
+from kombu.utils.encoding import bytes_to_str
 
 from ..race.receipt import PAYLOAD_INLINE, with_payload
 
@@ -36,6 +38,31 @@ class RaceRedisBackend(RedisBackend):
     """Celery's Redis result backend; reads put a referenced race payload back."""
 
     stores_payload_by_reference = True  # read by the race effects (tasks/race_runtime.py)
+
+    _unread = threading.local()  # the task id whose success is stored without reading first
+
+    def mark_won(self, task_id: str, result: Any) -> None:
+        """``mark_as_done`` for a race whose winner this process claimed first (one claim per
+        race, atomic in Redis): the result is written without Celery's read of the stored
+        state before it, which only guards a stored SUCCESS from being overwritten and cannot
+        find one here. One round trip instead of two, with Celery's retries kept."""
+        self._unread.task_id = task_id
+        try:
+            self.mark_as_done(task_id, result)
+        finally:
+            self._unread.task_id = None
+
+    def _store_result(
+        self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if state != states.SUCCESS or getattr(self._unread, "task_id", None) != task_id:
+            return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)  # fmt: skip
+        meta["task_id"] = bytes_to_str(task_id)
+        self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
+        return result
 
     def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
         meta = super().meta_from_decoded(meta)

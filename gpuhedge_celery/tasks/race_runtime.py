@@ -124,7 +124,11 @@ class CeleryEffects:
             app.backend.get_task_meta(race_id).get("status") == "SUCCESS"
         ):
             return  # a resumed race re-declares its winner: links and chains must not run twice
-        app.backend.mark_as_done(race_id, self._to_store(app.backend, race_id, result))
+        stored = self._to_store(app.backend, race_id, result)
+        if caller.get("first_claim") and hasattr(app.backend, "mark_won"):
+            app.backend.mark_won(race_id, stored)  # nothing to read first: see RaceRedisBackend
+        else:
+            app.backend.mark_as_done(race_id, stored)
         self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
         _continue(race_id, result, caller)
 
