@@ -14,7 +14,7 @@ from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_keys import race_keys
 from gpuhedge_celery.store.race_liveness import OwnershipLost
-from gpuhedge_celery.store.races import RaceStore, VersionConflict
+from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -48,6 +48,28 @@ def test_create_load_save_and_conflicts(races):
     with pytest.raises(VersionConflict, match="does not exist"):
         races.save("nope", {}, 3)
     assert isinstance(VersionConflict("r", 1, 2), StoreError)
+
+
+def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
+    races.create("r1", {"n": 0})
+    took = []
+
+    def save(version, attempt, save_id):
+        mark = races.save_mark("r1", version, save_id)
+        return races.save(
+            "r1", {"n": version}, version, save_id=save_id, took=took.append,
+            also=lambda pipe: races.queue_claim_winner(pipe, "r1", attempt, mark),
+            scripts=(races.claim_winner_script,),
+        )  # fmt: skip
+
+    assert save(1, "a1", "s1") == 2
+    assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=True)
+    with pytest.raises(VersionConflict):  # a step computed from version 1 again: it loses
+        save(1, "a2", "s2")
+    assert races.winner("r1") == "a1" and len(took) == 1  # nothing claimed, nothing taken
+    # the same save sent again after its answer was lost: saved, and still the winner
+    assert save(1, "a1", "s1") == 2
+    assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
 
 
 def test_state_keys_expire_eventually(redis_client, prefix):

@@ -165,6 +165,19 @@ def test_a_fast_job_wins_inline_and_a_duplicate_result_changes_nothing(setup):
     assert len(effects.results) == 1 and driver.store.receipt("r4") == receipt
 
 
+def test_the_winner_is_claimed_in_the_save_that_declares_it(setup):
+    driver, effects, cfg, _, _ = setup
+    separate = []
+    claim_winner = driver.store.claim_winner
+    driver.store.claim_winner = lambda *args: separate.append(args) or claim_winner(*args)
+    driver.create("rw", FAST, build_spec(cfg))
+    driver.submit_attempt("rw", "a1")
+    assert [r["winner"] for r in effects.results] == ["p"]
+    assert driver.store.winner("rw") == "a1" and separate == []  # no round trip of its own
+    driver.resume("rw")  # a resumed race re-declares through a claim of its own: still a1
+    assert separate == [("rw", "a1")] and driver.store.winner("rw") == "a1"
+
+
 def test_resume_of_a_finished_race_only_re_marks_the_same_result(setup):
     driver, effects, cfg, _, _ = setup
     driver.create("r5", FAST, build_spec(cfg))

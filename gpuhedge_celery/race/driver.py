@@ -37,7 +37,7 @@ from ..core.race_events import (
 from ..errors import StoreError
 from ..metrics import record as metrics
 from ..providers.base import Provider
-from ..store.races import RaceStore, SaveMark, VersionConflict, new_save_id
+from ..store.races import RaceStore, SaveMark, VersionConflict, WinnerClaim, new_save_id
 from ..store.scripts import run_pipeline
 from ..store.timers import Timer, TimerStore, store_errors
 from ..webhooks.settings import WebhookSettings
@@ -61,6 +61,15 @@ Events = Event | tuple[Event, ...]
 EventSource = Events | Callable[[Race], Events | None]
 StateUpdate = Callable[[dict[str, Any]], None]
 MAX_CONFLICTS = 50
+
+
+class _RidingClaim:
+    """The winner claim that rode in a step's save: its reply, read once the save won."""
+
+    claim: WinnerClaim | None = None
+
+    def take(self, replies: list[Any]) -> None:
+        self.claim = RaceStore.winner_claim(replies[0])
 
 
 class RaceDriver(AttemptWork):
@@ -220,16 +229,19 @@ class RaceDriver(AttemptWork):
             save_id = new_save_id()
             saved = self.store.save_mark(race_id, record.version, save_id)
             also, scripts = self._with_settlements(race_id, race, new, phases, arms, saved)
+            also, scripts, claimed = self._with_winner_claim(race_id, race, actions, saved,
+                                                             also, scripts)  # fmt: skip
             try:
                 self.store.save(
                     race_id, new, record.version, also=also, before=before, scripts=scripts,
-                    save_id=save_id,
+                    save_id=save_id, took=claimed.take if claimed else None,
                 )  # fmt: skip
             except VersionConflict:
                 continue
             follow = self._perform(
-                race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None
-            )
+                race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,
+                claim=claimed.claim if claimed else None,
+            )  # fmt: skip
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
 
@@ -253,6 +265,24 @@ class RaceDriver(AttemptWork):
             queue(pipe)
 
         return also, (*scripts, script)
+
+    def _with_winner_claim(
+        self, race_id: str, race: Race, actions: list[Action], saved: SaveMark,
+        also: Callable[[Any], None] | None, scripts: tuple[Any, ...],
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], _RidingClaim | None]:  # fmt: skip
+        """When the step declares a winner, its claim rides in the save, first among the extra
+        commands, and claims only if the save wins: no round trip of its own."""
+        if not any(isinstance(a, DeclareWinner) for a in actions) or race.winner is None:
+            return also, scripts, None
+        riding = _RidingClaim()
+        winner = race.winner
+
+        def with_claim(pipe: Any) -> None:
+            self.store.queue_claim_winner(pipe, race_id, winner, saved)
+            if also is not None:
+                also(pipe)
+
+        return with_claim, (*scripts, self.store.claim_winner_script), riding
 
     def _note_timers(
         self, race_id: str, race: Race, state: dict[str, Any], actions: list[Action], version: int
@@ -313,8 +343,10 @@ class RaceDriver(AttemptWork):
         events: tuple[Event, ...],
         *,
         armed: bool = False,
+        claim: WinnerClaim | None = None,
     ) -> list[Event]:
-        """Perform a saved step's actions; ``armed``: its timers rode in the save already."""
+        """Perform a saved step's actions; ``armed``: its timers rode in the save already;
+        ``claim``: the winner claim that rode in it (None: claim now)."""
         follow: list[Event] = []
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
@@ -341,7 +373,7 @@ class RaceDriver(AttemptWork):
                     timer_id=state["timer_ids"][action.key],
                 )
             elif isinstance(action, DeclareWinner):
-                metrics.race_won(race, self._declare(race_id, race, state))
+                metrics.race_won(race, self._declare(race_id, race, state, claim))
             elif isinstance(action, GiveUp):
                 self._give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
@@ -407,12 +439,15 @@ class RaceDriver(AttemptWork):
         except Exception:  # events are for watching; they never break a race
             log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
 
-    def _declare(self, race_id: str, race: Race, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Claim the winner and hand the caller its result; returns that result (None when
-        another attempt holds the claim)."""
+    def _declare(
+        self, race_id: str, race: Race, state: dict[str, Any], claim: WinnerClaim | None = None
+    ) -> dict[str, Any] | None:
+        """Claim the winner (unless ``claim``, made in the step's save) and hand the caller
+        its result; returns that result (None when another attempt holds the claim)."""
         won = race.winner_attempt
         assert won is not None
-        claim = self.store.claim_winner(race_id, won.id)
+        if claim is None:
+            claim = self.store.claim_winner(race_id, won.id)
         if not claim.won:  # cannot happen while the state's version check holds; never hide it
             log.error(
                 "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner

@@ -198,6 +198,7 @@ class RaceStore(RaceLiveness):
         scripts: tuple[Any, ...] = (),
         before: Callable[[Any], None] | None = None,
         save_id: str | None = None,
+        took: Callable[[list[Any]], None] | None = None,
     ) -> int:
         """Save ``state`` if the race is still at ``expected_version``; returns the new version.
 
@@ -208,6 +209,7 @@ class RaceStore(RaceLiveness):
         or check that it won (:meth:`save_mark`, with the ``save_id`` given here).
         ``before(pipe)`` queues commands that run before the save (Redis runs a pipeline in
         order), for data the saved state refers to. Its results come first in the reply.
+        ``took(replies)``: given the replies of ``also``'s commands once the save won.
         """
         keys = race_keys(self.prefix, race_id)
         data = _dumps(state, f"state of race {race_id!r}")
@@ -228,13 +230,13 @@ class RaceStore(RaceLiveness):
 
         replies = self._send_save(race_id, build, [self._save, *scripts])
         ok, version = replies[skip]
-        if ok:
-            self._remember(race_id, int(version), data)
-        else:
+        if not ok:
             with self._fresh_lock:
                 self._fresh.pop(race_id, None)
-        if not ok:
             raise VersionConflict(race_id, expected_version, int(version))
+        self._remember(race_id, int(version), data)
+        if took is not None:
+            took(replies[skip + 2 :])  # after the save and the heartbeat
         return int(version)
 
     def save_mark(self, race_id: str, expected_version: int, save_id: str) -> SaveMark:
@@ -346,6 +348,26 @@ class RaceStore(RaceLiveness):
             won, winner, first = self._claim_winner(
                 keys=[keys.winner], args=[attempt_id, _ms(self.state_ttl_s)]
             )
+        return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
+
+    def queue_claim_winner(self, pipe: Any, race_id: str, attempt_id: str, saved: SaveMark) -> None:
+        """Queue :meth:`claim_winner` on a save's pipeline, to claim only if that save wins
+        (``saved``: its :meth:`save_mark`); read the reply with :meth:`winner_claim`. Pass
+        :attr:`claim_winner_script` among the save's scripts."""
+        keys = race_keys(self.prefix, race_id)
+        queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key],
+                     [attempt_id, _ms(self.state_ttl_s), saved.mark])  # fmt: skip
+
+    @property
+    def claim_winner_script(self) -> Any:
+        return self._claim_winner
+
+    @staticmethod
+    def winner_claim(reply: Any) -> WinnerClaim | None:
+        """A queued claim's reply as a :class:`WinnerClaim`; None when its save did not win."""
+        won, winner, first = reply
+        if int(won) < 0:
+            return None
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
 
     def winner(self, race_id: str) -> str | None:

@@ -1,10 +1,21 @@
 -- race_claim_winner: make one attempt the race's only winner, ever.
 -- KEYS[1] winner STRING
+-- KEYS[2] with a save mark only (ARGV[3]): the race's state HASH (race_save.lua)
 -- ARGV[1] attempt id claiming the win
 -- ARGV[2] expiry in ms of the winner key, 0 = none (finish() sets the final expiry)
+-- ARGV[3] (optional) the mark 'version:save id' of the race save this claim rides with: it
+--         claims only if that save won (the mark is in the state's history of saves, field s);
+--         a save that lost its version check was computed from an old copy of the race
 -- Returns {1, attempt, 1}  this claim made the attempt the winner
 --         {1, attempt, 0}  the same attempt had already won (a redelivered claim): still won
 --         {0, winner, 0}   another attempt won first
+--         {-1, '', 0}      (with a save mark) that save did not win: nothing claimed
+if ARGV[3] and ARGV[3] ~= '' then
+  local history = redis.call('HGET', KEYS[2], 's') or ''
+  if not string.find(' ' .. history .. ' ', ' ' .. ARGV[3] .. ' ', 1, true) then
+    return {-1, '', 0}
+  end
+end
 local winner = redis.call('GET', KEYS[1])
 if winner then
   if winner == ARGV[1] then
