@@ -331,7 +331,7 @@ def test_the_request_is_stored_once_beside_the_state_and_dropped_at_finish(redis
 
 
 def test_finish_lists_the_race_among_the_recently_finished(redis_client, races, monkeypatch):
-    from gpuhedge_celery.store import races as races_module
+    from gpuhedge_celery.store import race_receipts as races_module
     from gpuhedge_celery.store.race_lookup import races_starting_with, recently_finished
 
     monkeypatch.setattr(races_module, "RECENT_FINISHED", 3)

@@ -28,3 +28,18 @@ def size(value: Any) -> int:
 def loads(data: str | bytes) -> Any:
     """Parse JSON text (``ValueError`` when it is not JSON)."""
     return orjson.loads(data)
+
+
+def dumps_dict(value: dict[str, Any], what: str) -> str:
+    """``value`` (a dict) as JSON; ValueError naming ``what`` when it is not one or not JSON."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a dict, got {type(value).__name__}")
+    try:
+        return dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
+
+
+def ms(seconds: float | None) -> int:
+    """Seconds as whole milliseconds for a Redis expiry (at least 1); None is 0 (none)."""
+    return 0 if seconds is None else max(1, int(seconds * 1000))

@@ -8,11 +8,11 @@ race engine's serialised state machine on top:
   both advance a race from the same version;
 * **the winner** is claimed with set-if-absent: exactly one attempt ever wins, and the same
   attempt claiming again (a duplicate delivery) is told it won;
-* **live provider jobs** are registered per race, for the janitor;
+* **live provider jobs** are registered per race, for the janitor (:mod:`.race_jobs`);
 * **heartbeats and ownership** (:mod:`.race_liveness`): every race has a heartbeat in one
   cross-race ZSET, and an ownership lease with a fencing token that a janitor takes before
   acting;
-* **receipts** are kept with a configurable TTL and read by race id.
+* **receipts** are kept with a configurable TTL and read by race id (:mod:`.race_receipts`).
 
 All keys of one race share the hash tag ``{race_id}`` (see :mod:`.race_keys`). The heartbeat
 index is on its own slot, so it is written next to the scripts in the same pipeline, never inside
@@ -26,15 +26,18 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError, StoreUnavailable
 from . import codec
-from .race_keys import RECENT_FINISHED, finished_races_key, live_races_key, race_keys
+from .codec import dumps_dict, ms
+from .race_jobs import RaceJobs
+from .race_keys import finished_races_key, live_races_key, race_keys
 from .race_liveness import RaceLiveness
+from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -97,20 +100,7 @@ def new_save_id() -> str:
 FRESH_MAX = 4096  # races whose last saved state a process remembers
 
 
-def _ms(seconds: float | None) -> int:
-    return 0 if seconds is None else max(1, int(seconds * 1000))
-
-
-def _dumps(value: dict[str, Any], what: str) -> str:
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a dict, got {type(value).__name__}")
-    try:
-        return codec.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
-
-
-class RaceStore(RaceLiveness):
+class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
 
     def __init__(
@@ -162,8 +152,8 @@ class RaceStore(RaceLiveness):
         if request is None:
             return self.save(race_id, state, 0, also=also, scripts=scripts)
         key = race_keys(self.prefix, race_id).request
-        data = _dumps(request, f"request of race {race_id!r}")
-        ttl_ms = _ms(self.state_ttl_s)
+        data = dumps_dict(request, f"request of race {race_id!r}")
+        ttl_ms = ms(self.state_ttl_s)
 
         def store_request(pipe: Any) -> None:
             # NX: a redelivered create (which then conflicts) leaves the first one in place
@@ -212,9 +202,9 @@ class RaceStore(RaceLiveness):
         ``took(replies)``: given the replies of ``also``'s commands once the save won.
         """
         keys = race_keys(self.prefix, race_id)
-        data = _dumps(state, f"state of race {race_id!r}")
+        data = dumps_dict(state, f"state of race {race_id!r}")
         # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
-        args = [expected_version, data, _ms(self.state_ttl_s), save_id or new_save_id()]
+        args = [expected_version, data, ms(self.state_ttl_s), save_id or new_save_id()]
 
         skip = 0
 
@@ -346,7 +336,7 @@ class RaceStore(RaceLiveness):
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"claiming the winner of race {race_id!r}"):
             won, winner, first = self._claim_winner(
-                keys=[keys.winner], args=[attempt_id, _ms(self.state_ttl_s)]
+                keys=[keys.winner], args=[attempt_id, ms(self.state_ttl_s)]
             )
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
 
@@ -356,7 +346,7 @@ class RaceStore(RaceLiveness):
         :attr:`claim_winner_script` among the save's scripts."""
         keys = race_keys(self.prefix, race_id)
         queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key],
-                     [attempt_id, _ms(self.state_ttl_s), saved.mark])  # fmt: skip
+                     [attempt_id, ms(self.state_ttl_s), saved.mark])  # fmt: skip
 
     @property
     def claim_winner_script(self) -> Any:
@@ -375,173 +365,6 @@ class RaceStore(RaceLiveness):
         with store_errors(f"reading the winner of race {race_id!r}"):
             found = self.client.get(race_keys(self.prefix, race_id).winner)
         return None if found is None else as_text(found)
-
-    # -- live provider jobs and the heartbeat index ------------------------------------------
-
-    def add_job(self, race_id: str, attempt_id: str, handle: dict[str, Any]) -> None:
-        """Register a submitted provider job as live (its JSON handle), before anything else.
-
-        Register right after the provider accepted the job, so a crash leaves the janitor a
-        handle to cancel rather than an unknown paid job.
-        """
-        keys = race_keys(self.prefix, race_id)
-        data = _dumps(handle, f"job handle of {race_id!r}/{attempt_id!r}")
-        with store_errors(f"registering a job of race {race_id!r}"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hset(keys.jobs, attempt_id, data)
-            self._touch(pipe, race_id)
-            pipe.execute()
-
-    def claim_submit(
-        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
-    ) -> dict[str, Any] | None:
-        """Record the intent to submit an attempt's job, unless something is recorded already.
-
-        Atomic (``HSETNX``): of two processes about to submit the same attempt, one gets None
-        (go ahead) and the other what the first recorded (its intent, or the job's handle).
-        ``also``: more work for the same round trip (the attempt's budget reservation): its
-        ``queue(pipe)`` queues it, its ``take(replies)`` reads its replies, ``scripts`` lists
-        the scripts it runs.
-        """
-        return self._claim_submit(race_id, attempt_id, intent, with_request=False, also=also)[0]
-
-    def claim_submit_with_request(
-        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """:meth:`claim_submit` and :meth:`request` in one round trip: what was recorded
-        (None: go ahead) and the request to submit (None if it is gone)."""
-        return self._claim_submit(race_id, attempt_id, intent, with_request=True, also=also)
-
-    def _claim_submit(
-        self,
-        race_id: str,
-        attempt_id: str,
-        intent: dict[str, Any],
-        *,
-        with_request: bool,
-        also: Any = None,
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        keys = race_keys(self.prefix, race_id)
-        data = _dumps(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
-
-        def build(pipe: Any) -> None:
-            pipe.hsetnx(keys.jobs, attempt_id, data)
-            pipe.hget(keys.jobs, attempt_id)
-            self._touch(pipe, race_id)  # one command
-            if with_request:
-                pipe.get(keys.request)
-            if also is not None:
-                also.queue(pipe)
-
-        with store_errors(f"claiming the submit of race {race_id!r}"):
-            replies = run_pipeline(self.client, build, also.scripts if also is not None else ())
-        claimed, found = replies[0], replies[1]
-        first_also = 3
-        request = None
-        if with_request:
-            first_also = 4
-            request = codec.loads(replies[3]) if replies[3] is not None else None
-        if also is not None:
-            also.take(replies[first_also:])
-        # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
-        # a script the server had to load (run_pipeline runs it again): the claim is ours.
-        if claimed or found is None or as_text(found) == data:
-            return None, request
-        return codec.loads(found), request
-
-    def remove_job(self, race_id: str, attempt_id: str) -> bool:
-        """Forget a job that reached a terminal state; False if it was not registered."""
-        with store_errors(f"removing a job of race {race_id!r}"):
-            return bool(self.client.hdel(race_keys(self.prefix, race_id).jobs, attempt_id))
-
-    def live_jobs(self, race_id: str) -> dict[str, dict[str, Any]]:
-        """Attempt id -> job handle of every job of the race still registered as live."""
-        with store_errors(f"reading the jobs of race {race_id!r}"):
-            raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
-        return {as_text(k): codec.loads(v) for k, v in raw.items()}
-
-    # -- receipts ----------------------------------------------------------------------------
-
-    def finish(
-        self,
-        race_id: str,
-        receipt: dict[str, Any],
-        ttl_s: float | None = None,
-        *,
-        drop_jobs: Iterable[str] = (),
-        record: dict[str, Any] | None = None,
-    ) -> int:
-        """Store the final receipt and let the race's keys expire with it after ``ttl_s``; the
-        request (only needed to submit) is dropped at once, and the race joins the index of
-        recently finished races (read by :mod:`.race_lookup`).
-
-        ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered by the script
-        that writes the receipt (no reader sees them gone beside the receipt before it).
-        ``record``: the race's record, appended to the record stream in the same round trip
-        (one ``XADD``). Returns how many jobs are still registered as live; with none the race
-        also leaves the live index, otherwise it stays there for the janitor (taken out and put
-        back with its heartbeat: one more round trip, only then).
-        """
-        keys = race_keys(self.prefix, race_id)
-        data = _dumps(receipt, f"receipt of race {race_id!r}")
-        ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
-        drop = list(drop_jobs)
-
-        now_ms = self.now_ms()
-
-        def build(pipe: Any) -> None:
-            if record is not None:
-                self.records.queue_append(pipe, record)
-            pipe.delete(keys.request)  # nothing submits once the race is finished
-            # the recently finished index (a hint on its own slot, like the heartbeat index)
-            pipe.zadd(self.finished_key, {race_id: now_ms})
-            pipe.zremrangebyrank(self.finished_key, 0, -RECENT_FINISHED - 1)
-            pipe.zremrangebyscore(self.finished_key, "-inf", now_ms - ttl_ms)
-            pipe.pexpire(self.finished_key, ttl_ms)
-            queue_script(
-                pipe, self._finish,
-                [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
-                [data, ttl_ms, *drop],
-            )  # fmt: skip
-            # Most races end with no job left registered: leave the live index in this round
-            # trip (its own slot, so not in the script), keeping the heartbeat to put back.
-            pipe.zscore(self.live_key, race_id)
-            pipe.zrem(self.live_key, race_id)
-
-        with store_errors(f"finishing race {race_id!r}"):
-            replies = run_pipeline(self.client, build, [self._finish])
-            live, heartbeat = int(replies[-3]), replies[-2]
-            if live and heartbeat is not None:  # a job still registered: the janitor's to see
-                self.client.zadd(self.live_key, {race_id: heartbeat}, gt=True)
-        return live
-
-    def put_receipt(
-        self,
-        race_id: str,
-        receipt: dict[str, Any],
-        ttl_s: float | None = None,
-        *,
-        record: dict[str, Any] | None = None,
-    ) -> None:
-        """Store (or replace) a race's receipt, kept ``ttl_s`` (default: the store's TTL);
-        ``record``: the race's corrected record, appended in the same round trip."""
-        keys = race_keys(self.prefix, race_id)
-        data = _dumps(receipt, f"receipt of race {race_id!r}")
-        ttl_ms = _ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
-        with store_errors(f"storing the receipt of race {race_id!r}"):
-            if record is None:
-                self.client.set(keys.receipt, data, px=ttl_ms)
-                return
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(keys.receipt, data, px=ttl_ms)
-            self.records.queue_append(pipe, record)
-            pipe.execute()
-
-    def receipt(self, race_id: str) -> dict[str, Any] | None:
-        """The race's receipt, None if it was never written or has expired."""
-        with store_errors(f"reading the receipt of race {race_id!r}"):
-            found = self.client.get(race_keys(self.prefix, race_id).receipt)
-        return None if found is None else codec.loads(found)
 
     def delete(self, race_id: str) -> None:
         """Remove every key of the race and its heartbeat (tests, manual clean-up)."""

@@ -1,0 +1,109 @@
+"""The live provider jobs of a race (mixed into :class:`~.races.RaceStore`).
+
+A submitted provider job is registered under its attempt (its JSON handle) right after the
+provider accepted it, so a crash leaves the janitor a handle to cancel rather than an unknown
+paid job; before the submit, the attempt's intent is claimed in the same hash (``HSETNX``), so
+of two processes about to submit one attempt exactly one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import codec
+from .codec import dumps_dict
+from .race_keys import race_keys
+from .scripts import run_pipeline
+from .timers import as_text, store_errors
+
+
+class RaceJobs:
+    """Registration of a race's provider jobs and submit intents."""
+
+    client: Any
+    prefix: str
+
+    _touch: Callable[[Any, str], None]  # RaceLiveness's: the heartbeat, one command
+
+    def add_job(self, race_id: str, attempt_id: str, handle: dict[str, Any]) -> None:
+        """Register a submitted provider job as live (its JSON handle), before anything else.
+
+        Register right after the provider accepted the job, so a crash leaves the janitor a
+        handle to cancel rather than an unknown paid job.
+        """
+        keys = race_keys(self.prefix, race_id)
+        data = dumps_dict(handle, f"job handle of {race_id!r}/{attempt_id!r}")
+        with store_errors(f"registering a job of race {race_id!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(keys.jobs, attempt_id, data)
+            self._touch(pipe, race_id)
+            pipe.execute()
+
+    def claim_submit(
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
+    ) -> dict[str, Any] | None:
+        """Record the intent to submit an attempt's job, unless something is recorded already.
+
+        Atomic (``HSETNX``): of two processes about to submit the same attempt, one gets None
+        (go ahead) and the other what the first recorded (its intent, or the job's handle).
+        ``also``: more work for the same round trip (the attempt's budget reservation): its
+        ``queue(pipe)`` queues it, its ``take(replies)`` reads its replies, ``scripts`` lists
+        the scripts it runs.
+        """
+        return self._claim_submit(race_id, attempt_id, intent, with_request=False, also=also)[0]
+
+    def claim_submit_with_request(
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """:meth:`claim_submit` and :meth:`request` in one round trip: what was recorded
+        (None: go ahead) and the request to submit (None if it is gone)."""
+        return self._claim_submit(race_id, attempt_id, intent, with_request=True, also=also)
+
+    def _claim_submit(
+        self,
+        race_id: str,
+        attempt_id: str,
+        intent: dict[str, Any],
+        *,
+        with_request: bool,
+        also: Any = None,
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        keys = race_keys(self.prefix, race_id)
+        data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
+
+        def build(pipe: Any) -> None:
+            pipe.hsetnx(keys.jobs, attempt_id, data)
+            pipe.hget(keys.jobs, attempt_id)
+            self._touch(pipe, race_id)  # one command
+            if with_request:
+                pipe.get(keys.request)
+            if also is not None:
+                also.queue(pipe)
+
+        with store_errors(f"claiming the submit of race {race_id!r}"):
+            replies = run_pipeline(self.client, build, also.scripts if also is not None else ())
+        claimed, found = replies[0], replies[1]
+        first_also = 3
+        request = None
+        if with_request:
+            first_also = 4
+            request = codec.loads(replies[3]) if replies[3] is not None else None
+        if also is not None:
+            also.take(replies[first_also:])
+        # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
+        # a script the server had to load (run_pipeline runs it again): the claim is ours.
+        if claimed or found is None or as_text(found) == data:
+            return None, request
+        return codec.loads(found), request
+
+    def remove_job(self, race_id: str, attempt_id: str) -> bool:
+        """Forget a job that reached a terminal state; False if it was not registered."""
+        with store_errors(f"removing a job of race {race_id!r}"):
+            return bool(self.client.hdel(race_keys(self.prefix, race_id).jobs, attempt_id))
+
+    def live_jobs(self, race_id: str) -> dict[str, dict[str, Any]]:
+        """Attempt id -> job handle of every job of the race still registered as live."""
+        with store_errors(f"reading the jobs of race {race_id!r}"):
+            raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
+        return {as_text(k): codec.loads(v) for k, v in raw.items()}
