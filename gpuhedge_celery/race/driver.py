@@ -44,15 +44,9 @@ from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork
 from .base import Effects, due_ms, find_attempt
 from .budget import RaceBudget
-from .receipt import (
-    assemble_receipt,
-    load_attempt_result,
-    race_record,
-    result_key,
-    winner_result,
-)
+from .outcome import OutcomeWork
 from .settings import RaceSettings
-from .spec import RaceSpec, spec_from_state
+from .spec import RaceSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +66,7 @@ class _RidingClaim:
         self.claim = RaceStore.winner_claim(replies[0])
 
 
-class RaceDriver(AttemptWork):
+class RaceDriver(OutcomeWork, AttemptWork):
     """Advances races stored in Redis; one per process, shared by every thread."""
 
     def __init__(
@@ -424,92 +418,6 @@ class RaceDriver(AttemptWork):
             key, due, payload, timer_id = self._launch_backstop(race_id, attempt_id)
             self.timers.arm(key, due, payload, timer_id=timer_id)
         self.effects.launch(race_id, attempt_id, provider)
-
-    def _event(self, race_id: str, name: str, race: Race, attempt_id: str | None) -> None:
-        """A lifecycle moment: counted in the metrics, and sent to Flower when events are on."""
-        a = find_attempt(race, attempt_id) if attempt_id else None
-        metrics.race_event(name, race, a)
-        if not self.settings.events:
-            return
-        fields: dict[str, Any] = {"race_id": race_id, "policy": race.policy.name}
-        if a is not None:
-            fields.update(attempt=a.id, provider=a.provider, role=a.role, job_id=a.job_id)
-        try:
-            self.effects.event(race_id, name, fields)
-        except Exception:  # events are for watching; they never break a race
-            log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
-
-    def _declare(
-        self, race_id: str, race: Race, state: dict[str, Any], claim: WinnerClaim | None = None
-    ) -> dict[str, Any] | None:
-        """Claim the winner (unless ``claim``, made in the step's save) and hand the caller
-        its result; returns that result (None when another attempt holds the claim)."""
-        won = race.winner_attempt
-        assert won is not None
-        if claim is None:
-            claim = self.store.claim_winner(race_id, won.id)
-        if not claim.won:  # cannot happen while the state's version check holds; never hide it
-            log.error(
-                "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner
-            )
-            return None
-        stored = self._fresh_results.pop((race_id, won.id), None)
-        if stored is None:
-            stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id) or {}
-        result = winner_result(
-            race,
-            stored,
-            inline_max=self.settings.payload_inline_max,
-            ref=result_key(self.prefix, race_id, won.id),
-        )
-        self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
-        caller = state.get("caller") or {}
-        if claim.first:
-            caller = {**caller, "first_claim": True}  # Celery effects skip their "done?" read
-        self.effects.won(race_id, result, caller)
-        return result
-
-    def _give_up(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
-        """The deadline passed without a winner: the caller's ``.get()`` raises RaceFailed now,
-        with the receipt as it stands (its jobs are still being cancelled; the final receipt
-        follows in Redis when they are settled)."""
-        log.warning("race %s: %s; failing the caller and cancelling its jobs", race_id, race.note)
-        spec = spec_from_state(state)
-        receipt = assemble_receipt(race, state, spec, now=self.clock.now())
-        message = f"race {race_id}: {race.note}"
-        self.effects.failed(race_id, message, receipt, state.get("caller") or {})
-
-    def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
-        spec = spec_from_state(state)
-        receipt = assemble_receipt(race, state, spec, now=self.clock.now())
-        # a capped job stays registered until its own cancel confirms it stopped
-        ended = [
-            a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
-        ]
-        record = race_record(self.store, race, state, spec, receipt)
-        self.store.finish(
-            race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended, record=record
-        )
-        metrics.race_finished(race, receipt)
-        if race.winner is None:
-            message = f"race {race_id}: {race.note}"
-            self.effects.failed(race_id, message, receipt, state.get("caller") or {})
-
-    def refresh_receipt(self, race_id: str) -> None:
-        """Rewrite a finished race's receipt from its state (after a late cap cancel)."""
-        if self.store.receipt(race_id) is None:
-            return  # not finished: the receipt will be assembled from the state then
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        race = Race.from_dict(record.state["race"], self.clock)
-        spec = spec_from_state(record.state)
-        receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
-        receipt["finished_at"] = (self.store.receipt(race_id) or {}).get("finished_at")
-        corrected = race_record(self.store, race, record.state, spec, receipt)  # its leak flag
-        self.store.put_receipt(race_id, receipt, self.settings.receipt_ttl_s, record=corrected)
-        if not self.store.live_jobs(race_id):
-            self.store.forget(race_id)
 
     # ------------------------------------------------------------------ timers and recovery
     def on_timer(self, timer: Timer) -> None:
