@@ -434,17 +434,21 @@ def test_pooled_service_never_has_more_than_threads_in_flight(redis_client, pref
 
 
 class CountingStore(TimerStore):
-    """A TimerStore that counts its claims, the acknowledgements they carried, and ack_many."""
+    """A TimerStore that counts its claims, the acknowledgements and cancels they carried, and
+    ack_many."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.claims = self.acked_by_claims = self.ack_calls = 0
+        self.cancel_rounds: list[tuple[int, int]] = []  # (limit, cancels) of claims with some
 
-    def claim(self, *args, acks=(), **kwargs):
-        acks = list(acks)
+    def claim(self, now_ms, limit=100, *args, acks=(), cancels=(), **kwargs):
+        acks, cancels = list(acks), list(cancels)
         self.claims += 1
         self.acked_by_claims += len(acks)
-        return super().claim(*args, acks=acks, **kwargs)
+        if cancels:
+            self.cancel_rounds.append((limit, len(cancels)))
+        return super().claim(now_ms, limit, *args, acks=acks, cancels=cancels, **kwargs)
 
     def ack_many(self, timers):
         self.ack_calls += 1
@@ -569,3 +573,26 @@ def test_stop_gives_timers_held_ahead_back_for_anyone(redis_client, prefix):
 def test_look_ahead_needs_a_pool_of_threads(redis_client, prefix):
     with pytest.raises(ValueError, match="ahead_ms"):
         TimerService(TimerStore(redis_client, prefix), lambda t: None, ahead_ms=10)
+
+
+def test_deferred_cancels_ride_in_the_services_next_claim_and_go_at_once_without_one(
+    redis_client, prefix
+):
+    store = CountingStore(redis_client, prefix)
+    far = now_ms() + 600_000
+    ids = [
+        store.arm(f"race{i}|deadline", far, {}, timer_id=f"race{i}|deadline|1") for i in range(3)
+    ]
+    store.defer_cancels(ids[:1])  # no service here: one round trip of its own, at once
+    assert store.cancel_rounds == [(0, 1)] and store.pending() == 2
+    recorder = Recorder()
+    service = TimerService(store, recorder, threads=2).start()
+    try:
+        store.defer_cancels(ids[1:])
+        store.arm("wake|t", now_ms(), {})  # something due: the service claims
+        wait_for(lambda: store.pending() == 0 and recorder.fired, 5, "the cancels and the firing")
+        # they rode in a claim that also looked for due timers (limit > 0)
+        assert any(limit > 0 and n == 2 for limit, n in store.cancel_rounds), store.cancel_rounds
+    finally:
+        service.stop()
+    assert not store.claims_carry_cancels  # stopped: back to cancelling at once

@@ -38,8 +38,7 @@ from ..errors import StoreError
 from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, SaveMark, VersionConflict, WinnerClaim, new_save_id
-from ..store.scripts import run_pipeline
-from ..store.timers import Timer, TimerStore, store_errors
+from ..store.timers import Timer, TimerStore
 from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork
 from .base import Effects, due_ms, find_attempt
@@ -372,13 +371,10 @@ class RaceDriver(OutcomeWork, AttemptWork):
                 self._give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
                 self._finish(race_id, race, state)
-        if gone:  # timers the race no longer wants (its deadline, once won): one round trip
-            with store_errors("cancelling timers"):
-                run_pipeline(
-                    self.store.client,
-                    lambda pipe: [self.timers.queue_cancel(pipe, timer_id) for timer_id in gone],
-                    [self.timers.cancel_script],
-                )
+        # Timers the race no longer wants (its deadline, once won): cancelled with this
+        # process's next timer claim, or now without a timer service here. One that fires
+        # first changes nothing: the race ignores a timer it no longer wants.
+        self.timers.defer_cancels(gone)
         self._lifecycle(race_id, race, phases, flags, events)
         return follow
 

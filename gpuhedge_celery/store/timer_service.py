@@ -118,8 +118,13 @@ class TimerService:
         return int(self.clock.now() * 1000)
 
     def start(self) -> TimerService:
-        """Start the thread (once), and the worker threads when ``threads > 1``; returns self."""
+        """Start the thread (once), and the worker threads when ``threads > 1``; returns self.
+
+        With worker threads, the store's deferred cancels (:meth:`TimerStore.defer_cancels`)
+        ride in this service's claims from now until :meth:`stop`."""
         self._start_workers()
+        if self.threads > 1:
+            self.store.claims_carry_cancels = True
         self._thread.start()
         return self
 
@@ -146,6 +151,8 @@ class TimerService:
                     break
                 self._slots.wait(left)
         self._flush_acks()
+        self.store.claims_carry_cancels = False
+        self._flush_cancels()
         for _ in self._workers:
             self._jobs.put(None)
 
@@ -213,13 +220,15 @@ class TimerService:
             if self._ack_is_due():
                 self._flush_acks()
             return self.now_ms()
-        acks = self._take_acks()
+        acks, cancels = self._take_acks(), self.store.take_deferred()
         try:
             claim = self.store.claim(
-                self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms, acks=acks
-            )
+                self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms,
+                acks=acks, cancels=cancels,
+            )  # fmt: skip
         except BaseException:
             self._keep_acks(acks)  # sent again with the next claim
+            self.store.keep_deferred(cancels)
             raise
         with self._slots:
             self._running += len(claim.timers)
@@ -298,6 +307,17 @@ class TimerService:
     def _ack_is_due(self) -> bool:
         with self._slots:
             return self._ack_by is not None and time.monotonic() >= self._ack_by
+
+    def _flush_cancels(self) -> None:
+        """On stop: the deferred cancels no claim will carry now (best effort: a timer left
+        uncancelled fires and is ignored)."""
+        cancels = self.store.take_deferred()
+        if not cancels:
+            return
+        try:
+            self.store.claim(0, 0, 1, 0, cancels=cancels)
+        except Exception as e:
+            log.warning("timer service: cancelling %d timers failed: %s", len(cancels), e)
 
     def _flush_acks(self) -> None:
         """Acknowledge the finished timers now, without a claim (one round trip)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,7 @@ class Claim:
     timers: list[Timer]
     next_ms: int | None  # earliest due time or lease deadline left, None when nothing is left
     acked: list[int] = field(default_factory=list)  # a code per timer acknowledged with it
+    cancelled: list[int] = field(default_factory=list)  # a code per timer cancelled with it
 
 
 class TimerStore:
@@ -81,7 +83,10 @@ class TimerStore:
         self.keys = timer_keys(prefix, namespace)
         self._arm = lua_script(client, "timer_arm")
         self._claim = lua_script(client, "timer_claim")
-        self._cancel = lua_script(client, "timer_cancel")
+        # Cancels this process's timer service sends with its next claim (defer_cancels).
+        self.claims_carry_cancels = False
+        self._deferred: list[str] = []
+        self._deferred_lock = threading.Lock()
         self._release = lua_script(client, "timer_release")
 
     def _arm_args(
@@ -139,25 +144,63 @@ class TimerStore:
     def arm_script(self) -> Any:
         return self._arm
 
+    def _claim_args(
+        self, now_ms: int, limit: int, lease_ms: int, ahead_ms: int,
+        acks: Iterable[Timer] = (), cancels: Iterable[str] = (),
+    ) -> list[Any]:  # fmt: skip
+        pairs: list[Any] = []
+        for t in acks:
+            pairs += [t.id, t.lease_deadline_ms]
+        return [now_ms, limit, lease_ms, ahead_ms, len(pairs) // 2, *pairs, *cancels]
+
+    @property
+    def _claim_keys(self) -> list[str]:
+        k = self.keys
+        return [k.due, k.inflight, k.data, k.deliveries]
+
     def queue_cancel(self, pipe: Any, timer_id: str) -> None:
         """Queue :meth:`cancel` on someone else's pipeline (pass :attr:`cancel_script`)."""
-        k = self.keys
-        queue_script(pipe, self._cancel, [k.due, k.inflight, k.data, k.deliveries], [timer_id])
+        queue_script(
+            pipe, self._claim, self._claim_keys, self._claim_args(0, 0, 1, 0, (), [timer_id])
+        )
 
     @property
     def cancel_script(self) -> Any:
-        return self._cancel
+        return self._claim  # a cancel is a claim of none (lua/timer_claim.lua)
 
     def cancel(self, timer_id: str) -> bool:
         """Remove a timer, waiting or in flight; False when it already fired or never existed."""
-        k = self.keys
-        with store_errors("cancelling a timer"):
-            found = self._cancel(keys=[k.due, k.inflight, k.data, k.deliveries], args=[timer_id])
-        return bool(found)
+        return self.claim(0, 0, 1, 0, cancels=[timer_id]).cancelled == [1]
+
+    def defer_cancels(self, timer_ids: list[str]) -> None:
+        """Cancel timers nobody needs any more, with the next claim of this process's timer
+        service when one runs (:attr:`claims_carry_cancels`), else now (one round trip).
+
+        Only for timers whose firing would be harmless (a race ignores a timer it no longer
+        wants): a cancel that waits may come after the timer fired, and one still waiting when
+        its process dies is never sent."""
+        if not timer_ids:
+            return
+        if self.claims_carry_cancels:
+            with self._deferred_lock:
+                self._deferred.extend(timer_ids)
+            return
+        self.claim(0, 0, 1, 0, cancels=timer_ids)
+
+    def take_deferred(self) -> list[str]:
+        """The cancels :meth:`defer_cancels` left for the next claim (the caller sends them)."""
+        with self._deferred_lock:
+            found, self._deferred = self._deferred, []
+        return found
+
+    def keep_deferred(self, timer_ids: list[str]) -> None:
+        """Put back cancels a failed claim did not send."""
+        with self._deferred_lock:
+            self._deferred[:0] = timer_ids
 
     def claim(
         self, now_ms: int, limit: int = 100, lease_ms: int = 10_000, ahead_ms: int = 0,
-        acks: Iterable[Timer] = (),
+        acks: Iterable[Timer] = (), cancels: Iterable[str] = (),
     ) -> Claim:  # fmt: skip
         """Atomically take up to ``limit`` timers due at ``now_ms``, each leased for ``lease_ms``.
 
@@ -165,22 +208,22 @@ class TimerStore:
         taken timer until ``now + lease_ms``; acknowledge it before then. With ``ahead_ms`` it
         also takes timers due up to that much later: the caller fires each at its due time.
         ``acks``: fired timers to acknowledge first, in the same script (see :meth:`ack_many`;
-        their codes are the claim's ``acked``). ``limit`` 0 only acknowledges.
+        their codes are the claim's ``acked``); ``cancels``: timer ids to cancel next (see
+        :meth:`cancel`; codes in ``cancelled``). ``limit`` 0 claims nothing.
         """
         if limit < 0 or lease_ms < 1 or ahead_ms < 0:
             raise ValueError(
                 f"claim needs limit >= 0, lease_ms >= 1 and ahead_ms >= 0, "
                 f"got {limit}, {lease_ms}, {ahead_ms}"
             )
-        args: list[Any] = [now_ms, limit, lease_ms, ahead_ms]
-        for t in acks:
-            args += [t.id, t.lease_deadline_ms]
-        k = self.keys
+        args = self._claim_args(now_ms, limit, lease_ms, ahead_ms, acks, cancels)
         with store_errors("claiming due timers"):
-            raw = self._claim(keys=[k.due, k.inflight, k.data, k.deliveries], args=args)
+            raw = self._claim(keys=self._claim_keys, args=args)
         deadline, next_ms, acked = int(raw[0]), int(raw[1]), int(raw[2])
+        cancelled = int(raw[3 + acked])
+        first = 4 + acked + cancelled  # the first claimed timer's id
         timers = []
-        for i in range(3 + acked, len(raw), 3):
+        for i in range(first, len(raw), 3):
             record = codec.loads(raw[i + 1])
             timers.append(
                 Timer(
@@ -193,8 +236,12 @@ class TimerStore:
                 )
             )
         timers.sort(key=lambda t: t.due_ms)
-        codes = [int(c) for c in raw[3 : 3 + acked]]
-        return Claim(timers=timers, next_ms=None if next_ms < 0 else next_ms, acked=codes)
+        return Claim(
+            timers=timers,
+            next_ms=None if next_ms < 0 else next_ms,
+            acked=[int(c) for c in raw[3 : 3 + acked]],
+            cancelled=[int(c) for c in raw[4 + acked : first]],
+        )
 
     def claim_due(self, now_ms: int, limit: int = 100, lease_ms: int = 10_000) -> list[Timer]:
         """The timers of :meth:`claim`, earliest due first."""

@@ -1,27 +1,32 @@
--- timer_claim: acknowledge fired timers, then take up to ARGV[2] timers that are due (or whose
--- claimer's lease ran out). The acknowledgements ride in the claim that follows them, so a
--- busy timer service spends one round trip on both; an acknowledgement alone is a claim of 0.
+-- timer_claim: acknowledge fired timers, cancel timers, then take up to ARGV[2] timers that
+-- are due (or whose claimer's lease ran out). Acknowledgements and cancels ride in the claim
+-- that follows them, so a busy timer service spends one round trip on all three; either alone
+-- is a claim of 0.
 -- KEYS[1] due ZSET (id -> due ms)      KEYS[2] in-flight ZSET (id -> lease deadline ms)
 -- KEYS[3] data HASH (id -> JSON record) KEYS[4] deliveries HASH (id -> claim count)
--- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim (0: acknowledge only)
+-- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim (0: none)
 -- ARGV[3] lease in ms: unacknowledged claims become claimable again after it
 -- ARGV[4] look-ahead in ms (0: none): also take timers due up to now + this; the claimer
 --         holds them and fires each at its due time (one claim for a window of timers)
--- ARGV[5..] pairs to acknowledge: id1, deadline1, id2, ... (deadline = that claim's token)
--- Returns {deadline, next_ms, n, code1..coden, id1, record1, deliveries1, id2, ...}
+-- ARGV[5] n, the number of pairs to acknowledge that follow
+-- ARGV[6 .. 5+2n] pairs to acknowledge: id1, deadline1, ... (deadline = that claim's token)
+-- ARGV[6+2n ..] timer ids to cancel, waiting or in flight
+-- Returns {deadline, next_ms, n, ack codes (n), m, cancel codes (m), id1, record1, deliveries1, ...}
 --   deadline  the lease deadline of this claim (the token an acknowledgement gives back)
 --   next_ms   the earliest due time or lease deadline left after this claim, -1 if none
---   n         how many pairs were acknowledged, then one code each:
---              1 acknowledged and removed
+--   ack codes  1 acknowledged and removed
 --              0 not in flight any more (cancelled, or already acknowledged)
 --             -1 claimed again by someone else after that claim's lease ran out: left to them
+--   cancel codes  1 the timer existed (waiting or in flight) and is gone; 0 it had fired or
+--                 never existed
 local now = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
 local deadline = now + tonumber(ARGV[3])
 local horizon = now + tonumber(ARGV[4])
 local out = {deadline, -1, 0}
 
-for i = 5, #ARGV, 2 do
+local acks_end = 5 + 2 * tonumber(ARGV[5])
+for i = 6, acks_end, 2 do
   local id = ARGV[i]
   local score = redis.call('ZSCORE', KEYS[2], id)
   local code = 0
@@ -36,6 +41,17 @@ for i = 5, #ARGV, 2 do
   out[#out + 1] = code
 end
 out[3] = #out - 3
+
+local m_at = #out + 1
+out[m_at] = 0
+for i = acks_end + 1, #ARGV do
+  local id = ARGV[i]
+  local found = redis.call('ZREM', KEYS[1], id) + redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[4], id)
+  out[#out + 1] = found > 0 and 1 or 0
+end
+out[m_at] = #out - m_at
 
 local function take(id)
   local record = redis.call('HGET', KEYS[3], id)
