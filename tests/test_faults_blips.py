@@ -6,6 +6,9 @@ per race, for:
 * starting the race (``RaceDriver.create``, which with the primary submitted inline has already
   submitted its job): the task waits for Redis and creates again, which resumes the race it
   finds; the caller's ``.get()`` never sees the blip;
+* claiming an attempt's submit (its intent, the first thing written for it): the claim is
+  repeated and finds its own intent, so the job is submitted at once, not left to the launch
+  backstop to judge "outcome unknown" a minute later;
 * registering a job the provider just accepted (``RaceStore.add_job``): the registration is
   repeated, so the job stays cancellable; nothing is flagged as leaked.
 
@@ -30,12 +33,14 @@ def test_lost_answers_when_a_race_starts_and_registers_a_job_lose_nothing(redis_
     cluster = start_fault_cluster(
         redis_url, tmp_path, deadline_s=30.0, coordinators=1, beat=False,
         GPUHEDGE_PLUGINS="tests.support.fixtures_races,tests.support.blips",
-        GPUHEDGE_TEST_BLIP="create,add_job",
+        GPUHEDGE_TEST_BLIP="create,claim_submit,add_job",
     )  # fmt: skip
     try:
         callers = Callers([send_race(cluster, HEDGED_REQUEST) for _ in range(RACES)])
         callers.join(90)
         assert len(callers.outcomes) == RACES, "a caller's .get() is still waiting"
+        # the launch backstop (60 s) would end a lost claim: none needed it
+        assert max(t for _, _, t in callers.outcomes.values()) < 30, callers.outcomes
         counts = check_races(cluster, callers.outcomes, expect_all_won=True)
         assert counts["settled_by_janitor"] == 0, counts
         ledger = RedisLedger(cluster.client, cluster.prefix)

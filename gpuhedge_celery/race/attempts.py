@@ -131,9 +131,16 @@ class AttemptWork(CancelWork, WatchWork):
             intent = {"submitting": True, "at": now, "until": now + self.settings.launch_backstop_s}
             # The budget's reservation of the attempt's worst case rides in the same round trip.
             budget = self.budget.reservation(race_id, a, record.state) if self.budget else None
-            known, request = self.store.claim_submit_with_request(
-                race_id, attempt_id, intent, also=budget
-            )
+            # A claim whose answer was lost is sent again within the intent's window: the same
+            # intent found is ours (store/race_jobs.py), the reservation a repeat. Failing
+            # instead would leave an intent the launch backstop must judge "outcome unknown".
+            known, request = through_outage(
+                self.store.client, f"race {race_id}: claim the submit of {attempt_id}",
+                lambda: self.store.claim_submit_with_request(
+                    race_id, attempt_id, intent, also=budget
+                ),
+                limit_s=max(0.0, self.settings.launch_backstop_s - 1.0),
+            )  # fmt: skip
             if known is None and budget is not None and not budget.result.granted:
                 self._refused(race_id, a, budget.result, drop)
                 return

@@ -1,7 +1,8 @@
 """A worker plugin that loses Redis's answer to chosen race-store calls, once per race: the call
 runs, then raises StoreUnavailable, as when a connection is cut after the command arrived.
 
-``GPUHEDGE_TEST_BLIP``: a comma list of ``create`` (``RaceDriver.create``) and ``add_job``
+``GPUHEDGE_TEST_BLIP``: a comma list of ``create`` (``RaceDriver.create``), ``claim_submit``
+(``RaceStore.claim_submit_with_request``, an attempt's submit intent) and ``add_job``
 (``RaceStore.add_job``, the registration of a job the provider just accepted). Imported through
 ``GPUHEDGE_PLUGINS`` (tests/test_faults_blips.py).
 """
@@ -39,5 +40,7 @@ def _lose_first_answer(cls: type, name: str) -> None:
 
 if "create" in CHOSEN:
     _lose_first_answer(RaceDriver, "create")
+if "claim_submit" in CHOSEN:
+    _lose_first_answer(RaceStore, "claim_submit_with_request")
 if "add_job" in CHOSEN:
     _lose_first_answer(RaceStore, "add_job")
