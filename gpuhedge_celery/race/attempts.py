@@ -134,12 +134,11 @@ class AttemptWork(CancelWork, WatchWork):
             # A claim whose answer was lost is sent again within the intent's window: the same
             # intent found is ours (store/race_jobs.py), the reservation a repeat. Failing
             # instead would leave an intent the launch backstop must judge "outcome unknown".
-            known, request = through_outage(
-                self.store.client, f"race {race_id}: claim the submit of {attempt_id}",
+            known, request = self._within_window(
+                f"race {race_id}: claim the submit of {attempt_id}", float(intent["until"]),
                 lambda: self.store.claim_submit_with_request(
                     race_id, attempt_id, intent, also=budget
                 ),
-                limit_s=max(0.0, self.settings.launch_backstop_s - 1.0),
             )  # fmt: skip
             if known is None and budget is not None and not budget.result.granted:
                 self._refused(race_id, a, budget.result, drop)
@@ -192,16 +191,19 @@ class AttemptWork(CancelWork, WatchWork):
         """Register a job the provider just accepted, before it is reported: a crash now leaves
         the janitor a handle. The job is paid for from here, so a Redis blip must not lose its
         id: the registration (an ``HSET`` of the same handle, harmless to repeat) waits for
-        Redis while the submit intent's window lasts (``until``, less a second). Past it the
-        launch backstop may judge the submit unknown, and a handle registered after that
-        would sit under an attempt already ended; so then the error goes through and the
-        attempt's receipt flags the job as leaked."""
-        limit_s = until - self.clock.now() - 1.0
-        through_outage(
-            self.store.client, f"race {race_id}: register the job of {attempt_id}",
+        Redis within the submit intent's window (:meth:`_within_window`)."""
+        self._within_window(
+            f"race {race_id}: register the job of {attempt_id}", until,
             lambda: self.store.add_job(race_id, attempt_id, handle.to_dict()),
-            limit_s=max(0.0, limit_s),
         )  # fmt: skip
+
+    def _within_window(self, what: str, until: float, call: Callable[[], Any]) -> Any:
+        """``call()``, repeated while Redis is unreachable until a second before ``until`` (the
+        submit intent's window). Past it the launch backstop may judge the submit unknown and
+        end the attempt, so then the error goes through: a late write would sit under an
+        attempt already ended, and the attempt's receipt flags what may run as leaked."""
+        limit_s = max(0.0, until - self.clock.now() - 1.0)
+        return through_outage(self.store.client, what, call, limit_s=limit_s)
 
     def _submit(
         self, provider: Provider, request: dict[str, Any], race_id: str, attempt_id: str

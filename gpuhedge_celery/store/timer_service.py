@@ -315,7 +315,7 @@ class TimerService:
         if not cancels:
             return
         try:
-            self.store.claim(0, 0, 1, 0, cancels=cancels)
+            self.store.cancel_many(cancels)
         except Exception as e:
             log.warning("timer service: cancelling %d timers failed: %s", len(cancels), e)
 

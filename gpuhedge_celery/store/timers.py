@@ -158,11 +158,14 @@ class TimerStore:
         k = self.keys
         return [k.due, k.inflight, k.data, k.deliveries]
 
+    def _claim_none(self, acks: Iterable[Timer] = (), cancels: Iterable[str] = ()) -> Claim:
+        """A claim that takes no timer: only acknowledges ``acks`` and cancels ``cancels``."""
+        return self.claim(0, 0, 1, 0, acks=acks, cancels=cancels)
+
     def queue_cancel(self, pipe: Any, timer_id: str) -> None:
         """Queue :meth:`cancel` on someone else's pipeline (pass :attr:`cancel_script`)."""
-        queue_script(
-            pipe, self._claim, self._claim_keys, self._claim_args(0, 0, 1, 0, (), [timer_id])
-        )
+        args = self._claim_args(0, 0, 1, 0, (), [timer_id])  # a claim of none
+        queue_script(pipe, self._claim, self._claim_keys, args)
 
     @property
     def cancel_script(self) -> Any:
@@ -170,7 +173,11 @@ class TimerStore:
 
     def cancel(self, timer_id: str) -> bool:
         """Remove a timer, waiting or in flight; False when it already fired or never existed."""
-        return self.claim(0, 0, 1, 0, cancels=[timer_id]).cancelled == [1]
+        return self.cancel_many([timer_id]) == [1]
+
+    def cancel_many(self, timer_ids: list[str]) -> list[int]:
+        """Cancel several timers in one call (a claim of none); 1 per timer that existed."""
+        return self._claim_none(cancels=timer_ids).cancelled if timer_ids else []
 
     def defer_cancels(self, timer_ids: list[str]) -> None:
         """Cancel timers nobody needs any more, with the next claim of this process's timer
@@ -185,7 +192,7 @@ class TimerStore:
             with self._deferred_lock:
                 self._deferred.extend(timer_ids)
             return
-        self.claim(0, 0, 1, 0, cancels=timer_ids)
+        self.cancel_many(timer_ids)
 
     def take_deferred(self) -> list[str]:
         """The cancels :meth:`defer_cancels` left for the next claim (the caller sends them)."""
@@ -259,7 +266,7 @@ class TimerStore:
         """
         if not timers:
             return []
-        return self.claim(0, 0, 1, 0, acks=timers).acked
+        return self._claim_none(acks=timers).acked
 
     def release(self, timers: list[Timer]) -> int:
         """Give claimed timers back unfired (to wait again at their due time, this delivery not
