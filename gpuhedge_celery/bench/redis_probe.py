@@ -16,8 +16,12 @@ Celery's broker (kombu's ``BRPOP`` polls), result backend and task events alike.
 
 The simulated providers keep their jobs in a ledger on the same Redis (``RedisLedger``): what a
 real provider answers over HTTP, the sim answers from Redis. Those requests are counted apart
-as well (``sim_round_trips``, ``sim_bytes``), found by the ledger's frame a few frames up, so
-the bench can report the coordination's own traffic beside the total.
+as well (``sim_round_trips``, ``sim_bytes``): the ledger's methods are wrapped to mark their
+thread while they run, so the bench can report the coordination's own traffic beside the total.
+
+Counting must cost little, or it would inflate the CPU per race it sits beside: a request costs
+the probe a size sum, a thread-local read and an uncontended lock, and the totals are written
+only when they changed, every :data:`WRITE_INTERVAL_S`.
 
 With ``GPUHEDGE_BENCH_PROBE_SITES=on`` each round trip is also counted by where it was sent
 from (:func:`site`): the package's innermost function that sent it and, when that is the store
@@ -39,32 +43,44 @@ from typing import Any
 
 DIR_ENV = "GPUHEDGE_BENCH_PROBE_DIR"
 SITES_ENV = "GPUHEDGE_BENCH_PROBE_SITES"
-WRITE_INTERVAL_S = 0.05
+WRITE_INTERVAL_S = 0.2
 _PACKAGE = __name__.rsplit(".", 2)[0]  # gpuhedge_celery
 _SKIP = (f"{_PACKAGE}.bench.redis_probe", f"{_PACKAGE}.store.connection")
-_LEDGER = f"{_PACKAGE}.providers.simledger"
-_LEDGER_DEPTH = 8  # redis-py's frames between a ledger method and send_packed_command, and some
 
 _lock = threading.Lock()
 _totals: dict[str, Any] = {"round_trips": 0, "bytes": 0, "sim_round_trips": 0, "sim_bytes": 0}
 _sites: dict[str, int] = {}
 _installed = False
+_in_ledger = threading.local()  # .depth > 0 while a ledger method runs on this thread
 
 
 def _short(module: str, function: str) -> str:
     return f"{module.removeprefix(_PACKAGE + '.')}:{function}"
 
 
-def from_ledger(frame: Any) -> bool:
-    """Whether a request was sent by the simulated providers' ledger (a frame of it within
-    :data:`_LEDGER_DEPTH` frames)."""
-    for _ in range(_LEDGER_DEPTH):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__") == _LEDGER:
-            return True
-        frame = frame.f_back
-    return False
+def from_ledger() -> bool:
+    """Whether this thread is inside a method of the simulated providers' ledger."""
+    return getattr(_in_ledger, "depth", 0) > 0
+
+
+def _mark_ledger() -> None:
+    """Wrap ``RedisLedger``'s methods so that the requests they send are known as the sim's."""
+    from ..providers.simledger import RedisLedger
+
+    def marked(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _in_ledger.depth = getattr(_in_ledger, "depth", 0) + 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                _in_ledger.depth -= 1
+
+        call.__wrapped__ = method  # type: ignore[attr-defined]
+        return call
+
+    for name, method in list(vars(RedisLedger).items()):
+        if callable(method) and not name.startswith("__"):
+            setattr(RedisLedger, name, marked(method))
 
 
 def site(frame: Any) -> str:
@@ -108,9 +124,8 @@ def install() -> None:
 
         def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             size = _size(command)
-            caller = sys._getframe(1)
-            sim = from_ledger(caller)
-            where = site(caller) if by_site else None
+            sim = from_ledger()
+            where = site(sys._getframe(1)) if by_site else None
             with _lock:
                 _totals["round_trips"] += 1
                 _totals["bytes"] += size
@@ -122,6 +137,7 @@ def install() -> None:
             return original(self, command, *args, **kwargs)
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+        _mark_ledger()
         _installed = True
 
 
@@ -137,9 +153,13 @@ def totals() -> dict[str, Any]:
 def _write_loop(directory: Path) -> None:
     path = directory / f"probe-{os.getpid()}.json"
     tmp = directory / f".probe-{os.getpid()}.tmp"
+    written = None
     while True:
-        tmp.write_text(json.dumps(totals()))
-        tmp.replace(path)
+        now = totals()
+        if now != written:
+            tmp.write_text(json.dumps(now))
+            tmp.replace(path)
+            written = now
         time.sleep(WRITE_INTERVAL_S)
 
 
