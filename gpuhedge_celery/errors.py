@@ -14,6 +14,7 @@ catch as coarsely or as finely as it needs::
     │   ├── UnknownPool        no such pool registered
     │   ├── EmptyPool          the pool exists but has no live GPU
     │   └── AcquireTimeout     no GPU became free before the caller's deadline
+    ├── HandoffFailed          a leased GPU's job could not be published to its queue
     ├── ProviderError          provider adapters
     │   ├── SubmitError        the provider did not accept the job (or we cannot tell)
     │   ├── ProviderProtocolError  the provider answered something we cannot parse
@@ -129,6 +130,22 @@ class EmptyPool(LeaseError):
 
 class AcquireTimeout(LeaseError):
     """No GPU of the pool became free before the caller's deadline."""
+
+
+class HandoffFailed(GpuHedgeError):
+    """A pooled request held a GPU's lease but its job could not be published to that GPU's
+    queue, after every try; the lease was given back and the request failed explicitly."""
+
+    def __init__(self, request_id: str, gpu_id: str, tries: int, cause: str):
+        self.request_id, self.gpu_id, self.tries, self.cause = request_id, gpu_id, tries, cause
+        self._keep(
+            f"pooled request {request_id}: could not hand it to GPU {gpu_id}'s queue "
+            f"({tries} tries, last: {cause}); its lease was given back, send it again",
+            request_id,
+            gpu_id,
+            tries,
+            cause,
+        )
 
 
 class RequestLost(GpuHedgeError):

@@ -13,6 +13,7 @@ import pytest
 from celery.exceptions import Ignore
 
 from gpuhedge_celery.core.lease_rules import Lease
+from gpuhedge_celery.errors import HandoffFailed
 from gpuhedge_celery.tasks.app import gpu_queue
 from gpuhedge_celery.tasks.pool import hand_to_gpu
 
@@ -49,8 +50,14 @@ def test_a_publish_that_fails_once_is_sent_again_and_the_gpu_is_kept():
     assert second.args[1]["token"] == 42
 
 
-def test_when_every_try_fails_the_gpu_is_given_back_and_the_error_raised():
+def test_when_every_try_fails_the_gpu_is_given_back_and_a_one_line_error_of_ours_raised():
     task, gave_back = Replacing(failures=10), []
-    with pytest.raises(AttributeError):
+    with pytest.raises(HandoffFailed) as failed:
         hand_to_gpu(task, {"x": 1}, lease(), 0, None, lambda: gave_back.append(1), (0.0, 0.0))
     assert len(task.jobs) == 3 and gave_back == [1]
+    text = str(failed.value)
+    assert "\n" not in text and "req-1" in text and "GPU g7" in text and "3 tries" in text
+    assert "AttributeError" in text  # the broker's error is named, and kept as the cause
+    assert failed.value.__cause__ is CLOSED
+    # Celery's result backend rebuilds it as cls(*args): the same error reaches the caller
+    assert str(HandoffFailed(*failed.value.args)) == text

@@ -26,6 +26,7 @@ from ..errors import (
     AcquireTimeout,
     ConfigError,
     EmptyPool,
+    HandoffFailed,
     LeaseLost,
     StaleToken,
     StoreUnavailable,
@@ -160,8 +161,8 @@ def hand_to_gpu(
     connection error (kombu's Redis channel closed under it: ``AttributeError``), so every
     error counts. Should a failed publish have reached the broker after all, the second copy
     finds the request's result stored or its lease gone (``gpu_run``), and is dropped. When
-    every try failed the lease is given back (``give_back``) and the error raised: the
-    caller's request fails explicitly.
+    every try failed the lease is given back (``give_back``) and :class:`HandoffFailed`
+    raised (the broker's own error is its cause): the caller's request fails explicitly.
     """
     for wait_s in (*waits_s, None):
         job = gpu_run.s(
@@ -174,7 +175,8 @@ def hand_to_gpu(
         except Exception as e:
             if wait_s is None:
                 give_back()  # the job never reached the GPU's queue
-                raise
+                cause = f"{type(e).__name__}: {e}"
+                raise HandoffFailed(task.request.id, lease.gpu_id, len(waits_s) + 1, cause) from e
             log.warning("request %s: handing it to GPU %s failed (%s: %s); again in %.1f s",
                         task.request.id, lease.gpu_id, type(e).__name__, e, wait_s)  # fmt: skip
             time.sleep(wait_s)
