@@ -32,10 +32,10 @@ from .attempts import LIVE_PHASES, UNSETTLED_PHASES, Attempt, Phase
 from .clock import Clock
 from .jobs import JobState
 from .policies import FALLBACK, PRIMARY, Policy, policy_from_dict
+from .race_cancels import CancelRules, ended_on_its_own
 from .race_events import (
     Action,
     AttemptSubmitted,
-    Cancel,
     CancelAcknowledged,
     CancelConfirmed,
     CancelFailed,
@@ -52,7 +52,7 @@ from .race_events import (
     SubmitFailed,
     TimerDue,
 )
-from .receipts import SUBMIT_OUTCOME_UNKNOWN, CancelReceipt, CancelScope, Evidence
+from .receipts import CancelReceipt
 
 MAX_LIVE_JOBS = 2
 DEADLINE_TIMER = "race_deadline"  # the engine's own timer key (policies use other keys)
@@ -60,7 +60,7 @@ BUDGET_REFUSED = "budget_refused"  # flag: the budget refused an attempt (see Su
 BUDGET_STOP = "budget_stop"  # flag: it refused the primary; the race launches nothing more
 
 
-class Race:
+class Race(CancelRules):
     """One request's race, driven by events; also the :class:`RaceControl` its policy sees."""
 
     def __init__(
@@ -281,46 +281,6 @@ class Race:
         elif not good and self.winner is None:
             self.policy.on_failed(self, a)
 
-    def _on_cancel_ack(self, a: Attempt, event: CancelAcknowledged) -> None:
-        r = a.receipt
-        if r is None or a.phase not in (Phase.CANCELLING, Phase.LEAKED):
-            return
-        p = event.receipt
-        r.upgrade(Evidence.PROVIDER_ACK)
-        r.cancel_ack_ms = self._ms()
-        a.timeline.append([self._rel(), "cancel_acknowledged"])
-        if p is None:
-            return
-        if p.cancel_ack_ms is not None:
-            r.cancel_ack_ms = p.cancel_ack_ms
-        if p.was_running is not None:
-            r.was_running = p.was_running
-        if p.scope is not CancelScope.UNKNOWN:
-            r.scope = p.scope
-        for name in ("execution_ms_before_cancel", "estimated_cost_usd", "reconciled_cost_usd"):
-            if getattr(p, name) is not None:
-                setattr(r, name, getattr(p, name))
-        r.billing_stop_confirmed = r.billing_stop_confirmed or p.billing_stop_confirmed
-        if p.note:
-            r.note = p.note
-        r.upgrade(p.evidence if p.evidence is not Evidence.CONFIRMED_TERMINAL else r.evidence)
-        if p.confirmed_terminal and p.terminal_status is not None:
-            # The adapter itself polled the job to a terminal state before returning.
-            self._confirm_cancel(a, p.terminal_status, p.terminal_ms)
-
-    def _on_cancel_confirmed(self, a: Attempt, event: CancelConfirmed) -> None:
-        if a.phase in (Phase.CANCELLING, Phase.LEAKED):
-            self._confirm_cancel(a, event.state)
-
-    def _on_cancel_failed(self, a: Attempt, event: CancelFailed) -> None:
-        if a.phase is not Phase.CANCELLING or a.receipt is None:
-            return
-        a.phase = Phase.LEAKED
-        a.receipt.leaked = True
-        a.receipt.note = f"cancel failed: {event.error}" if event.error else "cancel failed"
-        a.timeline.append([self._rel(), "leaked"])
-        self.flag("leaked")
-
     # ------------------------------------------------------------------ internals
     def _rel(self) -> float:
         return self._now - (self.started_at or 0.0)
@@ -366,35 +326,6 @@ class Race:
             if other is not a and other.phase in (Phase.LAUNCHING, Phase.RUNNING):
                 self._send_cancel(other, "lost")
 
-    def _send_cancel(self, a: Attempt, reason: str) -> None:
-        if a.phase is Phase.LAUNCHING:
-            a.cancel_requested = True  # cancelled as soon as the provider gives us a job id
-            a.cancel_reason = reason
-            return
-        if a.phase is not Phase.RUNNING:
-            return
-        a.phase = Phase.CANCELLING
-        a.cancel_reason = reason
-        a.cancel_sent_at = self._rel()
-        was_running = {"QUEUED": False, "IN_PROGRESS": True}.get(a.last_state or "")
-        a.receipt = CancelReceipt(
-            provider=a.provider,
-            job_id=a.job_id,
-            was_running=was_running,
-            cancel_sent_ms=self._ms(),
-            scope=CancelScope.QUEUED_JOB if was_running is False else CancelScope.UNKNOWN,
-            note=reason,
-        )
-        a.timeline.append([a.cancel_sent_at, f"cancel_sent ({reason})"])
-        self._out.append(Cancel(a.id, reason))
-
-    def _confirm_cancel(self, a: Attempt, state: JobState, at_ms: float | None = None) -> None:
-        assert a.receipt is not None
-        a.receipt.confirm_terminal(state, self._ms() if at_ms is None else at_ms)
-        a.phase = Phase.CANCELLED
-        a.last_state = state.value
-        a.timeline.append([self._rel(), f"{state} (cancel confirmed)"])
-
     def _settle(self) -> None:
         """After every event: retry held launches, give an idle policy its turn, finish."""
         while self.winner is None and self.waiting and self.live_count < self.max_live:
@@ -418,7 +349,7 @@ class Race:
         self.timers.clear()
         for a in self.attempts:
             if a.id != winner and a.receipt is None:
-                a.receipt = _ended_on_its_own(a, self._ms())
+                a.receipt = ended_on_its_own(a, self._ms())
                 if a.receipt.leaked:  # a job we may have started but can never cancel
                     self.flag("leaked")
         self._out.append(RaceFinished(winner, note))
@@ -466,35 +397,6 @@ class Race:
         race.finished = bool(data.get("finished"))
         race.note = data.get("note", "")
         return race
-
-
-def unknown_submit_receipt(a: Attempt) -> CancelReceipt | None:
-    """The receipt of an attempt whose submit may have started a job we have no id for (its
-    reasons say ``submit outcome unknown``): leaked, since nothing can show or stop it."""
-    if a.submitted_at is not None or not any(SUBMIT_OUTCOME_UNKNOWN in r for r in a.reasons):
-        return None
-    receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
-    receipt.note = (
-        "; ".join(a.reasons) + " - the provider may run (and bill) a job whose id we never "
-        "learnt: no cancel is possible, check the provider's console"
-    )
-    return receipt  # no evidence, leaked
-
-
-def _ended_on_its_own(a: Attempt, now_ms: float) -> CancelReceipt:
-    """The receipt of a loser that needed no cancel: it ended (or never started) by itself."""
-    unknown = unknown_submit_receipt(a)
-    if unknown is not None:
-        return unknown
-    receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
-    state = JobState(a.result_state) if a.result_state else JobState.FAILED
-    receipt.confirm_terminal(state, now_ms)
-    receipt.was_running = a.submitted_at is not None
-    if a.submitted_at is None:
-        receipt.note = "never submitted: " + "; ".join(a.reasons)
-    else:
-        receipt.note = f"ended on its own ({state}); no cancel needed"
-    return receipt
 
 
 _HANDLERS = {

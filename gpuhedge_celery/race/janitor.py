@@ -38,7 +38,8 @@ from typing import Any
 from ..core.attempts import LIVE_PHASES, Phase
 from ..core.clock import Clock, WallClock
 from ..core.jobs import JobHandle, JobState
-from ..core.race import Race, unknown_submit_receipt
+from ..core.race import Race
+from ..core.race_cancels import unknown_submit_receipt
 from ..core.receipts import CancelReceipt
 from ..metrics import record as metrics
 from ..providers.base import Provider
