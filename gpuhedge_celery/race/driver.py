@@ -32,18 +32,18 @@ from ..core.race_events import (
     RaceFinished,
     ScheduleTimer,
     StatusObserved,
-    TimerDue,
 )
 from ..errors import StoreError
 from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, SaveMark, VersionConflict, WinnerClaim, new_save_id
-from ..store.timers import Timer, TimerStore
+from ..store.timers import TimerStore
 from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork
 from .base import Effects, due_ms, find_attempt
 from .budget import RaceBudget
 from .outcome import OutcomeWork
+from .recovery import RecoveryWork
 from .settings import RaceSettings
 from .spec import RaceSpec
 
@@ -65,7 +65,7 @@ class _RidingClaim:
         self.claim = RaceStore.winner_claim(replies[0])
 
 
-class RaceDriver(OutcomeWork, AttemptWork):
+class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
     """Advances races stored in Redis; one per process, shared by every thread."""
 
     def __init__(
@@ -414,76 +414,3 @@ class RaceDriver(OutcomeWork, AttemptWork):
             key, due, payload, timer_id = self._launch_backstop(race_id, attempt_id)
             self.timers.arm(key, due, payload, timer_id=timer_id)
         self.effects.launch(race_id, attempt_id, provider)
-
-    # ------------------------------------------------------------------ timers and recovery
-    def on_timer(self, timer: Timer) -> None:
-        """The TimerService handler: a policy timer steps the race, a watch timer polls a job."""
-        payload = timer.payload
-        kind = payload.get("kind")
-        if kind == "policy":
-            self.step(payload["race"], TimerDue(payload["key"]))
-            if timer.deliveries > 1:  # its first claimer died, perhaps after saving the step
-                self.resume(payload["race"])
-        elif kind == "cancel":
-            # The process that was cancelling this attempt did not report it done within the
-            # backstop: it died (or its provider is very slow). Cancelling again is harmless.
-            log.warning(
-                "race %s: cancel of %s taken over by the backstop timer",
-                payload["race"], payload["attempt"],
-            )  # fmt: skip
-            self.cancel_attempt(payload["race"], payload["attempt"])
-        elif kind == "launch":
-            # The process that launched this attempt did not get its job watched in time: it
-            # died (before, during or after the submit). The submit claim decides what to do.
-            log.warning(
-                "race %s: launch of %s taken over by the backstop timer",
-                payload["race"], payload["attempt"],
-            )  # fmt: skip
-            self.submit_attempt(payload["race"], payload["attempt"], takeover=True)
-        elif kind == "watch":
-            self.watch(
-                payload["race"], payload["attempt"], payload["provider"], payload["handle"],
-                payload.get("last"), float(payload.get("cap_s", 180.0)),
-                decide=payload.get("decide"), reserved=payload.get("reserved"),
-            )  # fmt: skip
-            if timer.deliveries > 1:  # its first claimer may have died after saving a step
-                self.resume(payload["race"])
-        else:
-            log.warning("timer %s has an unknown kind %r; dropped", timer.id, kind)
-
-    def resume(self, race_id: str) -> None:
-        """Re-perform whatever a crashed step may have left undone (all of it idempotent)."""
-        record = self.store.load(race_id)
-        if record is None:
-            return
-        state = record.state
-        race = Race.from_dict(state["race"], self.clock)
-        if race.finished and self.store.receipt(race_id) is not None:
-            # Receipt written; but the step that declared the winner may have died before
-            # marking the result (another process finished the race): mark it again.
-            if race.winner is not None:
-                self._declare(race_id, race, state)
-            return
-        caps = state["spec"].get("caps_s") or {}
-        now = self.clock.now()
-        for a in race.attempts:
-            if a.phase is Phase.LAUNCHING:
-                self._launch(race_id, a.id, a.provider)
-            elif a.result_state == JobState.TIMEOUT.value and a.handle:
-                self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
-            elif a.live and a.handle:
-                cap = float(caps.get(a.provider, 180.0))
-                self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
-                if a.phase is Phase.CANCELLING:
-                    self.request_cancel(race_id, a.id, a.provider)
-        ids = state.get("timer_ids") or {}
-        for key, at in race.timers.items():
-            if key in ids:
-                payload = {"race": race_id, "kind": "policy", "key": key}
-                self.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
-        if race.winner is not None:
-            self._declare(race_id, race, state)
-        elif race.gave_up and not race.finished:
-            self._give_up(race_id, race, state)
-        if race.finished:
-            self._finish(race_id, race, state)

@@ -1,0 +1,103 @@
+"""Timers and recovery of the race driver: what a due durable timer does to a race, and how a
+step that a crashed process left half-done is performed again.
+
+Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; it calls the driver's own work
+(``step``, ``watch``, ``submit_attempt``, ``cancel_attempt``, ``request_cancel``, ``arm_watch``,
+``_launch``, ``_declare``, ``_give_up``, ``_finish``). A timer is delivered again when the
+process that claimed it died; every kind's work is idempotent, so a second delivery, or a
+``resume`` after it, only completes what the first left undone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.attempts import Phase
+from ..core.jobs import JobState
+from ..core.race import Race
+from ..core.race_events import TimerDue
+from ..store.timers import Timer
+from .base import due_ms
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryWork:
+    """The durable timers' handler and crash recovery; needs the driver (see the module)."""
+
+    store: Any
+    timers: Any
+    clock: Any
+
+    def on_timer(self, timer: Timer) -> None:
+        """The TimerService handler: a policy timer steps the race, a watch timer polls a job."""
+        payload = timer.payload
+        kind = payload.get("kind")
+        if kind == "policy":
+            self.step(payload["race"], TimerDue(payload["key"]))
+            if timer.deliveries > 1:  # its first claimer died, perhaps after saving the step
+                self.resume(payload["race"])
+        elif kind == "cancel":
+            # The process that was cancelling this attempt did not report it done within the
+            # backstop: it died (or its provider is very slow). Cancelling again is harmless.
+            log.warning(
+                "race %s: cancel of %s taken over by the backstop timer",
+                payload["race"], payload["attempt"],
+            )  # fmt: skip
+            self.cancel_attempt(payload["race"], payload["attempt"])
+        elif kind == "launch":
+            # The process that launched this attempt did not get its job watched in time: it
+            # died (before, during or after the submit). The submit claim decides what to do.
+            log.warning(
+                "race %s: launch of %s taken over by the backstop timer",
+                payload["race"], payload["attempt"],
+            )  # fmt: skip
+            self.submit_attempt(payload["race"], payload["attempt"], takeover=True)
+        elif kind == "watch":
+            self.watch(
+                payload["race"], payload["attempt"], payload["provider"], payload["handle"],
+                payload.get("last"), float(payload.get("cap_s", 180.0)),
+                decide=payload.get("decide"), reserved=payload.get("reserved"),
+            )  # fmt: skip
+            if timer.deliveries > 1:  # its first claimer may have died after saving a step
+                self.resume(payload["race"])
+        else:
+            log.warning("timer %s has an unknown kind %r; dropped", timer.id, kind)
+
+    def resume(self, race_id: str) -> None:
+        """Re-perform whatever a crashed step may have left undone (all of it idempotent)."""
+        record = self.store.load(race_id)
+        if record is None:
+            return
+        state = record.state
+        race = Race.from_dict(state["race"], self.clock)
+        if race.finished and self.store.receipt(race_id) is not None:
+            # Receipt written; but the step that declared the winner may have died before
+            # marking the result (another process finished the race): mark it again.
+            if race.winner is not None:
+                self._declare(race_id, race, state)
+            return
+        caps = state["spec"].get("caps_s") or {}
+        now = self.clock.now()
+        for a in race.attempts:
+            if a.phase is Phase.LAUNCHING:
+                self._launch(race_id, a.id, a.provider)
+            elif a.result_state == JobState.TIMEOUT.value and a.handle:
+                self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
+            elif a.live and a.handle:
+                cap = float(caps.get(a.provider, 180.0))
+                self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
+                if a.phase is Phase.CANCELLING:
+                    self.request_cancel(race_id, a.id, a.provider)
+        ids = state.get("timer_ids") or {}
+        for key, at in race.timers.items():
+            if key in ids:
+                payload = {"race": race_id, "kind": "policy", "key": key}
+                self.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
+        if race.winner is not None:
+            self._declare(race_id, race, state)
+        elif race.gave_up and not race.finished:
+            self._give_up(race_id, race, state)
+        if race.finished:
+            self._finish(race_id, race, state)
