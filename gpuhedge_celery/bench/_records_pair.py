@@ -32,6 +32,11 @@ def _warm(bench: Any, stream: RecordStream) -> None:
         time.sleep(0.01)
 
 
+def _recorded(stream: RecordStream) -> list[str]:
+    """The race id of every record in the stream, oldest first."""
+    return [str(record.get("race_id")) for _entry, record in stream.read()]
+
+
 def records_row(
     bench_cluster: Callable[..., Any],
     capacity_row: Callable[..., dict[str, Any]],
@@ -57,15 +62,20 @@ def records_row(
         with bench_cluster(url, workers, concurrency, scale, extra_env=env) as bench:
             stream = RecordStream(bench.client, bench.prefix, maxlen)
             _warm(bench, stream)
-            before = stream.length()
+            before = _recorded(stream)
             row = capacity_row(bench, races, scale, seed + pair, ramp_s)
-            written = stream.length() - before
+            after = _recorded(stream)
+            written = len(after) - len(before)
+            recorded = len(set(after[len(before) :]))
             xadd = bench.client.info("commandstats").get("cmdstat_xadd") or {}
         runs.append(
             {
                 "pair": pair + 1,
                 "records": "on" if on else "off",
                 "records_written": written,
+                # distinct races among them: a race may append a corrected record after its
+                # first (a rewritten receipt), and readers keep the last one of each race
+                "races_recorded": recorded,
                 "finished": row["finished"],
                 "cpu_ms_per_race": row["cpu_ms_per_race"],
                 "cpu_ms_per_race_by": row["cpu_ms_per_race_by"],
