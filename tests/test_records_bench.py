@@ -23,10 +23,25 @@ def test_bench_races_records_row_compares_records_on_and_off(redis_url):
     assert row["row"] == "records" and row["pairs"] == 1
     runs = {r["records"]: r for r in row["runs"]}
     assert set(runs) == {"off", "on"}
-    # one record per race; a race may append a corrected one after it (its receipt rewritten)
-    assert runs["on"]["races_recorded"] == 10 and runs["on"]["records_written"] >= 10
-    assert runs["off"]["records_written"] == runs["off"]["races_recorded"] == 0
+    # one record per race; a race may append a corrected one after it (its receipt rewritten,
+    # its finish time kept), but is never finished twice
+    on, off = runs["on"], runs["off"]
+    assert on["races_recorded"] == 10 and on["races_finished_twice"] == 0
+    assert on["records_written"] == 10 + on["records_rewritten"]
+    assert off["records_written"] == off["races_recorded"] == 0
     assert runs["on"]["finished"] == runs["off"]["finished"] == 10
     assert row["delta_ms"] == pytest.approx(
         runs["on"]["cpu_ms_per_race"] - runs["off"]["cpu_ms_per_race"], abs=0.011
     )
+
+
+def test_a_rewritten_record_is_told_apart_from_a_second_finish():
+    from gpuhedge_celery.bench._records_pair import _tally
+
+    entries = [("a", 1.0), ("b", 2.0), ("a", 1.0), ("c", 3.0), ("b", 2.5)]
+    assert _tally(entries) == {
+        "records_written": 5,
+        "races_recorded": 3,
+        "records_rewritten": 1,  # a: its receipt rewritten, its finish time kept
+        "races_finished_twice": 1,  # b: a second finish, at another time
+    }

@@ -32,9 +32,33 @@ def _warm(bench: Any, stream: RecordStream) -> None:
         time.sleep(0.01)
 
 
-def _recorded(stream: RecordStream) -> list[str]:
-    """The race id of every record in the stream, oldest first."""
-    return [str(record.get("race_id")) for _entry, record in stream.read()]
+def _recorded(stream: RecordStream) -> list[tuple[str, Any]]:
+    """``(race id, finish time)`` of every record in the stream, oldest first."""
+    return [(str(record.get("race_id")), record.get("ts")) for _entry, record in stream.read()]
+
+
+def _tally(entries: list[tuple[str, Any]]) -> dict[str, int]:
+    """Entries written during a row: races recorded, and each race's later entries told apart.
+
+    A race's receipt rewritten after its finish (a capped job's late cancel) appends a corrected
+    record with the same finish time; a second record with another finish time means the race
+    was finished twice, which must not happen.
+    """
+    first: dict[str, Any] = {}
+    rewritten = twice = 0
+    for race, ts in entries:
+        if race not in first:
+            first[race] = ts
+        elif ts == first[race]:
+            rewritten += 1
+        else:
+            twice += 1
+    return {
+        "records_written": len(entries),
+        "races_recorded": len(first),
+        "records_rewritten": rewritten,
+        "races_finished_twice": twice,
+    }
 
 
 def records_row(
@@ -64,18 +88,13 @@ def records_row(
             _warm(bench, stream)
             before = _recorded(stream)
             row = capacity_row(bench, races, scale, seed + pair, ramp_s)
-            after = _recorded(stream)
-            written = len(after) - len(before)
-            recorded = len(set(after[len(before) :]))
+            tally = _tally(_recorded(stream)[len(before) :])
             xadd = bench.client.info("commandstats").get("cmdstat_xadd") or {}
         runs.append(
             {
                 "pair": pair + 1,
                 "records": "on" if on else "off",
-                "records_written": written,
-                # distinct races among them: a race may append a corrected record after its
-                # first (a rewritten receipt), and readers keep the last one of each race
-                "races_recorded": recorded,
+                **tally,  # readers keep the last record of each race (docs/records.md)
                 "finished": row["finished"],
                 "cpu_ms_per_race": row["cpu_ms_per_race"],
                 "cpu_ms_per_race_by": row["cpu_ms_per_race_by"],
