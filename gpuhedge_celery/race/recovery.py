@@ -4,8 +4,8 @@ step that a crashed process left half-done is performed again.
 Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; it calls the driver's own work
 (``step``, ``watch``, ``submit_attempt``, ``cancel_attempt``, ``request_cancel``, ``arm_watch``,
 ``_launch``, ``_declare``, ``_give_up``, ``_finish``). A timer is delivered again when the
-process that claimed it died; every kind's work is idempotent, so a second delivery, or a
-``resume`` after it, only completes what the first left undone.
+process that claimed it died or its handler failed; every kind's work is idempotent, so a
+second delivery, or a ``resume`` after it, only completes what the first left undone.
 """
 
 from __future__ import annotations
