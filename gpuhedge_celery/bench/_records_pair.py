@@ -86,9 +86,9 @@ def records_row(
         with bench_cluster(url, workers, concurrency, scale, extra_env=env) as bench:
             stream = RecordStream(bench.client, bench.prefix, maxlen)
             _warm(bench, stream)
-            before = _recorded(stream)
+            before = stream.length()  # the stream is only appended to during the row
             row = capacity_row(bench, races, scale, seed + pair, ramp_s)
-            tally = _tally(_recorded(stream)[len(before) :])
+            tally = _tally(_recorded(stream)[before:])
             xadd = bench.client.info("commandstats").get("cmdstat_xadd") or {}
         runs.append(
             {
