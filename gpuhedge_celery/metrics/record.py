@@ -180,6 +180,17 @@ def timer_fired(payload: Any, lag_s: float) -> None:
         )
 
 
+def timers_batched(done: int, handed_back: int) -> None:
+    """The batched coordination loop finished ``done`` timers of a batch together and handed
+    ``handed_back`` to the timer threads."""
+    m = _m()
+    if m:
+        if done:
+            m.child("timers_batched", "done").inc(done)
+        if handed_back:
+            m.child("timers_batched", "handed_back").inc(handed_back)
+
+
 # ---------------------------------------------------------------------- pool and leases
 def pool_waited(pool: str, seconds: float) -> None:
     """A pooled request got a GPU lease after ``seconds`` in the queue."""

@@ -338,8 +338,28 @@ class SimProvider(Provider):
         A watch poll asks for both; one ledger read instead of two.
         """
         self.check_handle(handle)
+        return self._reported(handle, self._view(handle, self.clock.now()))
+
+    def status_and_next_change_many(
+        self, handles: list[JobHandle]
+    ) -> list[tuple[JobState, float | None]]:
+        """:meth:`status_and_next_change` of several jobs from one ledger read (one ``MGET``
+        on a Redis ledger): the batched watch loop polls a batch of sim jobs this way."""
+        for handle in handles:
+            self.check_handle(handle)
+        ledger = self.ledger
+        keys = [cancel_key(self.name, h.job_id) for h in handles]
+        get_many = getattr(ledger, "get_many", None)
+        raw = get_many(keys) if callable(get_many) else [ledger.get(k) for k in keys]
+        now = self.clock.now()
+        return [
+            self._reported(handle, self._view(handle, now, json.loads(record) if record else None))
+            for handle, record in zip(handles, raw, strict=True)
+        ]
+
+    def _reported(self, handle: JobHandle, view: _View) -> tuple[JobState, float | None]:
+        """What one status poll reports of ``view``: its state, and when it next changes."""
         metrics.provider_call(self.name, "status")
-        view = self._view(handle, self.clock.now())
         state = view.state
         if state is JobState.QUEUED and not self.spec.reports_queue_state:
             state = JobState.IN_PROGRESS

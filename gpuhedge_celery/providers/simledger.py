@@ -41,6 +41,10 @@ class MemoryLedger:
         with self._lock:
             return self._data.get(key)
 
+    def get_many(self, keys: list[str]) -> list[str | None]:
+        with self._lock:
+            return [self._data.get(key) for key in keys]
+
     def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
         with self._lock:
             if key in self._data:
@@ -104,6 +108,10 @@ class RedisLedger:
 
     def get(self, key: str) -> str | None:
         return self.client.get(self._key(key))
+
+    def get_many(self, keys: list[str]) -> list[str | None]:
+        """Several :meth:`get` in one round trip (``MGET``)."""
+        return list(self.client.mget([self._key(k) for k in keys])) if keys else []
 
     def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
         ttl_ms = int(ttl_s * 1000) if ttl_s else None

@@ -43,6 +43,11 @@ GPUHEDGE_TIMER_THREADS             16          threads per process that run due 
                                                handler waits on Redis and providers, so a
                                                burst needs them overlapped (8 fell seconds
                                                behind at 5,000 races in flight, measured)
+GPUHEDGE_COORD_LOOP                threads     ``batched``: the timer thread steps each claimed
+                                               batch of watch polls in memory and saves them
+                                               in one round trip, handing the rest to the
+                                               timer threads (docs/architecture.md compares
+                                               the two); ``threads``: one timer per thread
 GPUHEDGE_TIMER_AHEAD_MS            0           a timer claim also takes timers due within this
                                                many ms, each fired at its due time: fewer
                                                empty claims when many processes claim (more
@@ -111,6 +116,18 @@ def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
     )  # fmt: skip
 
 
+COORD_LOOPS = ("threads", "batched")
+
+
+def _coord_loop(env: Mapping[str, str]) -> str:
+    value = (env.get("GPUHEDGE_COORD_LOOP") or "threads").strip().lower()
+    if value not in COORD_LOOPS:
+        raise ConfigError(
+            f"expected one of {', '.join(COORD_LOOPS)}, got {value!r}", key="GPUHEDGE_COORD_LOOP"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class RaceSettings:
     """Everything the race coordinator reads from the environment."""
@@ -128,6 +145,7 @@ class RaceSettings:
     launch_backstop_s: float = 60.0
     timer_threads: int = 16
     timer_ahead_ms: int = 0
+    coord_loop: str = "threads"
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
     switch_interval_ms: float = 1.0
@@ -180,6 +198,7 @@ class RaceSettings:
             launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 16),
             timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 0.0, minimum=-1)),
+            coord_loop=_coord_loop(env),
             cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
             switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),

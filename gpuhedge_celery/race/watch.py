@@ -8,7 +8,8 @@ terminal job is concluded (:mod:`.conclude`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Phase
@@ -38,6 +39,37 @@ def _before_decision(at: float, ahead: list[float], now: float) -> float:
         if poll > now + MIN_WATCH_GAP_S:
             return min(at, poll)
     return at
+
+
+@dataclass(frozen=True)
+class NextPoll:
+    """The next watch poll of one job, decided by the poll just made; armed by :meth:`queue`
+    in the round trip of the step (or heartbeat) that reports this one."""
+
+    race_id: str
+    attempt_id: str
+    provider: str
+    handle: dict[str, Any]
+    label: str | None  # the state this poll saw, as the next one compares it
+    cap_s: float
+    at: float  # when (epoch s), before a decision moves it earlier
+    deadline: float  # the job's cap: it is concluded then at the latest
+    now: float
+    near: bool  # the provider asks to be polled just before each of the race's decisions
+    deferred: bool = False  # no poll was made (rate limit): it keeps its reserved time
+    slot: float | None = None
+
+    def queue(self, work: WatchWork, pipe: Any, decisions: Iterable[float]) -> None:
+        """Queue the arm on ``pipe``; ``decisions``: the race's timers as it will be saved."""
+        ahead = sorted(d for d in decisions if d > self.now) if self.near else []
+        when = self.at
+        if ahead and not self.deferred:  # a deferred poll keeps its reserved slot's time
+            when = _before_decision(self.at, ahead, self.now)
+        arm = work._watch_arm(
+            self.race_id, self.attempt_id, self.provider, self.handle, self.label, self.cap_s,
+            min(when, self.deadline), ahead or None, self.slot,
+        )  # fmt: skip
+        arm(pipe)
 
 
 class WatchWork(ResultWork):
@@ -135,24 +167,16 @@ class WatchWork(ResultWork):
                 at = hint(handle)
             except Exception:
                 at = None
-        if at is None:
-            at = now + self.settings.watch_interval_s
-        if self._pushed(provider) and not deferred:
-            # The webhook reports the end: poll only before decisions (below) and as a slow
-            # safety net, should a delivery be lost.
-            at = max(at, now + self.webhooks.fallback_s)
-        at = max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
-        near = bool(getattr(provider, "polls_before_decisions", False))
+        nxt = NextPoll(
+            race_id, attempt_id, provider_name, handle_data, label, cap_s,
+            self._poll_at(provider, at, now, deferred), deadline, now,
+            bool(getattr(provider, "polls_before_decisions", False)), deferred, slot,
+        )  # fmt: skip
         stepped: list[Race] = []  # the race this step saves (its timers: the decisions ahead)
 
         def arm(pipe: Any) -> None:
             # The next poll rides in the same round trip as the step (or the heartbeat) below.
-            ahead = sorted(stepped[-1].timers.values()) if stepped else list(decide or ())
-            ahead = [d for d in ahead if d > now] if near else []
-            # (a deferred poll keeps its time: the budget may have reserved exactly that slot)
-            when = _before_decision(at, ahead, now) if ahead and not deferred else at
-            self._watch_arm(race_id, attempt_id, provider_name, handle_data, label, cap_s,
-                            min(when, deadline), ahead or None, slot)(pipe)  # fmt: skip
+            nxt.queue(self, pipe, stepped[-1].timers.values() if stepped else (decide or ()))
             if drop is not None:
                 drop.queue(pipe)
 
@@ -192,6 +216,19 @@ class WatchWork(ResultWork):
         self.store.touch(
             race_id, also=arm, scripts=(self.timers.arm_script, self.timers.cancel_script)
         )
+
+    def _poll_at(
+        self, provider: Provider, at: float | None, now: float, deferred: bool = False
+    ) -> float:
+        """When to poll a job next: at the provider's hint ``at`` or after the watch interval,
+        a webhook provider only as a slow net, and never sooner than a minimal gap."""
+        if at is None:
+            at = now + self.settings.watch_interval_s
+        if self._pushed(provider) and not deferred:
+            # The webhook reports the end: poll only before decisions (see NextPoll) and as a
+            # slow safety net, should a delivery be lost.
+            at = max(at, now + self.webhooks.fallback_s)
+        return max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
 
     def arm_watch(self, *args: Any) -> None:
         """Arm the durable timer of one job's next watch poll (arguments of

@@ -66,6 +66,10 @@ class RaceLiveness:
         # GT: hosts with skewed clocks never move a heartbeat backwards.
         pipe.zadd(self.live_key, {race_id: self.now_ms()}, gt=True)
 
+    def queue_touch(self, pipe: Any, race_id: str) -> None:
+        """Queue :meth:`touch`'s one command on a pipeline of the caller's."""
+        self._touch(pipe, race_id)
+
     def touch(
         self,
         race_id: str,

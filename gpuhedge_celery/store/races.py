@@ -201,11 +201,8 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         order), for data the saved state refers to. Its results come first in the reply.
         ``took(replies)``: given the replies of ``also``'s commands once the save won.
         """
-        keys = race_keys(self.prefix, race_id)
         data = dumps_dict(state, f"state of race {race_id!r}")
-        # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
-        args = [expected_version, data, ms(self.state_ttl_s), save_id or new_save_id()]
-
+        save_id = save_id or new_save_id()
         skip = 0
 
         def build(pipe: Any) -> None:
@@ -213,20 +210,42 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             if before is not None:
                 before(pipe)
                 skip = len(pipe.command_stack)
-            queue_script(pipe, self._save, [keys.state], args)
-            self._touch(pipe, race_id)
+            self.queue_save(pipe, race_id, data, expected_version, save_id)
             if also is not None:
                 also(pipe)
 
         replies = self._send_save(race_id, build, [self._save, *scripts])
-        ok, version = replies[skip]
+        version = self.saved(race_id, replies[skip], data, expected_version)
+        if took is not None:
+            took(replies[skip + 2 :])  # after the save and the heartbeat
+        return version
+
+    def queue_save(
+        self, pipe: Any, race_id: str, data: str, expected_version: int, save_id: str
+    ) -> None:
+        """Queue one save (the state as JSON ``data``) and the race's heartbeat on ``pipe``:
+        two commands; read the first one's reply with :meth:`saved`. :meth:`save` is this in
+        a pipeline of its own; the batched watch loop puts many races' saves in one."""
+        keys = race_keys(self.prefix, race_id)
+        # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
+        args = [expected_version, data, ms(self.state_ttl_s), save_id]
+        queue_script(pipe, self._save, [keys.state], args)
+        self._touch(pipe, race_id)
+
+    @property
+    def save_script(self) -> Any:
+        """The script :meth:`queue_save` sends (for :func:`~.scripts.run_pipeline`)."""
+        return self._save
+
+    def saved(self, race_id: str, reply: Any, data: str, expected_version: int) -> int:
+        """The new version from a queued save's ``reply`` (remembered as this process's last
+        copy of the race), or :class:`VersionConflict` if someone saved since."""
+        ok, version = reply
         if not ok:
             with self._fresh_lock:
                 self._fresh.pop(race_id, None)
             raise VersionConflict(race_id, expected_version, int(version))
         self._remember(race_id, int(version), data)
-        if took is not None:
-            took(replies[skip + 2 :])  # after the save and the heartbeat
         return int(version)
 
     def save_mark(self, race_id: str, expected_version: int, save_id: str) -> SaveMark:
@@ -279,16 +298,36 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         version check and reloads on a conflict (the driver's step) may ask for it.
         """
         if fresh:
-            with self._fresh_lock:
-                found = self._fresh.get(race_id)
+            found = self.cached(race_id)
             if found is not None:
-                return RaceRecord(race_id, found[0], codec.loads(found[1]), cached=True)
+                return found
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"loading race {race_id!r}"):
             version, data = self.client.hmget(keys.state, ["v", "data"])
         if version is None:
             return None
         return RaceRecord(race_id, int(version), codec.loads(data))
+
+    def cached(self, race_id: str) -> RaceRecord | None:
+        """This process's last save of the race, if it keeps one (no round trip; it may be
+        stale: for callers that save with a version check, as :meth:`load` with ``fresh``)."""
+        with self._fresh_lock:
+            found = self._fresh.get(race_id)
+        if found is None:
+            return None
+        return RaceRecord(race_id, found[0], codec.loads(found[1]), cached=True)
+
+    def load_many(self, race_ids: list[str]) -> list[RaceRecord | None]:
+        """:meth:`load` of several races in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for race_id in race_ids:
+            pipe.hmget(race_keys(self.prefix, race_id).state, ["v", "data"])
+        with store_errors(f"loading {len(race_ids)} races"):
+            replies = pipe.execute()
+        return [
+            None if version is None else RaceRecord(race_id, int(version), codec.loads(data))
+            for race_id, (version, data) in zip(race_ids, replies, strict=True)
+        ]
 
     def load_with_jobs(self, race_id: str) -> tuple[RaceRecord | None, dict[str, dict[str, Any]]]:
         """:meth:`load` and :meth:`live_jobs` in one round trip."""

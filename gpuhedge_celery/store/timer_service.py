@@ -26,6 +26,10 @@ from .timers import Timer, TimerStore
 log = logging.getLogger(__name__)
 
 TimerHandler = Callable[[Timer], None]
+#: a batch handler's answer: the timers it hands back to the per-timer handler, each with a
+#: function to run instead of the handler (or None: the handler)
+BatchHandler = Callable[[list[Timer]], list[tuple[Timer, Callable[[], Any] | None]]]
+_Job = tuple[Timer, "Callable[[], Any] | None"]  # a timer for a worker, and what to run for it
 
 
 class TimerService:
@@ -54,6 +58,13 @@ class TimerService:
     window of timers costs one claim instead of one each, and processes that wake for the same
     due time do not each claim once per timer. On stop, held timers are given back to wait in
     Redis again (this delivery not counted).
+
+    With ``batch_handler`` (a pool only) the service thread gives each claimed batch of due
+    timers to ``batch_handler(timers)`` itself: it handles what it can of them together and
+    hands back the rest, which the worker threads fire one by one as usual. A timer it does
+    not hand back is done, and acknowledged with the next claim. A claim then takes up to
+    ``batch`` timers whenever a worker is free. If it raises, every timer of the batch is
+    handed to the workers.
     """
 
     def __init__(
@@ -71,6 +82,7 @@ class TimerService:
         ack_delay_ms: int = 50,
         clock: Clock | None = None,
         name: str = "gpuhedge-timers",
+        batch_handler: BatchHandler | None = None,
     ):
         if idle_ms < 1:
             raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
@@ -78,8 +90,11 @@ class TimerService:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if ahead_ms < 0 or (ahead_ms and threads == 1):
             raise ValueError(f"ahead_ms must be >= 0, and 0 with one thread; got {ahead_ms}")
+        if batch_handler is not None and threads == 1:
+            raise ValueError("a batch_handler needs threads > 1 for the timers it hands back")
         self.store = store
         self.handler = handler
+        self.batch_handler = batch_handler
         self.batch = batch
         self.lease_ms = lease_ms
         # Without wake-up messages only polling bounds the lag, so poll often.
@@ -103,7 +118,7 @@ class TimerService:
         # Worker pool (threads > 1): _running counts timers claimed and not yet finished.
         self._slots = threading.Condition()
         self._running = 0
-        self._jobs: queue.SimpleQueue[Timer | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         # Finished timers waiting for their acknowledgement, and when it is due at the latest
         # (monotonic seconds; None when none waits); guarded by _slots.
@@ -185,11 +200,15 @@ class TimerService:
         # all that were due): no second claim just to learn that nothing else is due yet.
         return claim.next_ms
 
-    def _fire(self, timer: Timer) -> bool:
-        """Run the handler; True when the timer is done (fired, or dropped after its last try)."""
+    def _fire(self, timer: Timer, work: Callable[[], Any] | None = None) -> bool:
+        """Run the handler (or ``work``, given for it by the batch handler); True when the
+        timer is done (fired, or dropped after its last try)."""
         metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)
         try:
-            self.handler(timer)
+            if work is None:
+                self.handler(timer)
+            else:
+                work()
         except Exception:
             with self._counts:
                 self.failed += 1
@@ -216,6 +235,8 @@ class TimerService:
         self._start_workers()
         with self._slots:
             free = self.threads - self._running
+        if free > 0 and self.batch_handler is not None:
+            free = self.batch  # handled here together; what it hands back waits for a worker
         if free <= 0:
             if self._ack_is_due():
                 self._flush_acks()
@@ -238,9 +259,42 @@ class TimerService:
         return claim.next_ms  # as in run_once: now (or earlier) when more are already due
 
     def _hand_over_due(self, now_ms: int) -> None:
-        """Hand every held timer that is due to the workers (its slot is already counted)."""
+        """Hand every held timer that is due to the workers (its slot is already counted), or
+        first to the batch handler."""
+        due = []
         while self._early and self._early[0][0] <= now_ms:
-            self._jobs.put(heapq.heappop(self._early)[2])
+            due.append(heapq.heappop(self._early)[2])
+        if due and self.batch_handler is not None:
+            self._fire_batch(due)
+            return
+        for timer in due:
+            self._jobs.put((timer, None))
+
+    def _fire_batch(self, due: list[Timer]) -> None:
+        """Give ``due`` to the batch handler; its done timers wait for their acknowledgement,
+        the ones it hands back go to the workers."""
+        assert self.batch_handler is not None
+        try:
+            back = self.batch_handler(due)
+        except Exception:
+            log.exception("timer batch handler failed; its %d timers fire one by one", len(due))
+            back = [(timer, None) for timer in due]
+        handed = {id(timer) for timer, _ in back}
+        done = [timer for timer in due if id(timer) not in handed]
+        metrics.timers_batched(len(done), len(back))
+        for timer in done:
+            metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)
+        if done:
+            with self._counts:
+                self.fired += len(done)
+            with self._slots:
+                self._finished.extend(done)
+                if self._ack_by is None:
+                    self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
+                self._running -= len(done)
+                self._slots.notify_all()
+        for job in back:
+            self._jobs.put(job)
 
     def _give_back_early(self) -> None:
         """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
@@ -273,13 +327,14 @@ class TimerService:
 
     def _work(self) -> None:
         while True:
-            timer = self._jobs.get()
-            if timer is None:
+            job = self._jobs.get()
+            if job is None:
                 return
+            timer, work = job
             done = False
             try:
                 # After stop() nothing starts: the timer stays in flight for redelivery.
-                done = not self._stop.is_set() and self._fire(timer)
+                done = not self._stop.is_set() and self._fire(timer, work)
             finally:
                 with self._slots:
                     if done:  # acknowledged with the next claim (see the class docstring)

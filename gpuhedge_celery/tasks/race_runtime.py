@@ -25,6 +25,7 @@ from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
 from ..race.receipt import by_reference, result_key
 from ..race.settings import RaceSettings
+from ..race.watch_batch import WatchBatch
 from ..store.budget import BudgetStore
 from ..store.connection import client_for
 from ..store.races import RaceStore
@@ -322,6 +323,7 @@ class RaceRuntime:
             budget=self.budget,
         )  # fmt: skip
         self.service: TimerService | None = None
+        self.watch_batch: WatchBatch | None = None  # GPUHEDGE_COORD_LOOP=batched
 
     def provider(self, name: str) -> Provider:
         """The provider called ``name`` in this process's config (built once)."""
@@ -343,8 +345,16 @@ class RaceRuntime:
                     threads=self.settings.timer_threads,
                     ahead_ms=self.settings.timer_ahead_ms if self.settings.timer_threads > 1 else 0,
                     clock=self.clock,
+                    batch_handler=self._batch_handler(),
                 ).start()
             return self.service
+
+    def _batch_handler(self) -> Any:
+        """The batched watch loop's handler (``GPUHEDGE_COORD_LOOP=batched``), else None."""
+        if self.settings.coord_loop != "batched" or self.settings.timer_threads < 2:
+            return None
+        self.watch_batch = WatchBatch(self.driver)
+        return self.watch_batch.handle
 
 
 _runtime: dict[int, RaceRuntime] = {}

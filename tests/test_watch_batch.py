@@ -1,0 +1,276 @@
+"""The batched watch loop (``GPUHEDGE_COORD_LOOP=batched``) on a real redis-server.
+
+A batch of due watch polls is polled, stepped in memory and saved in one round trip; what it
+cannot finish (a job that ended, a step that does more than arm timers, a save that lost its
+version check) is handed back with the work to do, and the race ends the same as on the
+per-timer path. The timer service's side (acknowledging a batch, firing what it hands back) is
+at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis.connection
+
+from gpuhedge_celery.core.attempts import Phase
+from gpuhedge_celery.core.jobs import JobState
+from gpuhedge_celery.errors import ConfigError
+from gpuhedge_celery.race.driver import RaceDriver
+from gpuhedge_celery.race.settings import RaceSettings
+from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.race.watch_batch import WatchBatch
+from gpuhedge_celery.store.races import RaceStore
+from gpuhedge_celery.store.timer_service import TimerService
+from gpuhedge_celery.store.timers import TimerStore
+from tests.support.waiting import wait_for
+from tests.test_races_driver import Recorder, build_driver
+
+pytestmark = pytest.mark.timeout(60)
+
+QUEUED_THEN_RUNS = {"sim": {"p": {"queue_s": 2, "run_s": 100}}}  # 20 ms queued, then 1 s
+ENDS_SOON = {"sim": {"p": {"queue_s": 0, "run_s": 5}}}  # done 50 ms after its submit
+
+
+@pytest.fixture
+def setup(redis_client, prefix):
+    return build_driver(redis_client, prefix, Recorder())
+
+
+def start(driver, cfg, race_ids, request=QUEUED_THEN_RUNS, policy="hedge:p->h@60s"):
+    """Create and submit each race; its first poll is made, the next armed (no hedge comes
+    soon: these effects only record launches)."""
+    for race_id in race_ids:
+        driver.create(race_id, request, build_spec(cfg, policy=policy))
+        driver.submit_attempt(race_id, "a1")
+
+
+def claim_watches(driver, count, timeout=5.0):
+    """Claim due watch timers until ``count`` are held (others are left alone)."""
+    held = []
+
+    def enough():
+        now = int(driver.clock.now() * 1000)
+        for timer in driver.timers.claim(now, 100, 10_000).timers:
+            if timer.payload["kind"] == "watch":
+                held.append(timer)
+        return len(held) >= count
+
+    wait_for(enough, timeout, f"{count} due watch timers")
+    return held
+
+
+def watch_timers(driver, race_id):
+    """The ids of the race's armed watch timers (one per watched job, never two)."""
+    keys = driver.timers.keys
+    return [t for t in driver.timers.client.zrange(keys.due, 0, -1) if f"{race_id}:w:" in t]
+
+
+class RoundTrips:
+    """Counts the requests redis-py sends (a command or a whole pipeline is one)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        send = redis.connection.Connection.send_packed_command
+
+        def counted(conn, *args, **kwargs):
+            self.count += 1
+            return send(conn, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+
+
+def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypatch):
+    driver, effects, cfg, _, _ = setup
+    races = [f"b{i}" for i in range(12)]
+    start(driver, cfg, races)
+    versions = {r: driver.store.load(r).version for r in races}
+    timers = claim_watches(driver, len(races))
+    trips = RoundTrips(monkeypatch)
+    batch = WatchBatch(driver)
+    assert batch.handle(timers) == []  # nothing handed back
+    # the sim's ledger read for all twelve polls, then every save, heartbeat and next arm
+    assert trips.count == 2
+    for r in races:
+        record = driver.store.load(r)
+        assert record.version == versions[r] + 1
+        assert record.state["race"]["attempts"][0]["phase"] == Phase.RUNNING.value
+        assert len(watch_timers(driver, r)) == 1  # the next poll, once
+    assert effects.events.count("running") == len(races)
+    assert (batch.batches, batch.polls) == (1, len(races))
+
+
+def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatch):
+    driver, _, cfg, _, _ = setup
+    start(driver, cfg, ["u1", "u2"])
+    versions = {r: driver.store.load(r).version for r in ("u1", "u2")}
+    # polls that already saw the job running last time (their jobs run now: nothing new)
+    timers = [
+        type(t)(**{**t.__dict__, "payload": {**t.payload, "last": JobState.IN_PROGRESS.value}})
+        for t in claim_watches(driver, 2)
+    ]
+    trips = RoundTrips(monkeypatch)
+    assert WatchBatch(driver).handle(timers) == []
+    assert trips.count == 2
+    for r in ("u1", "u2"):
+        assert driver.store.load(r).version == versions[r]  # nothing saved
+        assert len(watch_timers(driver, r)) == 1  # the next poll, at the job's end
+
+
+def test_a_job_that_ended_is_handed_back_to_be_concluded(setup):
+    driver, effects, cfg, _, _ = setup
+    start(driver, cfg, ["e1"], ENDS_SOON)
+    (timer,) = claim_watches(driver, 1)
+    back = WatchBatch(driver).handle([timer])
+    assert [t for t, _ in back] == [timer] and callable(back[0][1])
+    assert effects.results == []
+    back[0][1]()  # what the timer thread runs for it: result, validation, the winner
+    assert [r["winner"] for r in effects.results] == ["p"]
+    assert driver.store.receipt("e1")["finished"] is True
+
+
+def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
+    setup, redis_client, prefix
+):
+    driver, effects, cfg, _, providers = setup
+    start(driver, cfg, ["c1"])
+    (timer,) = claim_watches(driver, 1)
+    # another process saves the race after this one did: its copy here is now stale
+    other = RaceDriver(
+        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__, Recorder(), RaceSettings(),
+    )  # fmt: skip
+    other.store.update("c1", lambda state: {**state, "note": "moved on"})
+    assert driver.store.cached("c1").version < driver.store.load("c1").version
+    back = WatchBatch(driver).handle([timer])
+    assert [t for t, _ in back] == [timer] and callable(back[0][1])
+    back[0][1]()
+    state = driver.store.load("c1").state
+    assert state["note"] == "moved on"  # the other process's save is kept
+    assert state["race"]["attempts"][0]["phase"] == Phase.RUNNING.value  # and the poll's
+    assert len(watch_timers(driver, "c1")) == 1  # its next poll armed once, in the batch
+
+
+def test_other_timer_kinds_and_redeliveries_are_handed_back_untouched(setup):
+    driver, _, cfg, _, _ = setup
+    start(driver, cfg, ["o1", "o2"])
+    first, second = claim_watches(driver, 2)
+    redelivered = type(second)(**{**second.__dict__, "deliveries": 2})
+    policy = type(first)(**{**first.__dict__, "payload": {"race": "o1", "kind": "policy",
+                                                          "key": "hedge"}})  # fmt: skip
+    back = WatchBatch(driver).handle([policy, redelivered])
+    assert back == [(policy, None), (redelivered, None)]
+
+
+def test_a_finished_race_arms_no_more_polls_for_its_ended_jobs(setup):
+    driver, _, cfg, _, _ = setup
+    start(driver, cfg, ["f1"])
+    (timer,) = claim_watches(driver, 1)
+    driver.step("f1", lambda race: None)  # nothing; then the race is finished by hand:
+    driver.store.update("f1", _finish_by_hand)
+    assert WatchBatch(driver).handle([timer]) == []
+    assert watch_timers(driver, "f1") == []
+
+
+def _finish_by_hand(state):
+    for a in state["race"]["attempts"]:
+        a["phase"] = Phase.ENDED.value
+    state["race"]["finished"] = True
+    return state
+
+
+def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redis_client, prefix):
+    driver, _, cfg, _, providers = setup
+    races = ["d1", "d2", "d3"]
+    start(driver, cfg, races, {"sim": {"p": {"queue_s": 2, "run_s": 10}}})
+    # a process claims the due polls with a 300 ms lease, then dies before handling them
+    time.sleep(0.05)
+    lost = [t for t in driver.timers.claim_due(int(driver.clock.now() * 1000), 100, 300)
+            if t.payload["kind"] == "watch"]  # fmt: skip
+    assert len(lost) == len(races)
+    # another process (no copy of any race) runs the batched loop
+    effects = Recorder()
+    other = RaceDriver(
+        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__, effects, RaceSettings(),
+    )  # fmt: skip
+    batch, redelivered = WatchBatch(other), []
+
+    def handle(due):
+        back = batch.handle(due)
+        redelivered.extend(t.id for t, _ in back if t.deliveries > 1)
+        return back
+
+    service = TimerService(other.timers, other.on_timer, threads=4, batch_handler=handle)
+    service.start()
+    try:
+        # (a redelivered timer also resumes its race: the same result may be marked twice)
+        won = lambda: {r["race_id"] for r in effects.results} == set(races)  # noqa: E731
+        wait_for(won, 20, "every race won elsewhere")
+    finally:
+        service.stop()
+    assert sorted(redelivered) == sorted(t.id for t in lost)  # each by the per-timer path
+    for r in races:
+        assert driver.store.receipt(r)["winner"] == "a1"
+
+
+def test_the_timer_service_acknowledges_a_batch_and_fires_what_it_hands_back(redis_client, prefix):
+    timers = TimerStore(redis_client, prefix, "batch")
+    now = int(time.time() * 1000)
+    for i in range(6):
+        timers.arm(f"k{i}", now, {"n": i})
+    fired, lock = [], threading.Lock()
+
+    def handler(timer):  # the per-timer path
+        with lock:
+            fired.append(("handler", timer.payload["n"]))
+
+    def batch(due):
+        back = []
+        for timer in due:
+            n = timer.payload["n"]
+            if n % 3 == 1:
+                back.append((timer, None))
+            elif n % 3 == 2:
+                back.append((timer, lambda n=n: fired.append(("work", n))))
+        return back
+
+    service = TimerService(timers, handler, threads=2, batch_handler=batch).start()
+    try:
+        wait_for(lambda: len(fired) == 4, 10, "the handed-back timers fired")
+        wait_for(lambda: timers.pending() + timers.in_flight() == 0, 10, "all acknowledged")
+    finally:
+        service.stop()
+    assert sorted(fired) == [("handler", 1), ("handler", 4), ("work", 2), ("work", 5)]
+    assert service.fired == 6 and service.failed == 0
+
+
+def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_client, prefix):
+    timers = TimerStore(redis_client, prefix, "batch")
+    now = int(time.time() * 1000)
+    for i in range(4):
+        timers.arm(f"k{i}", now, {"n": i})
+    fired = []
+
+    def broken(due):
+        raise RuntimeError("boom")
+
+    service = TimerService(timers, lambda t: fired.append(t.payload["n"]), threads=2,
+                           batch_handler=broken).start()  # fmt: skip
+    try:
+        wait_for(lambda: len(fired) == 4, 10, "every timer fired one by one")
+        wait_for(lambda: timers.pending() + timers.in_flight() == 0, 10, "all acknowledged")
+    finally:
+        service.stop()
+    assert sorted(fired) == [0, 1, 2, 3]
+
+
+def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):
+    with pytest.raises(ValueError, match="threads > 1"):
+        TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d: [])
+    assert RaceSettings.from_env({}).coord_loop == "threads"
+    assert RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "Batched"}).coord_loop == "batched"
+    with pytest.raises(ConfigError, match="GPUHEDGE_COORD_LOOP.*threads, batched.*'loop'"):
+        RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "loop"})
