@@ -17,6 +17,8 @@ is deleted afterwards) and sim providers from a generated config. Rows:
   (:mod:`.race_capacity`, which holds the row).
 * ``cancel``: races where the hedge wins while the primary still runs; time from the winner's
   validation (``won_at``) to the loser's native cancel call (recorded by the sim ledger).
+* ``loop`` (only when asked for): the capacity row with the coordination loop ``threads``
+  and ``batched`` in alternating pairs (:mod:`._loop_row`).
 * ``records`` (only when asked for): the capacity row's CPU per race with race records on and
   off (``GPUHEDGE_RECORDS_MAXLEN``), in alternating pairs of fresh clusters
   (:mod:`._records_pair`).
@@ -374,10 +376,13 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     "--rows",
     default="overhead,capacity,cancel",
     show_default=True,
-    help="Rows to run, comma-separated (also: records, memory, metrics, budget).",
+    help="Rows to run, comma-separated (also: records, memory, metrics, budget, loop).",
 )
 @click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
               help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
+@click.option("--loop-pairs", type=click.IntRange(1, 10), default=2, show_default=True,
+              help="loop row: alternating pairs of capacity runs with GPUHEDGE_COORD_LOOP "
+              "threads and batched, at the first --races count.")  # fmt: skip
 @click.option("--metrics-races", type=click.IntRange(1), default=600, show_default=True,
               help="Races per run in the metrics row.")  # fmt: skip
 @click.option("--metrics-duration-s", type=click.FloatRange(0.5), default=10.0,
@@ -404,14 +409,14 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
 def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
             ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
             memory_races: int, request_bytes: int, rows: str, record_pairs: int,
-            metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
+            loop_pairs: int, metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
             budget_races: int, budget_pairs: int,
             seed: int, provider: str, webhooks: str,
             receiver_workers: int, webhook_senders: int) -> None:  # fmt: skip
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
-        "overhead", "capacity", "cancel", "records", "memory", "metrics", "budget"
+        "overhead", "capacity", "cancel", "records", "memory", "metrics", "budget", "loop"
     }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
@@ -460,6 +465,15 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
         tools = Tools(bench_cluster, _cpu_s, _wait_receipt)
         results.append(budget_row(tools, url, workers, concurrency, budget_races, budget_pairs))
         wanted.remove("budget")
+    if "loop" in wanted:  # fresh workers for each of its runs, one loop or the other
+        from ._loop_row import loop_row
+
+        def loop_cluster(loop: str, scale: float) -> Any:
+            return bench_cluster(url, workers, concurrency, scale, {"GPUHEDGE_COORD_LOOP": loop})
+
+        results.append(loop_row(loop_cluster, capacity_row, levels[0], scale, loop_pairs, seed,
+                                ramp_s))  # fmt: skip
+        wanted.remove("loop")
     if "metrics" in wanted:  # fresh workers for each of its runs
         from .metrics_cost import metrics_row
 
