@@ -68,6 +68,13 @@ def watch_timers(driver, race_id):
     return [t for t in driver.timers.client.zrange(keys.due, 0, -1) if f"{race_id}:w:" in t]
 
 
+def handled(batch, timers):
+    """Run one batch; the timers it handed back, each with its work, in order."""
+    back = []
+    batch.handle(timers, lambda timer, work: back.append((timer, work)))
+    return back
+
+
 class RoundTrips:
     """Counts the requests redis-py sends (a command or a whole pipeline is one)."""
 
@@ -90,7 +97,7 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
     timers = claim_watches(driver, len(races))
     trips = RoundTrips(monkeypatch)
     batch = WatchBatch(driver)
-    assert batch.handle(timers) == []  # nothing handed back
+    assert handled(batch, timers) == []  # nothing handed back
     # the sim's ledger read for all twelve polls, then every save, heartbeat and next arm
     assert trips.count == 2
     for r in races:
@@ -112,7 +119,7 @@ def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatc
         for t in claim_watches(driver, 2)
     ]
     trips = RoundTrips(monkeypatch)
-    assert WatchBatch(driver).handle(timers) == []
+    assert handled(WatchBatch(driver), timers) == []
     assert trips.count == 2
     for r in ("u1", "u2"):
         assert driver.store.load(r).version == versions[r]  # nothing saved
@@ -123,7 +130,7 @@ def test_a_job_that_ended_is_handed_back_to_be_concluded(setup):
     driver, effects, cfg, _, _ = setup
     start(driver, cfg, ["e1"], ENDS_SOON)
     (timer,) = claim_watches(driver, 1)
-    back = WatchBatch(driver).handle([timer])
+    back = handled(WatchBatch(driver), [timer])
     assert [t for t, _ in back] == [timer] and callable(back[0][1])
     assert effects.results == []
     back[0][1]()  # what the timer thread runs for it: result, validation, the winner
@@ -144,7 +151,7 @@ def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
     )  # fmt: skip
     other.store.update("c1", lambda state: {**state, "note": "moved on"})
     assert driver.store.cached("c1").version < driver.store.load("c1").version
-    back = WatchBatch(driver).handle([timer])
+    back = handled(WatchBatch(driver), [timer])
     assert [t for t, _ in back] == [timer] and callable(back[0][1])
     back[0][1]()
     state = driver.store.load("c1").state
@@ -160,7 +167,7 @@ def test_other_timer_kinds_and_redeliveries_are_handed_back_untouched(setup):
     redelivered = type(second)(**{**second.__dict__, "deliveries": 2})
     policy = type(first)(**{**first.__dict__, "payload": {"race": "o1", "kind": "policy",
                                                           "key": "hedge"}})  # fmt: skip
-    back = WatchBatch(driver).handle([policy, redelivered])
+    back = handled(WatchBatch(driver), [policy, redelivered])
     assert back == [(policy, None), (redelivered, None)]
 
 
@@ -170,7 +177,7 @@ def test_a_finished_race_arms_no_more_polls_for_its_ended_jobs(setup):
     (timer,) = claim_watches(driver, 1)
     driver.step("f1", lambda race: None)  # nothing; then the race is finished by hand:
     driver.store.update("f1", _finish_by_hand)
-    assert WatchBatch(driver).handle([timer]) == []
+    assert handled(WatchBatch(driver), [timer]) == []
     assert watch_timers(driver, "f1") == []
 
 
@@ -198,10 +205,13 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
     )  # fmt: skip
     batch, redelivered = WatchBatch(other), []
 
-    def handle(due):
-        back = batch.handle(due)
-        redelivered.extend(t.id for t, _ in back if t.deliveries > 1)
-        return back
+    def handle(due, hand_back):
+        def recording(timer, work):
+            if timer.deliveries > 1:
+                redelivered.append(timer.id)
+            hand_back(timer, work)
+
+        batch.handle(due, recording)
 
     service = TimerService(other.timers, other.on_timer, threads=4, batch_handler=handle)
     service.start()
@@ -211,7 +221,7 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
         wait_for(won, 20, "every race won elsewhere")
     finally:
         service.stop()
-    assert sorted(redelivered) == sorted(t.id for t in lost)  # each by the per-timer path
+    assert sorted(redelivered) == sorted(t.id for t in lost)  # handed to the per-timer path
     for r in races:
         assert driver.store.receipt(r)["winner"] == "a1"
 
@@ -227,15 +237,13 @@ def test_the_timer_service_acknowledges_a_batch_and_fires_what_it_hands_back(red
         with lock:
             fired.append(("handler", timer.payload["n"]))
 
-    def batch(due):
-        back = []
+    def batch(due, hand_back):
         for timer in due:
             n = timer.payload["n"]
             if n % 3 == 1:
-                back.append((timer, None))
+                hand_back(timer, None)
             elif n % 3 == 2:
-                back.append((timer, lambda n=n: fired.append(("work", n))))
-        return back
+                hand_back(timer, lambda n=n: fired.append(("work", n)))
 
     service = TimerService(timers, handler, threads=2, batch_handler=batch).start()
     try:
@@ -254,7 +262,8 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
         timers.arm(f"k{i}", now, {"n": i})
     fired = []
 
-    def broken(due):
+    def broken(due, hand_back):
+        hand_back(due[0], None)  # one handed back before it fails: fired once, not twice
         raise RuntimeError("boom")
 
     service = TimerService(timers, lambda t: fired.append(t.payload["n"]), threads=2,
@@ -269,7 +278,7 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
 
 def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):
     with pytest.raises(ValueError, match="threads > 1"):
-        TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d: [])
+        TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d, b: None)
     assert RaceSettings.from_env({}).coord_loop == "threads"
     assert RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "Batched"}).coord_loop == "batched"
     with pytest.raises(ConfigError, match="GPUHEDGE_COORD_LOOP.*threads, batched.*'loop'"):

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: a timer the batch hands back, with the work to do for it (None: the per-timer handler)
-Spill = tuple[Timer, "Callable[[], Any] | None"]
+#: hands a timer back to the timer threads at once, with the work to do for it (None: the
+#: per-timer handler)
+HandBack = Callable[[Timer, "Callable[[], Any] | None"], None]
 
 
 @dataclass
@@ -80,37 +81,35 @@ class WatchBatch:
         self.batches = 0  # batches handled, and polls done in them (for tests and benches)
         self.polls = 0
 
-    def handle(self, timers: list[Timer]) -> list[Spill]:
-        """Handle what can be batched of ``timers``; return the rest (see the module)."""
-        spill: list[Spill] = []
+    def handle(self, timers: list[Timer], back: HandBack) -> None:
+        """Handle what can be batched of ``timers``; hand the rest ``back`` as soon as that is
+        known, so a job that ended or a hedge due does not wait for the batch's writes."""
         by_provider: dict[str, list[_Poll]] = {}
         for timer in timers:
             payload = timer.payload
             if payload.get("kind") != "watch" or timer.deliveries > 1 or "reserved" in payload:
-                spill.append((timer, None))
+                back(timer, None)
                 continue
             try:
                 provider = self.driver.providers(payload["provider"])
                 handle = JobHandle.from_dict(payload["handle"])
             except Exception:
-                spill.append((timer, None))  # the per-timer path logs what is wrong
+                back(timer, None)  # the per-timer path logs what is wrong
                 continue
             if not callable(getattr(provider, "status_and_next_change_many", None)):
-                spill.append((timer, None))
+                back(timer, None)
                 continue
             by_provider.setdefault(payload["provider"], []).append(_Poll(timer, handle))
         if not by_provider:
-            return spill
-        races = self._poll(by_provider, spill)
+            return
+        races = self._poll(by_provider, back)
         self._load(races)
-        writes = [work for work in races.values() if self._apply(work, spill)]
-        spill.extend(self._write(writes))
+        self._write([work for work in races.values() if self._apply(work, back)], back)
         self.batches += 1
-        return spill
 
     # -- 1. poll ----------------------------------------------------------------------------
     def _poll(
-        self, by_provider: dict[str, list[_Poll]], spill: list[Spill]
+        self, by_provider: dict[str, list[_Poll]], back: HandBack
     ) -> dict[str, _RaceWork]:
         d = self.driver
         races: dict[str, _RaceWork] = {}
@@ -120,7 +119,8 @@ class WatchBatch:
                 answers = provider.status_and_next_change_many([p.handle for p in polls])
             except Exception as e:  # polled again one by one, where each error is reported
                 log.debug("batched poll of %s failed: %s", name, e)
-                spill.extend((p.timer, None) for p in polls)
+                for p in polls:
+                    back(p.timer, None)
                 continue
             near = bool(getattr(provider, "polls_before_decisions", False))
             now = d.clock.now()
@@ -130,7 +130,7 @@ class WatchBatch:
                 cap_s = float(payload.get("cap_s", 180.0))
                 deadline = poll.handle.submitted_at + cap_s
                 if state.terminal or now >= deadline:  # fetch, validate, report: per timer
-                    spill.append((poll.timer, _conclude(d, race_id, attempt_id, name, poll, cap_s)))
+                    back(poll.timer, _conclude(d, race_id, attempt_id, name, poll, cap_s))
                     continue
                 poll.next = NextPoll(
                     race_id, attempt_id, name, payload["handle"], state.value, cap_s,
@@ -159,15 +159,15 @@ class WatchBatch:
                 work.record = record
 
     # -- 3. apply ---------------------------------------------------------------------------
-    def _apply(self, work: _RaceWork, spill: list[Spill]) -> bool:
-        """Step the race in memory; False when its polls were spilled or need no write."""
+    def _apply(self, work: _RaceWork, back: HandBack) -> bool:
+        """Step the race in memory; False when its polls were handed back or need no write."""
         d = self.driver
         changed = [p for p in work.polls if p.observed is not None]
         if not changed:
             return True  # heartbeat and next arms only
         record = work.record
         if record is None:  # expired or never created: the per-timer path logs and drops it
-            spill.extend((p.timer, None) for p in work.polls)
+            _all_back(work, back)
             return False
         state = record.state
         race = Race.from_dict(state["race"], d.clock)
@@ -186,10 +186,10 @@ class WatchBatch:
         try:
             actions = [action for e in events for action in race.handle(e)]
         except ValueError:  # an attempt this copy does not know yet: step it from Redis
-            spill.extend((p.timer, None) for p in work.polls)
+            _all_back(work, back)
             return False
         if any(not isinstance(a, ScheduleTimer) for a in actions):
-            spill.extend((p.timer, None) for p in work.polls)  # a hedge, a cancel, a winner...
+            _all_back(work, back)  # a hedge, a cancel, a winner...
             return False
         after = race.to_dict()
         if not actions and after == state["race"]:
@@ -202,7 +202,7 @@ class WatchBatch:
         return True
 
     # -- 4. write, 5. perform ------------------------------------------------------------------
-    def _write(self, writes: list[_RaceWork]) -> list[Spill]:
+    def _write(self, writes: list[_RaceWork], back: HandBack) -> None:
         d = self.driver
         store, timers = d.store, d.timers
         scripts: list[Any] = [store.save_script, timers.arm_script, timers.cancel_script]
@@ -233,19 +233,25 @@ class WatchBatch:
             replies = run_pipeline(store.client, build, scripts)
         except Exception as e:  # nothing known to be written: every poll again, one by one
             log.warning("batched watch write of %d races failed: %s", len(writes), e)
-            return [(p.timer, None) for work in writes for p in work.polls]
-        spill: list[Spill] = []
+            for work in writes:
+                _all_back(work, back)
+            return
         for work, index, _ in saves:
             new, actions, phases, flags, gone, events, data = work.step
             try:
                 store.saved(work.race_id, replies[index], data, work.record.version)
             except VersionConflict:  # reported again from Redis; the next polls are armed
-                spill.extend((p.timer, _restep(d, work.race_id, p)) for p in work.polls
-                             if p.observed is not None)  # fmt: skip
+                for p in work.polls:
+                    if p.observed is not None:
+                        back(p.timer, _restep(d, work.race_id, p))
                 continue
             d._perform(work.race_id, work.race, new, list(actions), phases, flags, gone, events,
                        armed=True)  # fmt: skip
-        return spill
+
+
+def _all_back(work: _RaceWork, back: HandBack) -> None:
+    for p in work.polls:
+        back(p.timer, None)
 
 
 def _live(race: Race, poll: _Poll) -> bool:
@@ -275,4 +281,4 @@ def _restep(d: RaceDriver, race_id: str, poll: _Poll) -> Callable[[], Any]:
     return lambda: d.step(race_id, source)
 
 
-__all__ = ["Spill", "WatchBatch"]
+__all__ = ["HandBack", "WatchBatch"]

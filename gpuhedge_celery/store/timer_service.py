@@ -26,10 +26,12 @@ from .timers import Timer, TimerStore
 log = logging.getLogger(__name__)
 
 TimerHandler = Callable[[Timer], None]
-#: a batch handler's answer: the timers it hands back to the per-timer handler, each with a
-#: function to run instead of the handler (or None: the handler)
-BatchHandler = Callable[[list[Timer]], list[tuple[Timer, Callable[[], Any] | None]]]
-_Job = tuple[Timer, "Callable[[], Any] | None"]  # a timer for a worker, and what to run for it
+_Work = Callable[[], Any]
+#: ``batch_handler(timers, hand_back)``: handles what it can of ``timers`` together and calls
+#: ``hand_back(timer, work)`` for each of the others, ``work`` run instead of the handler (None:
+#: the handler)
+BatchHandler = Callable[[list[Timer], Callable[[Timer, "_Work | None"], None]], None]
+_Job = tuple[Timer, "_Work | None"]  # a timer for a worker, and what to run for it
 
 
 class TimerService:
@@ -60,11 +62,11 @@ class TimerService:
     Redis again (this delivery not counted).
 
     With ``batch_handler`` (a pool only) the service thread gives each claimed batch of due
-    timers to ``batch_handler(timers)`` itself: it handles what it can of them together and
-    hands back the rest, which the worker threads fire one by one as usual. A timer it does
-    not hand back is done, and acknowledged with the next claim. A claim then takes up to
-    ``batch`` timers whenever a worker is free. If it raises, every timer of the batch is
-    handed to the workers.
+    timers to ``batch_handler(timers, hand_back)`` itself: it handles what it can of them
+    together and hands back the rest, each at once to the worker threads, which fire them one
+    by one as usual. A timer it does not hand back is done when it returns, and acknowledged
+    with the next claim. A claim then takes up to ``batch`` timers whenever a worker is free.
+    If it raises, every timer of the batch not handed back yet is handed to the workers.
     """
 
     def __init__(
@@ -274,14 +276,21 @@ class TimerService:
         """Give ``due`` to the batch handler; its done timers wait for their acknowledgement,
         the ones it hands back go to the workers."""
         assert self.batch_handler is not None
+        handed: set[int] = set()
+
+        def hand_back(timer: Timer, work: _Work | None) -> None:
+            if id(timer) not in handed:
+                handed.add(id(timer))
+                self._jobs.put((timer, work))
+
         try:
-            back = self.batch_handler(due)
+            self.batch_handler(due, hand_back)
         except Exception:
-            log.exception("timer batch handler failed; its %d timers fire one by one", len(due))
-            back = [(timer, None) for timer in due]
-        handed = {id(timer) for timer, _ in back}
+            log.exception("timer batch handler failed; its timers fire one by one")
+            for timer in due:
+                hand_back(timer, None)
         done = [timer for timer in due if id(timer) not in handed]
-        metrics.timers_batched(len(done), len(back))
+        metrics.timers_batched(len(done), len(handed))
         for timer in done:
             metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)
         if done:
@@ -293,8 +302,6 @@ class TimerService:
                     self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
                 self._running -= len(done)
                 self._slots.notify_all()
-        for job in back:
-            self._jobs.put(job)
 
     def _give_back_early(self) -> None:
         """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
