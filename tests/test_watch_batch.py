@@ -276,6 +276,31 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
     assert sorted(fired) == [0, 1, 2, 3]
 
 
+def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix):
+    # Timers handed back queue for the threads: a claim takes at most BATCH_PER_SLOT per free
+    # thread, so a batch of slow one-by-one polls never outlasts its timers' lease.
+    from gpuhedge_celery.store.timer_service import BATCH_PER_SLOT
+
+    timers = TimerStore(redis_client, prefix, "batch")
+    now = int(time.time() * 1000)
+    for i in range(30):
+        timers.arm(f"k{i}", now, {"n": i})
+    sizes, fired = [], []
+
+    def all_back(due, hand_back):
+        sizes.append(len(due))
+        for timer in due:
+            hand_back(timer, None)
+
+    service = TimerService(timers, lambda t: fired.append(t) or time.sleep(0.01), threads=2,
+                           batch_handler=all_back).start()  # fmt: skip
+    try:
+        wait_for(lambda: len(fired) == 30, 20, "every timer fired")
+    finally:
+        service.stop()
+    assert sum(sizes) == 30 and max(sizes) <= 2 * BATCH_PER_SLOT, sizes
+
+
 def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):
     with pytest.raises(ValueError, match="threads > 1"):
         TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d, b: None)

@@ -81,6 +81,13 @@ class _Seen:
     since_ms: int | None  # when it started running (running record), if running
     running: bool
 
+    @property
+    def job_state(self) -> JobState:
+        """What a status poll reports: the stored end, else running on a GPU, else queued."""
+        if self.state is not None:
+            return self.state
+        return JobState.IN_PROGRESS if self.gpu_id else JobState.QUEUED
+
 
 class PoolProvider(Provider):
     """A GPU pool of the lease table as a race provider (see the module docstring)."""
@@ -173,10 +180,29 @@ class PoolProvider(Provider):
     def status(self, handle: JobHandle) -> JobState:
         """QUEUED / IN_PROGRESS from the lease table, terminal states from the result backend."""
         self.check_handle(handle)
-        seen = self._look(handle)
-        if seen.state is not None:
-            return seen.state
-        return JobState.IN_PROGRESS if seen.gpu_id else JobState.QUEUED
+        return self._look(handle).job_state
+
+    def status_and_next_change_many(
+        self, handles: list[JobHandle]
+    ) -> list[tuple[JobState, float | None]]:
+        """:meth:`status` of several requests in three round trips whatever their number (the
+        pool's GPUs, their running records and leases, the stored metas), each with when to look
+        again: the batched watch loop polls a batch of pool jobs this way."""
+        for handle in handles:
+            self.check_handle(handle)
+        places = self._where_many([h.job_id for h in handles])
+        backend = self.app.backend
+        try:
+            raw = backend.mget([backend.get_key_for_task(h.job_id) for h in handles])
+            metas = [backend.decode_result(v) if v else {"status": "PENDING"} for v in raw]
+        except Exception as e:
+            raise ProviderError(self.name, f"cannot read the result backend: {e}") from e
+        again = self.clock.now() + self.spec.poll_s
+        out: list[tuple[JobState, float | None]] = []
+        for handle, meta in zip(handles, metas, strict=True):
+            state = _Seen(_meta_state(meta), meta, *places[handle.job_id]).job_state
+            out.append((state, None if state.terminal else again))
+        return out
 
     # --- account hooks (login-check, costs): see providers/account_checks.py ----------------
 
@@ -319,37 +345,42 @@ class PoolProvider(Provider):
         The GPU is read first, so a job that finishes between the two reads shows its stored
         end rather than a spurious wait.
         """
-        gpu_id, since_ms, running = self._where(handle.job_id)
+        gpu_id, since_ms, running = self._where_many([handle.job_id])[handle.job_id]
         try:
             meta = self.app.backend.get_task_meta(handle.job_id)
         except Exception as e:
             raise ProviderError(self.name, f"cannot read the result backend: {e}") from e
         return _Seen(_meta_state(meta), meta, gpu_id, since_ms, running)
 
-    def _where(self, task_id: str) -> tuple[str | None, int | None, bool]:
-        """(GPU, running since epoch ms, running?) for ``task_id`` in this pool, one MGET."""
+    def _where_many(self, task_ids: list[str]) -> dict[str, tuple[str | None, int | None, bool]]:
+        """(GPU, running since epoch ms, running?) of each of ``task_ids`` in this pool, from
+        one read of the pool's GPUs and one ``MGET`` of their running records and leases."""
         store = self.store
         k = store.keys
+        found: dict[str, tuple[str | None, int | None, bool]] = dict.fromkeys(
+            task_ids, (None, None, False)
+        )
         try:
             with store.guard():
                 gpus = sorted(str(g) for g in store.client.smembers(k.pool_gpus(self.spec.name)))
                 if not gpus:
-                    return None, None, False
+                    return found
                 values = store.client.mget(
                     [k.running(g) for g in gpus] + [k.lease(g) for g in gpus]
                 )
         except GpuHedgeError as e:
             raise ProviderError(self.name, f"cannot read the lease table: {e}") from e
         running, leases = values[: len(gpus)], values[len(gpus) :]
-        for gpu_id, value in zip(gpus, running, strict=True):
+        for gpu_id, value in zip(gpus, leases, strict=True):  # waiting for its first step
+            task = _text(value).split("|", 2)[-1] if value is not None else None
+            if task in found:
+                found[task] = (gpu_id, None, False)
+        for gpu_id, value in zip(gpus, running, strict=True):  # a running record comes first
             task, _, rest = _text(value).partition("|")
-            if value is not None and task == task_id:
+            if value is not None and task in found:
                 since = rest.partition("|")[2]
-                return gpu_id, int(since) if since.isdigit() else None, True
-        for gpu_id, value in zip(gpus, leases, strict=True):
-            if value is not None and _text(value).split("|", 2)[-1] == task_id:
-                return gpu_id, None, False
-        return None, None, False
+                found[task] = (gpu_id, int(since) if since.isdigit() else None, True)
+        return found
 
     def _attempt_result(self, handle: JobHandle, seen: _Seen) -> AttemptResult:
         """The AttemptResult of a terminal request, from its stored meta."""

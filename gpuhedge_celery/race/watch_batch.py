@@ -108,9 +108,7 @@ class WatchBatch:
         self.batches += 1
 
     # -- 1. poll ----------------------------------------------------------------------------
-    def _poll(
-        self, by_provider: dict[str, list[_Poll]], back: HandBack
-    ) -> dict[str, _RaceWork]:
+    def _poll(self, by_provider: dict[str, list[_Poll]], back: HandBack) -> dict[str, _RaceWork]:
         d = self.driver
         races: dict[str, _RaceWork] = {}
         for name, polls in by_provider.items():

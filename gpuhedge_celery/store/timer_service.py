@@ -26,6 +26,7 @@ from .timers import Timer, TimerStore
 log = logging.getLogger(__name__)
 
 TimerHandler = Callable[[Timer], None]
+BATCH_PER_SLOT = 4  # timers a batched claim takes per free worker thread
 _Work = Callable[[], Any]
 #: ``batch_handler(timers, hand_back)``: handles what it can of ``timers`` together and calls
 #: ``hand_back(timer, work)`` for each of the others, ``work`` run instead of the handler (None:
@@ -65,7 +66,8 @@ class TimerService:
     timers to ``batch_handler(timers, hand_back)`` itself: it handles what it can of them
     together and hands back the rest, each at once to the worker threads, which fire them one
     by one as usual. A timer it does not hand back is done when it returns, and acknowledged
-    with the next claim. A claim then takes up to ``batch`` timers whenever a worker is free.
+    with the next claim. A claim then takes up to ``BATCH_PER_SLOT`` timers per free worker
+    (at most ``batch``).
     If it raises, every timer of the batch not handed back yet is handed to the workers.
     """
 
@@ -238,7 +240,11 @@ class TimerService:
         with self._slots:
             free = self.threads - self._running
         if free > 0 and self.batch_handler is not None:
-            free = self.batch  # handled here together; what it hands back waits for a worker
+            # Handled here together; what it hands back queues for a worker. At most
+            # BATCH_PER_SLOT per free worker, so timers handed back never wait long enough in
+            # that queue for their lease to lapse, even when none of them batches (a provider
+            # that answers one poll at a time, over HTTP).
+            free = min(self.batch, free * BATCH_PER_SLOT)
         if free <= 0:
             if self._ack_is_due():
                 self._flush_acks()
