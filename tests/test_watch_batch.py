@@ -304,7 +304,7 @@ def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix
 def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):
     with pytest.raises(ValueError, match="threads > 1"):
         TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d, b: None)
-    assert RaceSettings.from_env({}).coord_loop == "threads"
-    assert RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "Batched"}).coord_loop == "batched"
+    assert RaceSettings.from_env({}).coord_loop == "batched"
+    assert RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "Threads"}).coord_loop == "threads"
     with pytest.raises(ConfigError, match="GPUHEDGE_COORD_LOOP.*threads, batched.*'loop'"):
         RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "loop"})

@@ -43,11 +43,12 @@ GPUHEDGE_TIMER_THREADS             16          threads per process that run due 
                                                handler waits on Redis and providers, so a
                                                burst needs them overlapped (8 fell seconds
                                                behind at 5,000 races in flight, measured)
-GPUHEDGE_COORD_LOOP                threads     ``batched``: the timer thread steps each claimed
+GPUHEDGE_COORD_LOOP                batched     ``batched``: the timer thread steps each claimed
                                                batch of watch polls in memory and saves them
                                                in one round trip, handing the rest to the
-                                               timer threads (docs/architecture.md compares
-                                               the two); ``threads``: one timer per thread
+                                               timer threads; ``threads``: every timer on a
+                                               timer thread (docs/architecture.md compares
+                                               the two)
 GPUHEDGE_TIMER_AHEAD_MS            0           a timer claim also takes timers due within this
                                                many ms, each fired at its due time: fewer
                                                empty claims when many processes claim (more
@@ -120,7 +121,7 @@ COORD_LOOPS = ("threads", "batched")
 
 
 def _coord_loop(env: Mapping[str, str]) -> str:
-    value = (env.get("GPUHEDGE_COORD_LOOP") or "threads").strip().lower()
+    value = (env.get("GPUHEDGE_COORD_LOOP") or "batched").strip().lower()
     if value not in COORD_LOOPS:
         raise ConfigError(
             f"expected one of {', '.join(COORD_LOOPS)}, got {value!r}", key="GPUHEDGE_COORD_LOOP"
@@ -145,7 +146,7 @@ class RaceSettings:
     launch_backstop_s: float = 60.0
     timer_threads: int = 16
     timer_ahead_ms: int = 0
-    coord_loop: str = "threads"
+    coord_loop: str = "batched"
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
     switch_interval_ms: float = 1.0
