@@ -185,6 +185,31 @@ def test_cancel_after_completion_and_completion_racing_the_cancel():
     assert p.result(racing, cap_s=10).state is JobState.COMPLETED
 
 
+@pytest.mark.parametrize("redis_ledger_on", [False, True])
+def test_many_polls_at_once_read_as_each_one_alone(redis_ledger_on, request):
+    # queued, running, done, cancelled while running, cancelled while queued: one ledger read
+    ledger = MemoryLedger()
+    if redis_ledger_on:
+        ledger = redis_ledger(request.getfixturevalue("redis_url"),
+                              request.getfixturevalue("prefix"))  # fmt: skip
+    clock = VirtualClock(0.0)
+    p = sim(clock=clock, ledger=ledger)
+    fates = [(10, 90), (1, 90), (1, 1), (1, 90), (20, 90)]
+    handles = [p.submit({"sim": {"sim-a": {"queue_s": q, "run_s": r}}}) for q, r in fates]
+    clock.advance(3)
+    p.cancel(handles[3])
+    p.cancel(handles[4])
+    clock.advance(1)
+    many = p.status_and_next_change_many(handles)
+    assert many == [p.status_and_next_change(h) for h in handles]
+    assert [state for state, _ in many] == [
+        JobState.QUEUED, JobState.IN_PROGRESS, JobState.COMPLETED, JobState.CANCELLED,
+        JobState.CANCELLED,
+    ]  # fmt: skip
+    assert many[0][1] == pytest.approx(10.0) and many[2][1] is None
+    assert p.status_and_next_change_many([]) == []
+
+
 def test_cancel_is_idempotent_across_provider_instances():
     clock, ledger = VirtualClock(0.0), MemoryLedger()
     a = sim(clock=clock, ledger=ledger)
