@@ -28,6 +28,8 @@
   pool until the next child has loaded the model again.
 * ``worker_shutdown``: stop the heartbeat and leave the pool at once on a clean stop; stop the
   model server and the health sampler.
+* ``worker_shutting_down`` (SIGTERM: a warm shutdown begins): wake the worker's event loop so
+  it stops at once instead of at kombu's next timer (up to 10 s on RabbitMQ).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from typing import Any, NoReturn
 
 from celery import signals
@@ -228,3 +232,42 @@ def _child_exits(**_: Any) -> None:
     from .model_host import stop_child_runner
 
     stop_child_runner()
+
+
+# -- a warm shutdown noticed at once ---------------------------------------------------------
+_loop: dict[str, Any] = {}
+
+
+@signals.worker_ready.connect
+def _keep_event_loop(sender: Any = None, **_: Any) -> None:
+    """Remember the worker's event loop (kombu's hub; None for a pool without one)."""
+    _loop["hub"] = getattr(sender, "hub", None)
+
+
+@signals.worker_shutting_down.connect
+def _wake_event_loop(**_: Any) -> None:
+    """Wake the worker's event loop so it sees the warm shutdown now.
+
+    Celery's SIGTERM handler only sets a flag, which the worker reads when its event loop next
+    wakes. With RabbitMQ and no message coming, kombu sleeps until its next timer, up to 10 s:
+    a worker took 8 s to stop (Redis's transport wakes the loop every second). The flag is set
+    after this signal returns, so a helper thread wakes the loop a moment later (a wake-up from
+    another thread is the hub's own ``call_soon``), and once more in case that was too early.
+    """
+    hub = _loop.get("hub")
+    if hub is None:
+        return
+
+    def wake() -> None:
+        for delay in (0.05, 0.5):
+            time.sleep(delay)
+            try:
+                hub.call_soon(_nothing)
+            except Exception:  # the loop is already gone: nothing to wake
+                return
+
+    threading.Thread(target=wake, name="gpuhedge-shutdown-wake", daemon=True).start()
+
+
+def _nothing() -> None:
+    return None
