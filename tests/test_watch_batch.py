@@ -279,7 +279,7 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
 def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix):
     # Timers handed back queue for the threads: a claim takes at most BATCH_PER_SLOT per free
     # thread, so a batch of slow one-by-one polls never outlasts its timers' lease.
-    from gpuhedge_celery.store.timer_service import BATCH_PER_SLOT
+    from gpuhedge_celery.store.timer_workers import BATCH_PER_SLOT
 
     timers = TimerStore(redis_client, prefix, "batch")
     now = int(time.time() * 1000)
