@@ -61,8 +61,8 @@ def batched_counts(rc) -> tuple[float, float]:
 
 
 def check_race(rc, res, expect_winner: str | None) -> None:
-    """One winner (``expect_winner``; "any": whichever) or RaceFailed (None), nothing leaked,
-    no sim job left running."""
+    """One winner (``expect_winner``; "any": whichever) or RaceFailed (None), no leak but an
+    unknown submit, no sim job left running."""
     if expect_winner is None:
         with pytest.raises(RaceFailed):
             res.get(timeout=60)
@@ -71,7 +71,11 @@ def check_race(rc, res, expect_winner: str | None) -> None:
         assert winner == expect_winner or expect_winner == "any", (winner, expect_winner)
     receipt = rc.receipt(res.id, 30)
     assert (receipt["winner"] is None) == (expect_winner is None), receipt
-    assert receipt["leaks"] == []
+    # The only leak allowed: a submit cut off by a kill, whose outcome is unknown (no job id
+    # to cancel, so it is flagged, never repeated)
+    unknown = {a["id"] for a in receipt["attempts"]
+               if any("outcome unknown" in r for r in a["reasons"])}  # fmt: skip
+    assert {leak["attempt"] for leak in receipt["leaks"]} == unknown, receipt["leaks"]
     wait_for(lambda: not rc.running_sim_jobs(receipt), 10, "every sim job of the race ended")
 
 

@@ -109,6 +109,67 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
     assert (batch.batches, batch.polls) == (1, len(races))
 
 
+def _assert_stepped_once(driver, effects, races, versions):
+    for r in races:
+        assert driver.store.load(r).version == versions[r] + 1  # one save, not two
+        assert len(watch_timers(driver, r)) == 1  # one next poll: no second chain
+    assert effects.events.count("running") == len(races)  # each report's event, once
+
+
+def test_a_batch_whose_answer_was_lost_is_sent_again_with_the_same_ids(setup, monkeypatch):
+    import gpuhedge_celery.race.watch_batch as wb
+
+    driver, effects, cfg, _, _ = setup
+    races = ["l1", "l2", "l3"]
+    start(driver, cfg, races)
+    versions = {r: driver.store.load(r).version for r in races}
+    timers = claim_watches(driver, len(races))
+    real, calls = wb.run_pipeline, []
+
+    def lost_once(*args, **kwargs):  # it reaches Redis, then the answer is lost
+        replies = real(*args, **kwargs)
+        calls.append(len(replies))
+        if len(calls) == 1:
+            raise redis.ConnectionError("connection reset by peer")
+        return replies
+
+    monkeypatch.setattr(wb, "run_pipeline", lost_once)
+    monkeypatch.setattr(wb, "WRITE_RETRY_INTERVAL_S", 0.01)
+    assert handled(WatchBatch(driver), timers) == []
+    assert len(calls) == 2  # sent again: the saves answer "saved" (their ids), not a conflict
+    _assert_stepped_once(driver, effects, races, versions)
+
+
+def test_scripts_missing_in_redis_are_loaded_and_the_same_saves_sent_again(setup, redis_client):
+    driver, effects, cfg, _, _ = setup
+    races = ["n1", "n2"]
+    start(driver, cfg, races)
+    versions = {r: driver.store.load(r).version for r in races}
+    timers = claim_watches(driver, len(races))
+    # Redis restarted, say: it knows the save script again but not the arm script yet, so the
+    # first send saves, its arms fail NOSCRIPT, and the whole pipeline is sent once more
+    redis_client.script_flush()
+    redis_client.script_load(driver.store.save_script.script)
+    assert handled(WatchBatch(driver), timers) == []
+    _assert_stepped_once(driver, effects, races, versions)
+
+
+def test_a_batch_redis_will_not_take_is_written_race_by_race_on_the_threads(setup, monkeypatch):
+    driver, effects, cfg, _, _ = setup
+    races = ["w1", "w2"]
+    start(driver, cfg, races)
+    versions = {r: driver.store.load(r).version for r in races}
+    timers = claim_watches(driver, len(races))
+    batch = WatchBatch(driver)
+    monkeypatch.setattr(batch, "_send", lambda *args: None)  # gave up (Redis unreachable)
+    back = handled(batch, timers)
+    assert [t for t, _ in back] == timers and all(callable(work) for _, work in back)
+    assert all(driver.store.load(r).version == versions[r] for r in races)  # nothing yet
+    for _, work in back:  # the timer threads: each race's part alone, the same ids
+        work()
+    _assert_stepped_once(driver, effects, races, versions)
+
+
 def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatch):
     driver, _, cfg, _, _ = setup
     start(driver, cfg, ["u1", "u2"])
@@ -277,8 +338,9 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
 
 
 def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix):
-    # Timers handed back queue for the threads: a claim takes at most BATCH_PER_SLOT per free
-    # thread, so a batch of slow one-by-one polls never outlasts its timers' lease.
+    # A claim takes at most BATCH_PER_SLOT timers per free thread, and what the batch hands
+    # back with nothing done for it goes to a thread only while one is free: the rest wait in
+    # Redis for the next claim, so none outlasts its lease queued behind slow handlers.
     from gpuhedge_celery.store.timer_workers import BATCH_PER_SLOT
 
     timers = TimerStore(redis_client, prefix, "batch")
@@ -296,9 +358,13 @@ def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix
                            batch_handler=all_back).start()  # fmt: skip
     try:
         wait_for(lambda: len(fired) == 30, 20, "every timer fired")
+        wait_for(lambda: timers.pending() + timers.in_flight() == 0, 10, "all acknowledged")
     finally:
         service.stop()
-    assert sum(sizes) == 30 and max(sizes) <= 2 * BATCH_PER_SLOT, sizes
+    assert max(sizes) <= 2 * BATCH_PER_SLOT, sizes
+    assert sum(sizes) > 30  # the ones no thread was free for were claimed again later
+    assert sorted(t.payload["n"] for t in fired) == list(range(30))  # each fired once
+    assert all(t.deliveries == 1 for t in fired)  # given back unfired: not counted
 
 
 def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):

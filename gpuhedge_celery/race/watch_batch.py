@@ -27,6 +27,7 @@ again after its lease.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,10 +36,11 @@ from ..core.attempts import Phase
 from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ScheduleTimer, StatusObserved
+from ..errors import StoreUnavailable
 from ..store.codec import dumps_dict
-from ..store.races import RaceRecord, VersionConflict, new_save_id
+from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict, new_save_id
 from ..store.scripts import run_pipeline
-from ..store.timers import Timer
+from ..store.timers import Timer, store_errors
 from .base import find_attempt
 from .watch import NextPoll
 
@@ -46,6 +48,9 @@ if TYPE_CHECKING:
     from .driver import RaceDriver
 
 log = logging.getLogger(__name__)
+
+WRITE_RETRY_S = 5.0  # a batch's write is sent again while Redis is unreachable, this long
+WRITE_RETRY_INTERVAL_S = SAVE_RETRY_INTERVAL_S
 
 #: hands a timer back to the timer threads at once, with the work to do for it (None: the
 #: per-timer handler)
@@ -71,6 +76,17 @@ class _RaceWork:
     record: RaceRecord | None = None
     race: Race | None = None
     step: tuple[Any, ...] | None = None  # (state, actions, phases, flags, gone, events, data)
+    # Decided once, before the first send: a pipeline sent again (NOSCRIPT, a lost answer)
+    # carries the same save id and arm ids, so what already ran is recognised, not repeated.
+    save_id: str | None = None
+    also: Callable[[Any], None] | None = None  # the step's timer arms and budget settlements
+
+    def decisions(self, poll: _Poll) -> list[float]:
+        """The race's decision times as it will be saved, else as ``poll`` last saw them (for
+        a provider polled just before each)."""
+        if self.race is not None:
+            return list(self.race.timers.values())
+        return list(poll.timer.payload.get("decide") or ())
 
 
 class WatchBatch:
@@ -191,7 +207,10 @@ class WatchBatch:
             return False
         after = race.to_dict()
         if not actions and after == state["race"]:
-            return True  # already known (a copy saved since): heartbeat and next arms only
+            if record.cached:  # this copy may be stale (the race may have ended): from Redis
+                _all_back(work, back)
+                return False
+            return True  # already known (saved since): heartbeat and next arms only
         new = dict(state)
         new["race"] = after
         gone = d._note_timers(work.race_id, race, new, actions, record.version + 1)
@@ -201,50 +220,120 @@ class WatchBatch:
 
     # -- 4. write, 5. perform ------------------------------------------------------------------
     def _write(self, writes: list[_RaceWork], back: HandBack) -> None:
+        """Every save, heartbeat and next arm of the batch in one pipeline, then perform."""
+        scripts = self._plan(writes)
+        spans: list[tuple[_RaceWork, int, int]] = []  # (race, first and end reply index)
+
+        def build(pipe: Any) -> None:
+            spans.clear()
+            for work in writes:
+                first = len(pipe.command_stack)
+                self._queue(pipe, work)
+                spans.append((work, first, len(pipe.command_stack)))
+
+        replies = self._send(build, scripts, f"a batch of {len(writes)} races' watch polls")
+        if replies is None:
+            # Each race's part again, alone, on a timer thread (the same save id and arms). Its
+            # first timer carries that work; the others are done with it. Should Redis still
+            # refuse it, that timer comes back after its lease and its race is resumed, which
+            # arms a poll for every live job again.
+            for work in writes:
+                back(work.polls[0].timer, lambda w=work: self._write_alone(w))
+                for p in work.polls[1:]:
+                    back(p.timer, _nothing)
+            return
+        for work, first, end in spans:
+            skip = 1 if work.save_id is not None else 0  # the save's reply is taken below
+            errors = [r for r in replies[first + skip : end] if isinstance(r, Exception)]
+            if errors:  # an arm or settlement refused: a bug to see (the janitor resumes it)
+                log.warning("race %s: batched write: %s", work.race_id, errors[0])
+            if work.save_id is not None:
+                self._saved(work, replies[first], back)
+
+    def _write_alone(self, work: _RaceWork) -> None:
+        """One race's part of a batch whose round trip failed, sent again alone (the same save
+        id and arms); raises if Redis still cannot take it: its timer stays in flight and
+        comes back after its lease, to the per-timer path and its crash recovery."""
+        scripts = self._plan([work])
+        index: list[int] = []
+
+        def build(pipe: Any) -> None:
+            index[:] = [len(pipe.command_stack)]
+            self._queue(pipe, work)
+
+        with store_errors(f"writing the watch polls of race {work.race_id!r}"):
+            replies = run_pipeline(self.driver.store.client, build, scripts)
+        if work.save_id is not None:
+            self._saved(work, replies[index[0]], lambda _timer, job: job() if job else None)
+
+    def _plan(self, writes: list[_RaceWork]) -> list[Any]:
+        """Give each step its save id and extra commands, once; the scripts they use."""
         d = self.driver
         store, timers = d.store, d.timers
         scripts: list[Any] = [store.save_script, timers.arm_script, timers.cancel_script]
-        saves: list[tuple[_RaceWork, int, str]] = []  # (race, reply index, save id)
-
-        def build(pipe: Any) -> None:
-            saves.clear()
-            for work in writes:
-                race, step = work.race, work.step
-                if step is None:
-                    store.queue_touch(pipe, work.race_id)
-                else:
-                    new, actions, phases, _, _, _, data = step
-                    save_id = new_save_id()
-                    saves.append((work, len(pipe.command_stack), save_id))
-                    store.queue_save(pipe, work.race_id, data, work.record.version, save_id)
-                    mark = store.save_mark(work.race_id, work.record.version, save_id)
-                    arms = d._arms(work.race_id, new, actions)
-                    also, more = d._with_settlements(work.race_id, race, new, phases, arms, mark)
-                    scripts.extend(s for s in more if s not in scripts)
-                    if also is not None:
-                        also(pipe)
-                decisions = race.timers.values() if race is not None else None
-                for p in work.polls:
-                    p.next.queue(d, pipe, decisions or p.timer.payload.get("decide") or ())
-
-        try:
-            replies = run_pipeline(store.client, build, scripts)
-        except Exception as e:  # nothing known to be written: every poll again, one by one
-            log.warning("batched watch write of %d races failed: %s", len(writes), e)
-            for work in writes:
-                _all_back(work, back)
-            return
-        for work, index, _ in saves:
-            new, actions, phases, flags, gone, events, data = work.step
-            try:
-                store.saved(work.race_id, replies[index], data, work.record.version)
-            except VersionConflict:  # reported again from Redis; the next polls are armed
-                for p in work.polls:
-                    if p.observed is not None:
-                        back(p.timer, _restep(d, work.race_id, p))
+        for work in writes:
+            if work.step is None or work.save_id is not None:
                 continue
-            d._perform(work.race_id, work.race, new, list(actions), phases, flags, gone, events,
-                       armed=True)  # fmt: skip
+            new, actions, phases, *_ = work.step
+            work.save_id = new_save_id()
+            mark = store.save_mark(work.race_id, work.record.version, work.save_id)
+            arms = d._arms(work.race_id, new, actions)
+            work.also, more = d._with_settlements(work.race_id, work.race, new, phases, arms,
+                                                  mark)  # fmt: skip
+            scripts.extend(s for s in more if s not in scripts)
+        return scripts
+
+    def _queue(self, pipe: Any, work: _RaceWork) -> None:
+        """Queue one race's part: its save (or heartbeat), extra commands and next arms."""
+        d = self.driver
+        if work.save_id is None:
+            d.store.queue_touch(pipe, work.race_id)
+        else:
+            data = work.step[-1]
+            d.store.queue_save(pipe, work.race_id, data, work.record.version, work.save_id)
+            if work.also is not None:
+                work.also(pipe)
+        for p in work.polls:
+            p.next.queue(d, pipe, work.decisions(p))
+
+    def _send(self, build: Callable[[Any], None], scripts: list[Any], what: str) -> list | None:
+        """Run the pipeline; while Redis is unreachable, send it again (the same ids) for up
+        to ``WRITE_RETRY_S``; None when it could not be sent."""
+        give_up = time.monotonic() + WRITE_RETRY_S
+        while True:
+            try:
+                with store_errors(f"writing {what}"):
+                    return run_pipeline(self.driver.store.client, build, scripts,
+                                        raise_on_error=False)  # fmt: skip
+            except StoreUnavailable as e:
+                if time.monotonic() >= give_up:
+                    log.warning("%s: not written (%s); each race again alone", what, e)
+                    return None
+                time.sleep(WRITE_RETRY_INTERVAL_S)
+            except Exception as e:
+                log.warning("%s: not written (%s); each race again alone", what, e)
+                return None
+
+    def _saved(self, work: _RaceWork, reply: Any, back: HandBack) -> None:
+        """Take one race's save reply: perform its step, or report its polls again."""
+        d = self.driver
+        new, actions, phases, flags, gone, events, data = work.step
+        if isinstance(reply, Exception):  # an error in the save itself: step it the usual way
+            log.warning("race %s: batched save failed: %s", work.race_id, reply)
+            reply = (0, -1)
+        try:
+            d.store.saved(work.race_id, reply, data, work.record.version)
+        except VersionConflict:  # reported again from Redis; the next polls are armed
+            for p in work.polls:
+                if p.observed is not None:
+                    back(p.timer, _restep(d, work.race_id, p))
+            return
+        d._perform(work.race_id, work.race, new, list(actions), phases, flags, gone, events,
+                   armed=True)  # fmt: skip
+
+
+def _nothing() -> None:
+    return None
 
 
 def _all_back(work: _RaceWork, back: HandBack) -> None:

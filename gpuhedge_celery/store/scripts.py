@@ -61,26 +61,31 @@ def lua_script(client: Any, name: str) -> Any:
 
 
 def run_pipeline(
-    client: Any, build: Callable[[Any], None], scripts: Iterable[Any] = ()
-) -> list[Any]:
+    client: Any, build: Callable[[Any], None], scripts: Iterable[Any] = (),
+    *, raise_on_error: bool = True,
+) -> list[Any]:  # fmt: skip
     """Run the commands ``build(pipe)`` queues in one non-transactional pipeline (one round trip).
 
     Scripts must be queued as ``pipe.evalsha(script.sha, ...)`` (see :func:`queue_script`), not
     by calling the script on the pipeline: redis-py then sends ``SCRIPT EXISTS`` before every
     execute, a second round trip on the hottest path of a race step. When the server does not
     know a script (a restart, ``SCRIPT FLUSH``) it is loaded and the pipeline is rebuilt and run
-    once more, so every command in it must be safe to repeat.
+    once more, so every command in it must be safe to repeat. ``raise_on_error=False``: an
+    error of one command is its reply (an exception object) and the others' replies still come.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         build(pipe)
         try:
-            return pipe.execute()
+            replies = pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
             if attempt == 2:
                 raise
-            for script in scripts:
-                client.script_load(script.script)
+        else:
+            if attempt == 2 or not any(isinstance(r, NoScriptError) for r in replies):
+                return replies
+        for script in scripts:
+            client.script_load(script.script)
     raise AssertionError("unreachable")
 
 

@@ -113,14 +113,29 @@ class TimerWorkers:
 
     def _fire_batch(self, due: list[Timer]) -> None:
         """Give ``due`` to the batch handler; its done timers wait for their acknowledgement,
-        the ones it hands back go to the workers."""
+        the ones it hands back go to the workers.
+
+        A timer handed back with nothing done for it yet (``work`` None: another kind, a
+        provider polled one by one) goes to a worker only while one is free; the others are
+        given back to Redis unfired, for the next claim, so none waits in this process until
+        its lease lapses behind slow handlers. One handed back with work (the batch already
+        polled its job or sent its writes) always goes: that work is not to be done twice.
+        """
         assert self.batch_handler is not None
         handed: set[int] = set()
+        excess: list[Timer] = []
+        with self._slots:
+            room = [self.threads - (self._running - len(due))]  # workers not busy
 
         def hand_back(timer: Timer, work: _Work | None) -> None:
-            if id(timer) not in handed:
-                handed.add(id(timer))
-                self._jobs.put((timer, work))
+            if id(timer) in handed:
+                return
+            handed.add(id(timer))
+            if work is None and room[0] <= 0:
+                excess.append(timer)
+                return
+            room[0] -= 1
+            self._jobs.put((timer, work))
 
         try:
             self.batch_handler(due, hand_back)
@@ -141,6 +156,12 @@ class TimerWorkers:
                     self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
                 self._running -= len(done)
                 self._slots.notify_all()
+        if excess:
+            try:
+                self.store.release(excess)
+            except Exception as e:  # they stay in flight: delivered again after their lease
+                log.warning("timer service: giving back %d timers failed: %s", len(excess), e)
+            self._free(len(excess))
 
     def _give_back_early(self) -> None:
         """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
