@@ -255,3 +255,32 @@ def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redi
     a1 = saved.attempts[0]
     assert a1.job_id == handle.job_id
     assert any(label == JobState.IN_PROGRESS.value for _, label in a1.timeline), a1.timeline
+
+
+def test_a_redelivered_watch_poll_leaves_its_job_one_chain_of_polls(setup):
+    # Its first claimer died; the second delivery polls, arms the next poll and resumes the
+    # race, which must not arm a second poll for the same job (two chains from then on).
+    import time
+
+    driver, _, cfg, _, _ = setup
+    driver.create("rw2", {"sim": {"p": {"queue_s": 2, "run_s": 100}}},
+                  build_spec(cfg, policy="hedge:p->h@60s"))  # fmt: skip
+    driver.submit_attempt("rw2", "a1")
+    time.sleep(0.05)  # the queued -> running poll is due
+
+    def watch_ids():
+        keys = driver.timers.keys
+        ids = driver.timers.client.zrange(keys.due, 0, -1)
+        ids += driver.timers.client.zrange(keys.inflight, 0, -1)
+        return [t for t in ids if t.startswith("rw2:w:")]
+
+    now = int(driver.clock.now() * 1000)
+    (first,) = [t for t in driver.timers.claim_due(now, 10, 50) if t.payload["kind"] == "watch"]
+    time.sleep(0.1)  # its claimer died: the lease runs out
+    now = int(driver.clock.now() * 1000)
+    (again,) = [t for t in driver.timers.claim_due(now, 10, 10_000)
+                if t.payload["kind"] == "watch"]  # fmt: skip
+    assert again.id == first.id and again.deliveries == 2
+    driver.on_timer(again)
+    driver.timers.ack(again)
+    assert len(watch_ids()) == 1, watch_ids()

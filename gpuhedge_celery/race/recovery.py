@@ -61,12 +61,17 @@ class RecoveryWork:
                 decide=payload.get("decide"), reserved=payload.get("reserved"),
             )  # fmt: skip
             if timer.deliveries > 1:  # its first claimer may have died after saving a step
-                self.resume(payload["race"])
+                # (this job's next poll was just armed, or it was concluded: not armed again,
+                # or the job would be watched by two chains of polls from now on)
+                self.resume(payload["race"], watched=payload["attempt"])
         else:
             log.warning("timer %s has an unknown kind %r; dropped", timer.id, kind)
 
-    def resume(self, race_id: str) -> None:
-        """Re-perform whatever a crashed step may have left undone (all of it idempotent)."""
+    def resume(self, race_id: str, watched: str | None = None) -> None:
+        """Re-perform whatever a crashed step may have left undone (all of it idempotent).
+
+        ``watched``: an attempt whose watch poll the caller has just made (and re-armed), so
+        no other poll is armed for it."""
         record = self.store.load(race_id)
         if record is None:
             return
@@ -87,7 +92,8 @@ class RecoveryWork:
                 self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:
                 cap = float(caps.get(a.provider, 180.0))
-                self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
+                if a.id != watched:
+                    self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
                 if a.phase is Phase.CANCELLING:
                     self.request_cancel(race_id, a.id, a.provider)
         ids = state.get("timer_ids") or {}
