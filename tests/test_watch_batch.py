@@ -92,9 +92,7 @@ class RoundTrips:
 def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypatch):
     driver, effects, cfg, _, _ = setup
     races = [f"b{i}" for i in range(12)]
-    start(driver, cfg, races)
-    versions = {r: driver.store.load(r).version for r in races}
-    timers = claim_watches(driver, len(races))
+    versions, timers = started_and_due(driver, cfg, races)
     trips = RoundTrips(monkeypatch)
     batch = WatchBatch(driver)
     assert handled(batch, timers) == []  # nothing handed back
@@ -109,6 +107,13 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
     assert (batch.batches, batch.polls) == (1, len(races))
 
 
+def started_and_due(driver, cfg, races):
+    """Start the races; their versions, and their first polls claimed once due."""
+    start(driver, cfg, races)
+    versions = {r: driver.store.load(r).version for r in races}
+    return versions, claim_watches(driver, len(races))
+
+
 def _assert_stepped_once(driver, effects, races, versions):
     for r in races:
         assert driver.store.load(r).version == versions[r] + 1  # one save, not two
@@ -121,9 +126,7 @@ def test_a_batch_whose_answer_was_lost_is_sent_again_with_the_same_ids(setup, mo
 
     driver, effects, cfg, _, _ = setup
     races = ["l1", "l2", "l3"]
-    start(driver, cfg, races)
-    versions = {r: driver.store.load(r).version for r in races}
-    timers = claim_watches(driver, len(races))
+    versions, timers = started_and_due(driver, cfg, races)
     real, calls = wb.run_pipeline, []
 
     def lost_once(*args, **kwargs):  # it reaches Redis, then the answer is lost
@@ -143,9 +146,7 @@ def test_a_batch_whose_answer_was_lost_is_sent_again_with_the_same_ids(setup, mo
 def test_scripts_missing_in_redis_are_loaded_and_the_same_saves_sent_again(setup, redis_client):
     driver, effects, cfg, _, _ = setup
     races = ["n1", "n2"]
-    start(driver, cfg, races)
-    versions = {r: driver.store.load(r).version for r in races}
-    timers = claim_watches(driver, len(races))
+    versions, timers = started_and_due(driver, cfg, races)
     # Redis restarted, say: it knows the save script again but not the arm script yet, so the
     # first send saves, its arms fail NOSCRIPT, and the whole pipeline is sent once more
     redis_client.script_flush()
@@ -157,9 +158,7 @@ def test_scripts_missing_in_redis_are_loaded_and_the_same_saves_sent_again(setup
 def test_a_batch_redis_will_not_take_is_written_race_by_race_on_the_threads(setup, monkeypatch):
     driver, effects, cfg, _, _ = setup
     races = ["w1", "w2"]
-    start(driver, cfg, races)
-    versions = {r: driver.store.load(r).version for r in races}
-    timers = claim_watches(driver, len(races))
+    versions, timers = started_and_due(driver, cfg, races)
     batch = WatchBatch(driver)
     monkeypatch.setattr(batch, "_send", lambda *args: None)  # gave up (Redis unreachable)
     back = handled(batch, timers)

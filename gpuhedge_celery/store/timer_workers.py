@@ -156,23 +156,22 @@ class TimerWorkers:
                     self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
                 self._running -= len(done)
                 self._slots.notify_all()
-        if excess:
-            try:
-                self.store.release(excess)
-            except Exception as e:  # they stay in flight: delivered again after their lease
-                log.warning("timer service: giving back %d timers failed: %s", len(excess), e)
-            self._free(len(excess))
+        self._give_back(excess)
 
     def _give_back_early(self) -> None:
         """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
         early, self._early = [t for _, _, t in self._early], []
-        if not early:
+        self._give_back(early)
+
+    def _give_back(self, timers: list[Timer]) -> None:
+        """Release claimed timers unfired (this delivery not counted) and free their slots."""
+        if not timers:
             return
         try:
-            self.store.release(early)
+            self.store.release(timers)
         except Exception as e:  # they stay in flight: delivered again after their lease
-            log.warning("timer service: giving back %d timers failed: %s", len(early), e)
-        self._free(len(early))
+            log.warning("timer service: giving back %d timers failed: %s", len(timers), e)
+        self._free(len(timers))
 
     def _wait_for_slot(self) -> None:
         """Block until a worker is free or stop() is called (notified, not polled); timers
