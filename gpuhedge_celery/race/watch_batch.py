@@ -80,6 +80,7 @@ class _RaceWork:
     # carries the same save id and arm ids, so what already ran is recognised, not repeated.
     save_id: str | None = None
     also: Callable[[Any], None] | None = None  # the step's timer arms and budget settlements
+    scripts: tuple[Any, ...] = ()  # the scripts ``also`` sends
 
     def decisions(self, poll: _Poll) -> list[float]:
         """The race's decision times as it will be saved, else as ``poll`` last saw them (for
@@ -272,15 +273,15 @@ class WatchBatch:
         store, timers = d.store, d.timers
         scripts: list[Any] = [store.save_script, timers.arm_script, timers.cancel_script]
         for work in writes:
-            if work.step is None or work.save_id is not None:
-                continue
-            new, actions, phases, *_ = work.step
-            work.save_id = new_save_id()
-            mark = store.save_mark(work.race_id, work.record.version, work.save_id)
-            arms = d._arms(work.race_id, new, actions)
-            work.also, more = d._with_settlements(work.race_id, work.race, new, phases, arms,
-                                                  mark)  # fmt: skip
-            scripts.extend(s for s in more if s not in scripts)
+            if work.step is not None and work.save_id is None:
+                new, actions, phases, *_ = work.step
+                work.save_id = new_save_id()
+                mark = store.save_mark(work.race_id, work.record.version, work.save_id)
+                arms = d._arms(work.race_id, new, actions)
+                work.also, work.scripts = d._with_settlements(
+                    work.race_id, work.race, new, phases, arms, mark
+                )
+            scripts.extend(s for s in work.scripts if s not in scripts)
         return scripts
 
     def _queue(self, pipe: Any, work: _RaceWork) -> None:
