@@ -337,9 +337,9 @@ def test_a_batch_handler_that_raises_leaves_every_timer_to_the_threads(redis_cli
 
 
 def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix):
-    # A claim takes at most BATCH_PER_SLOT timers per free thread, and what the batch hands
-    # back with nothing done for it goes to a thread only while one is free: the rest wait in
-    # Redis for the next claim, so none outlasts its lease queued behind slow handlers.
+    # A claim takes at most BATCH_PER_SLOT timers per free thread; what the batch hands back
+    # queues for the threads, and a timer that waited there until its lease was nearly spent
+    # goes back to Redis unfired: never fired by two claims (its lease lapsed while queued).
     from gpuhedge_celery.store.timer_workers import BATCH_PER_SLOT
 
     timers = TimerStore(redis_client, prefix, "batch")
@@ -353,17 +353,21 @@ def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix
         for timer in due:
             hand_back(timer, None)
 
-    service = TimerService(timers, lambda t: fired.append(t) or time.sleep(0.01), threads=2,
+    def slow(timer):  # eight queued behind two threads wait about 0.45 s: past 3/4 of 0.4 s
+        fired.append(timer)
+        time.sleep(0.15)
+
+    service = TimerService(timers, slow, threads=2, lease_ms=400, ack_delay_ms=10,
                            batch_handler=all_back).start()  # fmt: skip
     try:
-        wait_for(lambda: len(fired) == 30, 20, "every timer fired")
+        wait_for(lambda: len(fired) >= 30, 30, "every timer fired")
         wait_for(lambda: timers.pending() + timers.in_flight() == 0, 10, "all acknowledged")
     finally:
         service.stop()
     assert max(sizes) <= 2 * BATCH_PER_SLOT, sizes
-    assert sum(sizes) > 30  # the ones no thread was free for were claimed again later
+    assert sum(sizes) > 30  # some went back unfired and were claimed again
     assert sorted(t.payload["n"] for t in fired) == list(range(30))  # each fired once
-    assert all(t.deliveries == 1 for t in fired)  # given back unfired: not counted
+    assert all(t.deliveries == 1 for t in fired)  # never taken again after a lapsed lease
 
 
 def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):

@@ -115,27 +115,16 @@ class TimerWorkers:
         """Give ``due`` to the batch handler; its done timers wait for their acknowledgement,
         the ones it hands back go to the workers.
 
-        A timer handed back with nothing done for it yet (``work`` None: another kind, a
-        provider polled one by one) goes to a worker only while one is free; the others are
-        given back to Redis unfired, for the next claim, so none waits in this process until
-        its lease lapses behind slow handlers. One handed back with work (the batch already
-        polled its job or sent its writes) always goes: that work is not to be done twice.
+        Timers handed back queue for the workers; one that waits there until its lease is
+        nearly spent is given back to Redis unfired instead (see :meth:`_work`).
         """
         assert self.batch_handler is not None
         handed: set[int] = set()
-        excess: list[Timer] = []
-        with self._slots:
-            room = [self.threads - (self._running - len(due))]  # workers not busy
 
         def hand_back(timer: Timer, work: _Work | None) -> None:
-            if id(timer) in handed:
-                return
-            handed.add(id(timer))
-            if work is None and room[0] <= 0:
-                excess.append(timer)
-                return
-            room[0] -= 1
-            self._jobs.put((timer, work))
+            if id(timer) not in handed:
+                handed.add(id(timer))
+                self._jobs.put((timer, work))
 
         try:
             self.batch_handler(due, hand_back)
@@ -156,7 +145,6 @@ class TimerWorkers:
                     self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
                 self._running -= len(done)
                 self._slots.notify_all()
-        self._give_back(excess)
 
     def _give_back_early(self) -> None:
         """On stop: timers claimed ahead and not yet due wait in Redis again, for anyone."""
@@ -199,6 +187,9 @@ class TimerWorkers:
             timer, work = job
             done = False
             try:
+                if work is None and self._lease_nearly_spent(timer):
+                    self._release_unfired(timer)
+                    continue
                 # After stop() nothing starts: the timer stays in flight for redelivery.
                 done = not self._stop.is_set() and self._fire(timer, work)
             finally:
@@ -209,6 +200,20 @@ class TimerWorkers:
                             self._ack_by = time.monotonic() + self.ack_delay_ms / 1000
                     self._running -= 1
                     self._slots.notify_all()
+
+    def _lease_nearly_spent(self, timer: Timer) -> bool:
+        """Whether ``timer`` waited for a worker until less than a quarter of its lease is
+        left (a batched claim queued it behind slow handlers): fired now, it could still be
+        running when the lease lapses and another process takes it too."""
+        return timer.lease_deadline_ms - self.now_ms() < self.lease_ms // 4
+
+    def _release_unfired(self, timer: Timer) -> None:
+        """Give a timer that never started back to Redis, for the next claim (its delivery
+        not counted); should that fail it stays in flight until its lease lapses."""
+        try:
+            self.store.release([timer])
+        except Exception as e:
+            log.warning("timer service: giving back timer %s failed: %s", timer.id, e)
 
     # -- acknowledgements (threads > 1) --------------------------------------------------------
 
