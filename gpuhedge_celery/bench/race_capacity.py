@@ -70,12 +70,13 @@ def _traffic(bench: Bench) -> dict[str, Any]:
         "sim_bytes": workers["sim_bytes"],
         "client_bytes": redis_probe.totals()["bytes"],
         "sites": workers["sites"],
+        "site_bytes": workers["site_bytes"],
     }
 
 
 def site_fields(before: dict[str, int], after: dict[str, int], races: int) -> dict[str, float]:
-    """The workers' round trips per race by where they were sent from, most first (counted
-    only with ``GPUHEDGE_BENCH_PROBE_SITES=on``, see :mod:`.redis_probe`)."""
+    """The workers' round trips (or bytes) per race by where they were sent from, most first
+    (counted only with ``GPUHEDGE_BENCH_PROBE_SITES=on``, see :mod:`.redis_probe`)."""
     per_race = {k: (n - before.get(k, 0)) / races for k, n in after.items()}
     ranked = sorted(per_race.items(), key=lambda kv: -kv[1])
     return {k: round(v, 2) for k, v in ranked if v >= 0.05}
@@ -83,10 +84,12 @@ def site_fields(before: dict[str, int], after: dict[str, int], races: int) -> di
 
 def traffic_fields(before: dict[str, Any], after: dict[str, Any], races: int) -> dict[str, Any]:
     """Per-race Redis traffic between two :func:`_traffic` snapshots."""
-    d = {k: after[k] - before[k] for k in before if k != "sites"}
+    d = {k: after[k] - before[k] for k in before if k not in ("sites", "site_bytes")}
     sites = site_fields(before.get("sites", {}), after.get("sites", {}), races)
+    site_bytes = site_fields(before.get("site_bytes", {}), after.get("site_bytes", {}), races)
     return {
         **({"round_trips_by_site": sites} if sites else {}),
+        **({"bytes_by_site": {k: round(v) for k, v in site_bytes.items()}} if sites else {}),
         "round_trips_per_race": round(d["worker_round_trips"] / races, 1),
         # the same without the simulated providers' ledger (a real provider answers over HTTP)
         "coordination_round_trips_per_race": round(

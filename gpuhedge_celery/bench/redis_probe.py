@@ -50,6 +50,7 @@ _SKIP = (f"{_PACKAGE}.bench.redis_probe", f"{_PACKAGE}.store.connection")
 _lock = threading.Lock()
 _totals: dict[str, Any] = {"round_trips": 0, "bytes": 0, "sim_round_trips": 0, "sim_bytes": 0}
 _sites: dict[str, int] = {}
+_site_bytes: dict[str, int] = {}
 _installed = False
 _in_ledger = threading.local()  # .depth > 0 while a ledger method runs on this thread
 
@@ -134,6 +135,7 @@ def install() -> None:
                     _totals["sim_bytes"] += size
                 if where is not None:
                     _sites[where] = _sites.get(where, 0) + 1
+                    _site_bytes[where] = _site_bytes.get(where, 0) + size
             return original(self, command, *args, **kwargs)
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
@@ -142,11 +144,13 @@ def install() -> None:
 
 
 def totals() -> dict[str, Any]:
-    """This process's counts so far (``sites``: round trips by :func:`site`, when counted)."""
+    """This process's counts so far (``sites`` and ``site_bytes``: round trips and bytes sent
+    by :func:`site`, when counted)."""
     with _lock:
         out: dict[str, Any] = dict(_totals)
         if _sites:
             out["sites"] = dict(_sites)
+            out["site_bytes"] = dict(_site_bytes)
         return out
 
 
@@ -166,7 +170,7 @@ def _write_loop(directory: Path) -> None:
 def read_totals(directory: Path) -> dict[str, Any]:
     """The workers' counts so far, added up (files written within the last interval)."""
     counts = ("round_trips", "bytes", "sim_round_trips", "sim_bytes")
-    out: dict[str, Any] = {**dict.fromkeys(counts, 0), "sites": {}}
+    out: dict[str, Any] = {**dict.fromkeys(counts, 0), "sites": {}, "site_bytes": {}}
     for path in directory.glob("probe-*.json"):
         try:
             found = json.loads(path.read_text())
@@ -174,8 +178,9 @@ def read_totals(directory: Path) -> dict[str, Any]:
             continue
         for key in counts:
             out[key] += int(found.get(key, 0))
-        for where, n in (found.get("sites") or {}).items():
-            out["sites"][where] = out["sites"].get(where, 0) + int(n)
+        for field in ("sites", "site_bytes"):
+            for where, n in (found.get(field) or {}).items():
+                out[field][where] = out[field].get(where, 0) + int(n)
     return out
 
 
