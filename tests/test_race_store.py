@@ -14,7 +14,7 @@ from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_keys import race_keys
 from gpuhedge_celery.store.race_liveness import OwnershipLost
-from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim
+from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim, _Kept
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -459,6 +459,7 @@ def test_the_fresh_copy_never_goes_back_to_an_older_version(redis_client, prefix
     store = RaceStore(redis_client, prefix)
     store.create("r1", {"step": 1})
     store.save("r1", {"step": 2}, 1)
-    store._remember("r1", 1, '{"step": 1}')  # the first save's update, arriving late
+    late = store.encode("r1", {"step": 1})
+    store._remember("r1", _Kept(1, "first", late.parts))  # the first save's update, arriving late
     found = store.load("r1", fresh=True)
     assert found.cached and found.version == 2 and found.state == {"step": 2}

@@ -77,6 +77,7 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
     ``include_finished`` also the recently finished ones (their receipts' index)."""
     from ..store.race_keys import race_keys
     from ..store.race_lookup import recently_finished
+    from ..store.race_parts import decode_fields
     from ..store.timers import store_errors
 
     now = time.time()
@@ -91,14 +92,14 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
         pipe = store.client.pipeline(transaction=False)
         for race_id, _ in found:
             keys = race_keys(store.prefix, race_id)
-            pipe.hget(keys.state, "data")
+            pipe.hgetall(keys.state)
             pipe.hgetall(keys.jobs)
             pipe.exists(keys.receipt)
         answers = pipe.execute()
     rows = []
     for i, (race_id, score) in enumerate(found):
-        data, jobs, done = answers[3 * i : 3 * i + 3]
-        state = json.loads(as_text(data)) if data is not None else None
+        fields, jobs, done = answers[3 * i : 3 * i + 3]
+        state = decode_fields(fields) if fields else None
         if state is None and not jobs:
             continue  # expired, and nothing of it is left running
         row = _row(race_id, score, state, jobs or {}, now, bool(done))

@@ -37,7 +37,6 @@ from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ScheduleTimer, StatusObserved
 from ..errors import StoreUnavailable
-from ..store.codec import dumps_dict
 from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict, new_save_id
 from ..store.scripts import run_pipeline
 from ..store.timers import Timer, store_errors
@@ -215,7 +214,7 @@ class WatchBatch:
         new = dict(state)
         new["race"] = after
         gone = d._note_timers(work.race_id, race, new, actions, record.version + 1)
-        data = dumps_dict(new, f"state of race {work.race_id!r}")
+        data = d.store.encode(work.race_id, new)
         work.step = (new, actions, phases, flags, gone, tuple(events), data)
         return True
 
@@ -323,7 +322,7 @@ class WatchBatch:
             log.warning("race %s: batched save failed: %s", work.race_id, reply)
             reply = (0, -1)
         try:
-            d.store.saved(work.race_id, reply, data, work.record.version)
+            d.store.saved(work.race_id, reply, data, work.record.version, work.save_id)
         except VersionConflict:  # reported again from Redis; the next polls are armed
             for p in work.polls:
                 if p.observed is not None:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError, StoreUnavailable
-from . import codec
+from . import codec, race_parts
 from .codec import dumps_dict, ms
 from .race_jobs import RaceJobs
 from .race_keys import finished_races_key, live_races_key, race_keys
@@ -97,7 +97,22 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
-FRESH_MAX = 4096  # races whose last saved state a process remembers
+FRESH_MAX = 4096  # races whose last saved (and, apart, last read) state a process remembers
+
+
+class _Kept(NamedTuple):
+    """A race's state as this process saved or read it: the base of its next save's delta."""
+
+    version: int
+    save_id: str  # the save that wrote this version ('' when unknown: no delta from it)
+    parts: dict[str, str]
+
+
+def _head(history: Any) -> tuple[int, str]:
+    """The version and save id heading a state's history of saves ("version:id ...")."""
+    entry = as_text(history or "").split(" ", 1)[0]
+    version, _, save_id = entry.partition(":")
+    return (int(version), save_id) if version.isdigit() else (0, "")
 
 
 class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
@@ -128,8 +143,10 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self._owner_claim = lua_script(client, "race_owner_claim")
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
-        # The last state this process saved, per race (LRU): see load(fresh=True).
-        self._fresh: OrderedDict[str, tuple[int, str]] = OrderedDict()
+        # The last state this process saved, per race (LRU): see load(fresh=True); and the last
+        # it read from Redis. Either is the base a save's delta is computed from (race_parts).
+        self._fresh: OrderedDict[str, _Kept] = OrderedDict()
+        self._read: OrderedDict[str, _Kept] = OrderedDict()
         self._fresh_lock = threading.Lock()
 
     # -- state -------------------------------------------------------------------------------
@@ -201,7 +218,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         order), for data the saved state refers to. Its results come first in the reply.
         ``took(replies)``: given the replies of ``also``'s commands once the save won.
         """
-        data = dumps_dict(state, f"state of race {race_id!r}")
+        data = race_parts.encode(state, f"state of race {race_id!r}")
         save_id = save_id or new_save_id()
         skip = 0
 
@@ -215,37 +232,75 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                 also(pipe)
 
         replies = self._send_save(race_id, build, [self._save, *scripts])
-        version = self.saved(race_id, replies[skip], data, expected_version)
+        version = self.saved(race_id, replies[skip], data, expected_version, save_id)
         if took is not None:
             took(replies[skip + 2 :])  # after the save and the heartbeat
         return version
 
+    def encode(self, race_id: str, state: dict[str, Any]) -> race_parts.EncodedState:
+        """``state`` as :meth:`queue_save` takes it (ValueError when it is not a JSON dict)."""
+        return race_parts.encode(state, f"state of race {race_id!r}")
+
     def queue_save(
-        self, pipe: Any, race_id: str, data: str, expected_version: int, save_id: str
+        self,
+        pipe: Any,
+        race_id: str,
+        data: race_parts.EncodedState,
+        expected_version: int,
+        save_id: str,
     ) -> None:
-        """Queue one save (the state as JSON ``data``) and the race's heartbeat on ``pipe``:
-        two commands; read the first one's reply with :meth:`saved`. :meth:`save` is this in
-        a pipeline of its own; the batched watch loop puts many races' saves in one."""
+        """Queue one save (the state from :meth:`encode`) and the race's heartbeat on
+        ``pipe``: two commands; read the first one's reply with :meth:`saved`. :meth:`save` is
+        this in a pipeline of its own; the batched watch loop puts many races' saves in one.
+
+        Only the parts that differ from the expected version, as this process last saved or
+        read it, are sent (:mod:`.race_parts`); without that copy, every part."""
         keys = race_keys(self.prefix, race_id)
+        base = self._base(race_id, expected_version)
+        if base is None:
+            base_id, changed, gone = "", [x for kv in data.parts.items() for x in kv], []
+        else:
+            base_id = base.save_id
+            changed, gone = race_parts.delta(base.parts, data.parts)
         # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
-        args = [expected_version, data, ms(self.state_ttl_s), save_id]
+        args = [expected_version, base_id, ms(self.state_ttl_s), save_id, len(changed) // 2,
+                *changed, *gone]  # fmt: skip
         queue_script(pipe, self._save, [keys.state], args)
         self._touch(pipe, race_id)
+
+    def _base(self, race_id: str, version: int) -> _Kept | None:
+        """This process's copy of the race at ``version`` with the id of the save that wrote
+        it, if it keeps one."""
+        if version <= 0:
+            return None
+        with self._fresh_lock:
+            for kept in (self._fresh.get(race_id), self._read.get(race_id)):
+                if kept is not None and kept.version == version and kept.save_id:
+                    return kept
+        return None
 
     @property
     def save_script(self) -> Any:
         """The script :meth:`queue_save` sends (for :func:`~.scripts.run_pipeline`)."""
         return self._save
 
-    def saved(self, race_id: str, reply: Any, data: str, expected_version: int) -> int:
+    def saved(
+        self,
+        race_id: str,
+        reply: Any,
+        data: race_parts.EncodedState,
+        expected_version: int,
+        save_id: str,
+    ) -> int:
         """The new version from a queued save's ``reply`` (remembered as this process's last
         copy of the race), or :class:`VersionConflict` if someone saved since."""
         ok, version = reply
         if not ok:
             with self._fresh_lock:
                 self._fresh.pop(race_id, None)
+                self._read.pop(race_id, None)
             raise VersionConflict(race_id, expected_version, int(version))
-        self._remember(race_id, int(version), data)
+        self._remember(race_id, _Kept(int(version), save_id, data.parts))
         return int(version)
 
     def save_mark(self, race_id: str, expected_version: int, save_id: str) -> SaveMark:
@@ -258,19 +313,20 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         state = race_keys(self.prefix, race_id).state
         return SaveMark(state, f"{expected_version + 1}:{save_id}")
 
-    def _remember(self, race_id: str, version: int, data: str) -> None:
-        """Keep the state this process just saved, unless it already keeps a newer one: two
-        threads' saves can finish their round trips in one order and reach this in the other,
-        and an older copy would show a step that the newer one took back (an attempt launched
-        by the newer save missing from it)."""
+    def _remember(self, race_id: str, kept: _Kept) -> None:
+        """Keep the state this process just saved (unless it keeps a newer one: :func:`_keep`)."""
         with self._fresh_lock:
-            kept = self._fresh.get(race_id)
-            if kept is not None and kept[0] >= version:
-                return
-            self._fresh[race_id] = (version, data)
-            self._fresh.move_to_end(race_id)
-            while len(self._fresh) > FRESH_MAX:
-                self._fresh.popitem(last=False)
+            _keep(self._fresh, race_id, kept)
+
+    def _remember_read(self, race_id: str, version: int, fields: dict[Any, Any]) -> None:
+        """Keep a state just read from Redis as the base of this process's next save of it,
+        when its history names the save that wrote it."""
+        parts = race_parts.parts_of(fields)
+        head_version, save_id = _head(fields.get(b"s", fields.get("s")))
+        if parts is None or head_version != version or not save_id:
+            return
+        with self._fresh_lock:
+            _keep(self._read, race_id, _Kept(version, save_id, parts))
 
     def _send_save(self, race_id: str, build: Callable[[Any], None], scripts: list[Any]) -> list:
         """Run a save's pipeline; while Redis is unreachable, send it again (the same save id)
@@ -303,10 +359,17 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                 return found
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"loading race {race_id!r}"):
-            version, data = self.client.hmget(keys.state, ["v", "data"])
-        if version is None:
+            fields = self.client.hgetall(keys.state)
+        return self._record(race_id, fields)
+
+    def _record(self, race_id: str, fields: dict[Any, Any]) -> RaceRecord | None:
+        """The record in a state hash's fields (``HGETALL``); None for no race."""
+        version = fields.get(b"v", fields.get("v"))
+        state = race_parts.decode_fields(fields) if version is not None else None
+        if state is None:
             return None
-        return RaceRecord(race_id, int(version), codec.loads(data))
+        self._remember_read(race_id, int(version), fields)
+        return RaceRecord(race_id, int(version), state)
 
     def cached(self, race_id: str) -> RaceRecord | None:
         """This process's last save of the race, if it keeps one (no round trip; it may be
@@ -315,18 +378,17 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             found = self._fresh.get(race_id)
         if found is None:
             return None
-        return RaceRecord(race_id, found[0], codec.loads(found[1]), cached=True)
+        return RaceRecord(race_id, found.version, race_parts.decode(found.parts), cached=True)
 
     def load_many(self, race_ids: list[str]) -> list[RaceRecord | None]:
         """:meth:`load` of several races in one round trip."""
         pipe = self.client.pipeline(transaction=False)
         for race_id in race_ids:
-            pipe.hmget(race_keys(self.prefix, race_id).state, ["v", "data"])
+            pipe.hgetall(race_keys(self.prefix, race_id).state)
         with store_errors(f"loading {len(race_ids)} races"):
             replies = pipe.execute()
         return [
-            None if version is None else RaceRecord(race_id, int(version), codec.loads(data))
-            for race_id, (version, data) in zip(race_ids, replies, strict=True)
+            self._record(race_id, fields) for race_id, fields in zip(race_ids, replies, strict=True)
         ]
 
     def load_with_jobs(self, race_id: str) -> tuple[RaceRecord | None, dict[str, dict[str, Any]]]:
@@ -334,13 +396,11 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         keys = race_keys(self.prefix, race_id)
         with store_errors(f"loading race {race_id!r}"):
             pipe = self.client.pipeline(transaction=False)
-            pipe.hmget(keys.state, ["v", "data"])
+            pipe.hgetall(keys.state)
             pipe.hgetall(keys.jobs)
-            (version, data), raw = pipe.execute()
+            fields, raw = pipe.execute()
         jobs = {as_text(k): codec.loads(v) for k, v in raw.items()}
-        if version is None:
-            return None, jobs
-        return RaceRecord(race_id, int(version), codec.loads(data)), jobs
+        return self._record(race_id, fields), jobs
 
     def update(
         self,
@@ -413,3 +473,17 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             pipe.zrem(self.live_key, race_id)
             pipe.zrem(self.finished_key, race_id)
             pipe.execute()
+
+
+def _keep(lru: OrderedDict[str, _Kept], race_id: str, kept: _Kept) -> None:
+    """Keep ``kept`` in ``lru`` unless it already holds a newer copy of the race: two threads'
+    saves can finish their round trips in one order and reach this in the other, and an older
+    copy would show a step that the newer one took back (an attempt launched by the newer save
+    missing from it)."""
+    found = lru.get(race_id)
+    if found is not None and found.version >= kept.version:
+        return
+    lru[race_id] = kept
+    lru.move_to_end(race_id)
+    while len(lru) > FRESH_MAX:
+        lru.popitem(last=False)
