@@ -5,14 +5,14 @@ per race. Most of it does not change from one step to the next: the spec, the ca
 attempts the step did not touch, the results already in. So the state hash keeps it in parts,
 one field each:
 
-* ``p:r``: the state without the race's attempts and without its results, and under
-  ``~parts`` their shape (the number of attempts, the result keys), so a reader knows what to
-  put back;
+* ``p:t:<key>``: each top-level member of the state (the spec, the caller, the timer ids...);
+  the race's without its attempts, and with their number under ``~attempts``; the results'
+  as ``{"~keys": [...]}``, their keys, when the results are a dict;
 * ``p:a:<i>``: the race's ``i``-th attempt (``state["race"]["attempts"][i]``);
 * ``p:x:<key>``: one entry of ``state["results"]``.
 
-A state without those members (any other dict) is one part, ``p:r``. Splitting costs one JSON
-encoding per part instead of one for the whole, about the same CPU for a race's few parts.
+Splitting costs one JSON encoding per part instead of one for the whole: a few microseconds
+more per save for a race's ten-odd parts.
 
 A save names the parts that differ from the state it was computed from (its base: the version
 the save expects, as this process last saved or read it) and the parts that are gone; the save
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import codec
-from .codec import dumps_dict
 
 PREFIX = "p:"
-REST = "p:r"
-ATTEMPT = "p:a:"
-RESULT = "p:x:"
-SHAPE = "~parts"  # in the rest: which members were saved apart, and their size
+TOP = "p:t:"  # + a top-level key of the state: its value (the race without its attempts)
+ATTEMPT = "p:a:"  # + i: the race's i-th attempt
+RESULT = "p:x:"  # + key: one entry of the state's results
+ATTEMPTS = "~attempts"  # in the race's part: how many attempts were saved apart
+KEYS = "~keys"  # the results' part when its entries were saved apart: their keys
 LEGACY = "data"  # the whole state in one field, as states were saved before parts
 
 
@@ -53,28 +53,26 @@ def encode(state: dict[str, Any], what: str) -> EncodedState:
     """``state`` as parts; ValueError naming ``what`` when it is not a JSON dict."""
     if not isinstance(state, dict):
         raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
-    race = state.get("race")
-    attempts = race.get("attempts") if isinstance(race, dict) else None
-    results = state.get("results")
     parts: dict[str, str] = {}
-    shape: dict[str, Any] = {}
-    rest = dict(state)
     try:
-        if isinstance(attempts, list):
-            rest["race"] = {k: v for k, v in race.items() if k != "attempts"}
-            shape["attempts"] = len(attempts)
-            for i, attempt in enumerate(attempts):
-                parts[f"{ATTEMPT}{i}"] = codec.dumps(attempt)
-        if isinstance(results, dict):
-            del rest["results"]
-            shape["results"] = list(results)
-            for key, value in results.items():
-                parts[f"{RESULT}{key}"] = codec.dumps(value)
+        for key, value in state.items():
+            if (
+                key == "race"
+                and isinstance(value, dict)
+                and isinstance(value.get("attempts"), list)
+            ):
+                attempts = value["attempts"]
+                for i, attempt in enumerate(attempts):
+                    parts[f"{ATTEMPT}{i}"] = codec.dumps(attempt)
+                value = {k: v for k, v in value.items() if k != "attempts"}
+                value[ATTEMPTS] = len(attempts)
+            elif key == "results" and isinstance(value, dict):
+                for name, entry in value.items():
+                    parts[f"{RESULT}{name}"] = codec.dumps(entry)
+                value = {KEYS: list(value)}
+            parts[f"{TOP}{key}"] = codec.dumps(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
-    if shape:
-        rest[SHAPE] = shape
-    parts[REST] = dumps_dict(rest, what)
     return EncodedState(parts)
 
 
@@ -94,24 +92,28 @@ def parts_of(fields: dict[Any, Any]) -> dict[str, str] | None:
 
 def decode(parts: dict[str, str]) -> dict[str, Any]:
     """The state the parts hold (a fresh dict each call: callers change what they get)."""
-    state = codec.loads(parts[REST])
-    shape = state.pop(SHAPE, None)
-    if shape is not None:
-        if "attempts" in shape:
-            n = shape["attempts"]
-            state["race"]["attempts"] = [codec.loads(parts[f"{ATTEMPT}{i}"]) for i in range(n)]
-        if "results" in shape:
-            state["results"] = {k: codec.loads(parts[f"{RESULT}{k}"]) for k in shape["results"]}
+    state: dict[str, Any] = {}
+    for name, text in parts.items():
+        if not name.startswith(TOP):
+            continue
+        key, value = name[len(TOP) :], codec.loads(text)
+        if key == "race" and isinstance(value, dict) and ATTEMPTS in value:
+            n = value.pop(ATTEMPTS)
+            value["attempts"] = [codec.loads(parts[f"{ATTEMPT}{i}"]) for i in range(n)]
+        elif key == "results" and isinstance(value, dict) and KEYS in value:
+            value = {k: codec.loads(parts[f"{RESULT}{k}"]) for k in value[KEYS]}
+        state[key] = value
     return state
 
 
-def decode_fields(fields: dict[Any, Any]) -> dict[str, Any] | None:
-    """The state in a state hash's fields, whether saved in parts or whole (an older save)."""
+def decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
+    """The state in the fields of a race's state hash (``HGETALL``), saved in parts or whole
+    (by an older version)."""
     parts = parts_of(fields)
     if parts is not None:
         return decode(parts)
     legacy = fields.get(LEGACY, fields.get(LEGACY.encode()))
-    return None if legacy is None else codec.loads(legacy)
+    return {} if legacy is None else codec.loads(legacy)  # {}: an empty state has no parts
 
 
 def delta(base: dict[str, str], new: dict[str, str]) -> tuple[list[str], list[str]]:

@@ -365,9 +365,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     def _record(self, race_id: str, fields: dict[Any, Any]) -> RaceRecord | None:
         """The record in a state hash's fields (``HGETALL``); None for no race."""
         version = fields.get(b"v", fields.get("v"))
-        state = race_parts.decode_fields(fields) if version is not None else None
-        if state is None:
+        if version is None:  # only race_save.lua sets it
             return None
+        state = race_parts.decode_fields(fields)
         self._remember_read(race_id, int(version), fields)
         return RaceRecord(race_id, int(version), state)
 
