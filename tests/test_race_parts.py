@@ -176,3 +176,24 @@ def test_an_empty_state_is_a_state(redis_client, prefix):
     RaceStore(redis_client, prefix).create("r0", {})
     record = RaceStore(redis_client, prefix).load("r0")
     assert (record.version, record.state) == (1, {})
+
+
+def test_a_whole_state_an_older_version_saved_over_the_parts_is_the_one_read(redis_client, prefix):
+    """During a rolling upgrade an older worker saves the whole state (``data``) and leaves the
+    parts: its state is the current one, and the next save here replaces both."""
+    key = race_keys(prefix, "r1").state
+    mine = RaceStore(redis_client, prefix)
+    mine.create("r1", race_state(1))
+    create_id = redis_client.hget(key, "s").split(":")[1]
+    theirs = race_state(2)
+    redis_client.hset(key, mapping={"v": 2, "s": f"2:old 1:{create_id}",
+                                    "data": race_parts.codec.dumps(theirs)})  # fmt: skip
+    with pytest.raises(VersionConflict):
+        mine.save("r1", race_state(3), 1)
+    record = mine.load("r1")
+    assert (record.version, record.state) == (2, theirs)
+    theirs["caller"] = {"reply_to": "new"}
+    assert mine.save("r1", theirs, 2) == 3  # a full write: no delta from a whole state
+    fields = redis_client.hgetall(key)
+    assert "data" not in fields
+    assert RaceStore(redis_client, prefix).load("r1").state == theirs

@@ -106,14 +106,20 @@ def decode(parts: dict[str, str]) -> dict[str, Any]:
     return state
 
 
+def whole(fields: dict[Any, Any]) -> Any:
+    """The whole state an older version saved in a state hash (``data``), else None."""
+    return fields.get(LEGACY, fields.get(LEGACY.encode()))
+
+
 def decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
-    """The state in the fields of a race's state hash (``HGETALL``), saved in parts or whole
-    (by an older version)."""
+    """The state in the fields of a race's state hash (``HGETALL``). A whole state saved by an
+    older version comes first: it is newer than any parts beside it (that version's script
+    writes ``data`` and leaves the parts; this version's full write drops ``data``)."""
+    legacy = whole(fields)
+    if legacy is not None:
+        return codec.loads(legacy)
     parts = parts_of(fields)
-    if parts is not None:
-        return decode(parts)
-    legacy = fields.get(LEGACY, fields.get(LEGACY.encode()))
-    return {} if legacy is None else codec.loads(legacy)  # {}: an empty state has no parts
+    return {} if parts is None else decode(parts)  # {}: an empty state has no parts
 
 
 def delta(base: dict[str, str], new: dict[str, str]) -> tuple[list[str], list[str]]:

@@ -323,7 +323,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         when its history names the save that wrote it."""
         parts = race_parts.parts_of(fields)
         head_version, save_id = _head(fields.get(b"s", fields.get("s")))
-        if parts is None or head_version != version or not save_id:
+        if parts is None or head_version != version or not save_id or race_parts.whole(fields):
             return
         with self._fresh_lock:
             _keep(self._read, race_id, _Kept(version, save_id, parts))

@@ -30,7 +30,8 @@ end
 local base = ARGV[2]
 if base ~= '' then
   local head = string.match(history, '^%S+') or ''
-  if head ~= expected .. ':' .. base then
+  -- 'data': a whole state an older version saved over the parts since: not the base
+  if head ~= expected .. ':' .. base or redis.call('HEXISTS', KEYS[1], 'data') == 1 then
     return {0, current}
   end
 else
