@@ -253,7 +253,7 @@ def test_an_interrupted_rounds_run_cancels_its_running_jobs(runpod, tmp_path, re
     }  # fmt: skip
     path = tmp_path / "rounds.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RUNPOD_TEST_KEY": KEY}
+    env = {**os.environ, "RUNPOD_TEST_KEY": KEY, "PYTHONFAULTHANDLER": "1"}
     env.pop("GPUHEDGE_CONFIG", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuhedge_celery", "--redis-url", redis_url, "--prefix", prefix,
@@ -269,7 +269,12 @@ def test_an_interrupted_rounds_run_cancels_its_running_jobs(runpod, tmp_path, re
             time.sleep(0.05)
         time.sleep(0.5)  # both jobs are queued or running at the fake
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # where it hangs: every thread's stack (faulthandler)
+            proc.send_signal(signal.SIGABRT)
+            out, err = proc.communicate(timeout=10)
+            pytest.fail(f"no exit 30 s after SIGINT; its stderr:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
