@@ -59,12 +59,38 @@ def counted(redis_url):
         race_state(2, {"a1": {"ok": True}, "a:2 x": {"ok": False}}),
         {"anything": [1, 2], "results": ["not", "a", "dict"]},
         {"race": {"attempts": "not a list"}, "n": 1},
+        {"race": {"attempts": [{"id": "a1"}], "~attempts": 7}},  # our marker's name: kept whole
+        {"race": {"~attempts": 2}, "results": {"~keys": ["x"]}},
+        {"results": {"a1": 1, "a:2 x|y": 2, "": 3}},
+        {"race": {"attempts": []}, "results": {}},
         {},
     ],
 )
 def test_parts_give_back_the_state_they_were_made_from(state):
     encoded = race_parts.encode(state, "state")
     assert race_parts.decode(encoded.parts) == state
+
+
+def test_results_with_keys_other_than_strings_read_back_as_json_has_them():
+    state = {"results": {1: "one", "a1": "x"}}
+    assert race_parts.decode(race_parts.encode(state, "s").parts) == {
+        "results": {"1": "one", "a1": "x"}
+    }
+
+
+def test_a_state_of_thousands_of_parts_is_saved_and_shrunk(redis_client, prefix):
+    """Redis's Lua stack holds about 8,000 values: the script sets and deletes in chunks."""
+    races = RaceStore(redis_client, prefix)
+    many = race_state(1, {f"a{i}": i for i in range(5000)})
+    races.create("r1", many)
+    assert RaceStore(redis_client, prefix).load("r1").state == many
+    few = race_state(1, {"a1": 1})
+    assert RaceStore(redis_client, prefix).save("r1", few, 1) == 2  # a full write drops 4,999
+    assert races.load("r1").state == few
+    assert races.save("r1", many, 2) == 3  # a delta of 4,999 parts
+    assert races.save("r1", few, 3) == 4  # a delta deleting them
+    assert RaceStore(redis_client, prefix).load("r1").state == few
+    assert len(redis_client.hkeys(race_keys(prefix, "r1").state)) < 20
 
 
 def test_a_state_that_is_not_json_is_named_in_the_error():
@@ -141,7 +167,7 @@ def test_a_save_from_a_copy_read_from_redis_sends_a_delta(counted, prefix):
     record.state["race"]["finished"] = True
     before = CountingConnection.sent
     reader.save("r1", record.state, record.version)
-    race = len(race_parts.encode(record.state, "s").parts["p:t:race"])
+    race = len(race_parts.encode(record.state, "s").parts["p:s:race"])
     assert CountingConnection.sent - before < race + 400  # the race's part only
     assert RaceStore(counted, prefix).load("r1").state == record.state
 

@@ -220,3 +220,20 @@ def test_rows_and_table_for_leaks_and_expired_races():
     text = render(snap)
     assert "p:leaked/IN_PROGRESS LEAK" in text and "race-2" in text and "expired" in text
     assert "(no race in flight)" in render({**snap, "races": [], "counts": {}})
+
+
+def test_a_race_whose_state_hash_holds_only_its_deadline_shows_as_expired(redis_client, prefix):
+    """What is left when the state expired and a late caller's deadline write made the hash
+    again: no version, so no state; the race shows with its live job, not an error."""
+    from gpuhedge_celery.commands.watch import snapshot
+    from gpuhedge_celery.store.race_keys import race_keys
+    from gpuhedge_celery.store.races import RaceStore
+
+    store = RaceStore(redis_client, prefix)
+    keys = race_keys(prefix, "r-gone")
+    redis_client.hset(keys.state, "deadline", "123.0")
+    redis_client.hset(keys.jobs, "a1", json.dumps({"provider": "p", "job_id": "j1"}))
+    redis_client.zadd(store.live_key, {"r-gone": 1})
+    rows = snapshot(store)["races"]
+    assert [r["race_id"] for r in rows] == ["r-gone"]
+    assert rows[0]["status"] == "expired"

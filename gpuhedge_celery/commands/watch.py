@@ -99,7 +99,8 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
     rows = []
     for i, (race_id, score) in enumerate(found):
         fields, jobs, done = answers[3 * i : 3 * i + 3]
-        state = decode_fields(fields) if fields else None
+        has_state = fields and ("v" in fields or b"v" in fields)  # else: expired
+        state = decode_fields(fields) if has_state else None
         if state is None and not jobs:
             continue  # expired, and nothing of it is left running
         row = _row(race_id, score, state, jobs or {}, now, bool(done))

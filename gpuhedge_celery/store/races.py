@@ -61,6 +61,8 @@ class VersionConflict(StoreError):
             what = f"race {race_id!r} already exists (version {current})"
         elif current == 0:
             what = f"race {race_id!r} does not exist (expected version {expected})"
+        elif current == expected:  # a delta whose base is not the state there (race_parts)
+            what = f"race {race_id!r} was saved again at version {current} since it was read"
         else:
             what = f"race {race_id!r} is at version {current}, not {expected}"
         super().__init__(what)

@@ -17,6 +17,13 @@
 -- Returns {1, new_version}      saved (now, or already by this same save id)
 --         {0, current_version}  conflict: someone saved since (current 0 = no such race), or
 --                               the delta's base is not the state there
+-- Redis's Lua stack holds about 8,000 values: HSET and HDEL go in chunks of fields.
+local CHUNK = 1000
+local function hdel_all(fields, first, last)
+  for i = first, last, CHUNK do
+    redis.call('HDEL', KEYS[1], unpack(fields, i, math.min(i + CHUNK - 1, last)))
+  end
+end
 local expected = tonumber(ARGV[1])
 local current = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
 local history = redis.call('HGET', KEYS[1], 's') or ''
@@ -42,25 +49,20 @@ else
       gone[#gone + 1] = field
     end
   end
-  if #gone > 0 then
-    redis.call('HDEL', KEYS[1], unpack(gone))
-  end
+  hdel_all(gone, 1, #gone)
 end
 local n = tonumber(ARGV[5])
 local last = 5 + 2 * n
-if #ARGV > last then
-  redis.call('HDEL', KEYS[1], unpack(ARGV, last + 1, #ARGV))
-end
+hdel_all(ARGV, last + 1, #ARGV)
 local version = current + 1
 local kept = {version .. ':' .. ARGV[4]}
 for entry in string.gmatch(history, '%S+') do
   if #kept >= 8 then break end
   kept[#kept + 1] = entry
 end
-if n > 0 then
-  redis.call('HSET', KEYS[1], 'v', version, 's', table.concat(kept, ' '), unpack(ARGV, 6, last))
-else
-  redis.call('HSET', KEYS[1], 'v', version, 's', table.concat(kept, ' '))
+redis.call('HSET', KEYS[1], 'v', version, 's', table.concat(kept, ' '))
+for i = 6, last, 2 * CHUNK do  -- field, JSON pairs
+  redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 2 * CHUNK - 1, last)))
 end
 local ttl = tonumber(ARGV[3])
 if ttl > 0 then
