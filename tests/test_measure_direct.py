@@ -260,6 +260,9 @@ def test_an_interrupted_rounds_run_cancels_its_running_jobs(runpod, tmp_path, re
          "--config", str(path), "rounds", "--rounds", "2", "--wait", "0",
          "--out", str(tmp_path / "r.jsonl"), "--go"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as at a terminal: a test run started in the background (nohup, CI) ignores
+        # SIGINT, the child would inherit that and Python then installs no handler for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         give_up = time.monotonic() + 30
