@@ -12,9 +12,10 @@ import redis
 
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
+from gpuhedge_celery.store.race_copies import Copy
 from gpuhedge_celery.store.race_keys import race_keys
 from gpuhedge_celery.store.race_liveness import OwnershipLost
-from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim, _Kept
+from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -460,6 +461,6 @@ def test_the_fresh_copy_never_goes_back_to_an_older_version(redis_client, prefix
     store.create("r1", {"step": 1})
     store.save("r1", {"step": 2}, 1)
     late = store.encode("r1", {"step": 1})
-    store._remember("r1", _Kept(1, "first", late.parts))  # the first save's update, arriving late
+    store.copies.keep_saved("r1", Copy(1, "first", late.parts))  # the first save arriving late
     found = store.load("r1", fresh=True)
     assert found.cached and found.version == 2 and found.state == {"step": 2}

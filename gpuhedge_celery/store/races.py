@@ -22,10 +22,8 @@ them: it is a hint, and the janitor re-reads the race's own keys before acting.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,6 +32,7 @@ from ..core.clock import Clock, WallClock
 from ..errors import StoreError, StoreUnavailable
 from . import codec, race_parts
 from .codec import dumps_dict, ms
+from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
 from .race_keys import finished_races_key, live_races_key, race_keys
 from .race_liveness import RaceLiveness
@@ -99,24 +98,6 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
-FRESH_MAX = 4096  # races whose last saved (and, apart, last read) state a process remembers
-
-
-class _Kept(NamedTuple):
-    """A race's state as this process saved or read it: the base of its next save's delta."""
-
-    version: int
-    save_id: str  # the save that wrote this version ('' when unknown: no delta from it)
-    parts: dict[str, str]
-
-
-def _head(history: Any) -> tuple[int, str]:
-    """The version and save id heading a state's history of saves ("version:id ...")."""
-    entry = as_text(history or "").split(" ", 1)[0]
-    version, _, save_id = entry.partition(":")
-    return (int(version), save_id) if version.isdigit() else (0, "")
-
-
 class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
 
@@ -145,11 +126,8 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self._owner_claim = lua_script(client, "race_owner_claim")
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
-        # The last state this process saved, per race (LRU): see load(fresh=True); and the last
-        # it read from Redis. Either is the base a save's delta is computed from (race_parts).
-        self._fresh: OrderedDict[str, _Kept] = OrderedDict()
-        self._read: OrderedDict[str, _Kept] = OrderedDict()
-        self._fresh_lock = threading.Lock()
+        # What this process last saved and last read of each race (load(fresh=True), deltas)
+        self.copies = StateCopies()
 
     # -- state -------------------------------------------------------------------------------
 
@@ -258,7 +236,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         Only the parts that differ from the expected version, as this process last saved or
         read it, are sent (:mod:`.race_parts`); without that copy, every part."""
         keys = race_keys(self.prefix, race_id)
-        base = self._base(race_id, expected_version)
+        base = self.copies.base(race_id, expected_version)
         if base is None:
             base_id, changed, gone = "", [x for kv in data.parts.items() for x in kv], []
         else:
@@ -269,17 +247,6 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                 *changed, *gone]  # fmt: skip
         queue_script(pipe, self._save, [keys.state], args)
         self._touch(pipe, race_id)
-
-    def _base(self, race_id: str, version: int) -> _Kept | None:
-        """This process's copy of the race at ``version`` with the id of the save that wrote
-        it, if it keeps one."""
-        if version <= 0:
-            return None
-        with self._fresh_lock:
-            for kept in (self._fresh.get(race_id), self._read.get(race_id)):
-                if kept is not None and kept.version == version and kept.save_id:
-                    return kept
-        return None
 
     @property
     def save_script(self) -> Any:
@@ -298,11 +265,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         copy of the race), or :class:`VersionConflict` if someone saved since."""
         ok, version = reply
         if not ok:
-            with self._fresh_lock:
-                self._fresh.pop(race_id, None)
-                self._read.pop(race_id, None)
+            self.copies.forget(race_id)
             raise VersionConflict(race_id, expected_version, int(version))
-        self._remember(race_id, _Kept(int(version), save_id, data.parts))
+        self.copies.keep_saved(race_id, Copy(int(version), save_id, data.parts))
         return int(version)
 
     def save_mark(self, race_id: str, expected_version: int, save_id: str) -> SaveMark:
@@ -314,21 +279,6 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             raise ValueError("save_id must be a non-empty string")
         state = race_keys(self.prefix, race_id).state
         return SaveMark(state, f"{expected_version + 1}:{save_id}")
-
-    def _remember(self, race_id: str, kept: _Kept) -> None:
-        """Keep the state this process just saved (unless it keeps a newer one: :func:`_keep`)."""
-        with self._fresh_lock:
-            _keep(self._fresh, race_id, kept)
-
-    def _remember_read(self, race_id: str, version: int, fields: dict[Any, Any]) -> None:
-        """Keep a state just read from Redis as the base of this process's next save of it,
-        when its history names the save that wrote it."""
-        parts = race_parts.parts_of(fields)
-        head_version, save_id = _head(fields.get(b"s", fields.get("s")))
-        if parts is None or head_version != version or not save_id or race_parts.whole(fields):
-            return
-        with self._fresh_lock:
-            _keep(self._read, race_id, _Kept(version, save_id, parts))
 
     def _send_save(self, race_id: str, build: Callable[[Any], None], scripts: list[Any]) -> list:
         """Run a save's pipeline; while Redis is unreachable, send it again (the same save id)
@@ -370,14 +320,13 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         if version is None:  # only race_save.lua sets it
             return None
         state = race_parts.decode_fields(fields)
-        self._remember_read(race_id, int(version), fields)
+        self.copies.keep_read(race_id, int(version), fields)
         return RaceRecord(race_id, int(version), state)
 
     def cached(self, race_id: str) -> RaceRecord | None:
         """This process's last save of the race, if it keeps one (no round trip; it may be
         stale: for callers that save with a version check, as :meth:`load` with ``fresh``)."""
-        with self._fresh_lock:
-            found = self._fresh.get(race_id)
+        found = self.copies.saved_copy(race_id)
         if found is None:
             return None
         return RaceRecord(race_id, found.version, race_parts.decode(found.parts), cached=True)
@@ -475,17 +424,3 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             pipe.zrem(self.live_key, race_id)
             pipe.zrem(self.finished_key, race_id)
             pipe.execute()
-
-
-def _keep(lru: OrderedDict[str, _Kept], race_id: str, kept: _Kept) -> None:
-    """Keep ``kept`` in ``lru`` unless it already holds a newer copy of the race: two threads'
-    saves can finish their round trips in one order and reach this in the other, and an older
-    copy would show a step that the newer one took back (an attempt launched by the newer save
-    missing from it)."""
-    found = lru.get(race_id)
-    if found is not None and found.version >= kept.version:
-        return
-    lru[race_id] = kept
-    lru.move_to_end(race_id)
-    while len(lru) > FRESH_MAX:
-        lru.popitem(last=False)
