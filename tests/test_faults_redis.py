@@ -155,7 +155,14 @@ def test_a_10s_redis_outage_under_load_every_race_ends_and_no_gpu_is_held_twice(
             for i in range(4)
         ]  # fmt: skip
         callers = Callers([send_race(cluster, HEDGED_REQUEST) for _ in range(RACES)])
-        time.sleep(1.0)  # races submitted, hedges launching, two pooled jobs running
+        time.sleep(1.0)  # races submitted, hedges launching
+        # and a pooled job running, to run through the outage (a slow machine starts them late)
+        log = cluster.env["GPUHEDGE_TEST_RUN_LOG"]
+        wait_until(
+            lambda: any(end == float("inf") for spans in run_intervals(log).values()
+                        for _, end, _, _ in spans),
+            20, what="a pooled job running",
+        )  # fmt: skip
         down_at = time.monotonic()
         redis.stop()
         time.sleep(OUTAGE_S)
