@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import codec
+from .timers import as_text
 
 PREFIX = "p:"
 TOP = "p:t:"  # + a top-level key of the state: its value, whole
@@ -91,17 +92,13 @@ def _named(results: Any) -> bool:
     return isinstance(results, dict) and all(isinstance(k, str) for k in results)
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
 def parts_of(fields: dict[Any, Any]) -> dict[str, str] | None:
     """The parts among a state hash's fields (``HGETALL``); None when it holds no state."""
     parts = {}
     for name, value in fields.items():
-        name = _text(name)
+        name = as_text(name)
         if name.startswith(PREFIX):
-            parts[name] = _text(value)
+            parts[name] = as_text(value)
     return parts or None
 
 
