@@ -77,7 +77,7 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
     ``include_finished`` also the recently finished ones (their receipts' index)."""
     from ..store.race_keys import race_keys
     from ..store.race_lookup import recently_finished
-    from ..store.race_parts import decode_fields
+    from ..store.race_parts import decode_fields, field
     from ..store.timers import store_errors
 
     now = time.time()
@@ -99,7 +99,7 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
     rows = []
     for i, (race_id, score) in enumerate(found):
         fields, jobs, done = answers[3 * i : 3 * i + 3]
-        has_state = fields and ("v" in fields or b"v" in fields)  # else: expired
+        has_state = fields and field(fields, "v") is not None  # else: expired
         state = decode_fields(fields) if has_state else None
         if state is None and not jobs:
             continue  # expired, and nothing of it is left running

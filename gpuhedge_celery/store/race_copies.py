@@ -54,11 +54,13 @@ class StateCopies:
         with self._lock:
             self._keep(self._saved, race_id, copy)
 
-    def keep_read(self, race_id: str, version: int, fields: dict[Any, Any]) -> None:
-        """Keep a state just read from Redis (its hash's ``fields``), when its history names the
-        save that wrote it and it is in parts (a whole state from an older version is no base)."""
-        parts = race_parts.parts_of(fields)
-        head_version, save_id = history_head(fields.get(b"s", fields.get("s")))
+    def keep_read(
+        self, race_id: str, version: int, fields: dict[Any, Any], parts: dict[str, str] | None
+    ) -> None:
+        """Keep a state just read from Redis (its hash's ``fields``, their ``parts``), when its
+        history names the save that wrote it and it is in parts (a whole state from an older
+        version is no base)."""
+        head_version, save_id = history_head(race_parts.field(fields, "s"))
         if parts is None or head_version != version or not save_id or race_parts.whole(fields):
             return
         with self._lock:

@@ -47,11 +47,6 @@ class EncodedState:
 
     parts: dict[str, str]
 
-    @property
-    def size(self) -> int:
-        """Bytes of JSON in all the parts (what a full write sends)."""
-        return sum(len(v) for v in self.parts.values())
-
 
 def encode(state: dict[str, Any], what: str) -> EncodedState:
     """``state`` as parts; ValueError naming ``what`` when it is not a JSON dict."""
@@ -118,20 +113,27 @@ def decode(parts: dict[str, str]) -> dict[str, Any]:
     return state
 
 
+def field(fields: dict[Any, Any], name: str) -> Any:
+    """One field of a hash read with ``HGETALL``, whether the client decodes replies or not."""
+    found = fields.get(name)
+    return fields.get(name.encode()) if found is None else found
+
+
 def whole(fields: dict[Any, Any]) -> Any:
     """The whole state an older version saved in a state hash (``data``), else None."""
-    return fields.get(LEGACY, fields.get(LEGACY.encode()))
+    return field(fields, LEGACY)
 
 
-def decode_fields(fields: dict[Any, Any]) -> dict[str, Any]:
-    """The state in the fields of a race's state hash (``HGETALL``). A whole state saved by an
-    older version comes first: it is newer than any parts beside it (that version's script
-    writes ``data`` and leaves the parts; this version's full write drops ``data``)."""
+def decode_fields(fields: dict[Any, Any], parts: dict[str, str] | None = None) -> dict[str, Any]:
+    """The state in the fields of a race's state hash (``HGETALL``; ``parts``: their
+    :func:`parts_of`, when the caller has them). A whole state saved by an older version comes
+    first: it is newer than any parts beside it (that version's script writes ``data`` and
+    leaves the parts; this version's full write drops ``data``)."""
     legacy = whole(fields)
     if legacy is not None:
         return codec.loads(legacy)
-    parts = parts_of(fields)
-    return {} if parts is None else decode(parts)  # {}: an empty state has no parts
+    parts = parts_of(fields) if parts is None else parts
+    return decode(parts) if parts else {}  # {}: an empty state has no parts
 
 
 def delta(base: dict[str, str], new: dict[str, str]) -> tuple[list[str], list[str]]:

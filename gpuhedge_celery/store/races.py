@@ -316,11 +316,12 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
     def _record(self, race_id: str, fields: dict[Any, Any]) -> RaceRecord | None:
         """The record in a state hash's fields (``HGETALL``); None for no race."""
-        version = fields.get(b"v", fields.get("v"))
+        version = race_parts.field(fields, "v")
         if version is None:  # only race_save.lua sets it
             return None
-        state = race_parts.decode_fields(fields)
-        self.copies.keep_read(race_id, int(version), fields)
+        parts = race_parts.parts_of(fields)
+        state = race_parts.decode_fields(fields, parts)
+        self.copies.keep_read(race_id, int(version), fields, parts)
         return RaceRecord(race_id, int(version), state)
 
     def cached(self, race_id: str) -> RaceRecord | None:
