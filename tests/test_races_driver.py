@@ -284,3 +284,38 @@ def test_a_redelivered_watch_poll_leaves_its_job_one_chain_of_polls(setup):
     driver.on_timer(again)
     driver.timers.ack(again)
     assert len(watch_ids()) == 1, watch_ids()
+
+
+def _watch_timers(driver, race_id):
+    """The ids of the race's watch polls waiting or in flight."""
+    keys = driver.timers.keys
+    ids = driver.timers.client.zrange(keys.due, 0, -1)
+    ids += driver.timers.client.zrange(keys.inflight, 0, -1)
+    return sorted(t for t in ids if t.startswith(f"{race_id}:w:"))
+
+
+def test_a_resume_arms_a_poll_only_for_a_job_whose_chain_of_polls_is_gone(setup):
+    # A redelivered task (or a policy timer whose claimer died) resumes the race without
+    # knowing whether the crash broke a job's chain of polls; a second chain would poll the
+    # job twice as often until it ends.
+    driver, _, cfg, _, _ = setup
+    driver.create("rc1", {"sim": {"p": {"queue_s": 2, "run_s": 100}}},
+                  build_spec(cfg, policy="hedge:p->h@60s"))  # fmt: skip
+    driver.submit_attempt("rc1", "a1")
+    (chain,) = _watch_timers(driver, "rc1")
+    driver.resume("rc1")
+    driver.resume("rc1")
+    assert _watch_timers(driver, "rc1") == [chain]
+    # its poll in flight (a claimer at work on it) is alive too
+    now = int(driver.clock.now() * 1000) + 10_000
+    (claimed,) = [t for t in driver.timers.claim_due(now, 10, 10_000) if t.id == chain]
+    driver.resume("rc1")
+    assert _watch_timers(driver, "rc1") == [chain]
+    # the chain lost (its poll dropped after its last failed delivery, or Redis lost it):
+    # the resume arms a new one, once
+    assert driver.timers.ack(claimed)
+    assert _watch_timers(driver, "rc1") == []
+    driver.resume("rc1")
+    (again,) = _watch_timers(driver, "rc1")
+    driver.resume("rc1")
+    assert _watch_timers(driver, "rc1") == [again]

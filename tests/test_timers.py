@@ -7,6 +7,8 @@ import pytest
 from gpuhedge_celery.store.timers import (
     ACKED,
     CLAIMED_ELSEWHERE,
+    HEAD,
+    IF_IDLE,
     NOT_IN_FLIGHT,
     TimerStore,
 )
@@ -153,7 +155,8 @@ def test_bad_namespace_is_rejected(redis_client, prefix):
 
 def test_keys_of_a_namespace_share_one_cluster_slot(timers):
     k = timers.keys
-    tags = {key[key.index("{") : key.index("}") + 1] for key in (k.due, k.inflight, k.data)}
+    keys = (k.due, k.inflight, k.data, k.deliveries, k.seq, k.chains)
+    tags = {key[key.index("{") : key.index("}") + 1] for key in keys}
     assert tags == {"{timers}"}
 
 
@@ -175,3 +178,63 @@ def test_released_timers_wait_again_at_their_due_time_uncounted(timers, redis_cl
     assert again.id == held.id and again.deliveries == 1  # the released claim does not count
     assert timers.release([held]) == 0  # a stale claim gives nothing back
     assert timers.in_flight() == 1
+
+
+def _chain_poll(timers, due, chain):
+    """Arm the poll of job ``r:w:a1`` due at ``due`` (a chain's id names its due ms)."""
+    return timers.arm("r:w:a1", due, {"kind": "watch"}, timer_id=f"r:w:a1|{due}", chain=chain)
+
+
+def test_a_chain_with_a_timer_waiting_or_in_flight_is_not_armed_again_if_idle(timers):
+    assert _chain_poll(timers, T0 + 10, HEAD) == f"r:w:a1|{T0 + 10}"
+    # waiting: a recovery's poll is not armed beside it, and is told the live one's id
+    assert _chain_poll(timers, T0, IF_IDLE) == f"r:w:a1|{T0 + 10}"
+    assert timers.pending() == 1
+    (fired,) = timers.claim_due(T0 + 10, 10, 1000)
+    # in flight (its handler may be arming the next poll right now): still alive
+    assert _chain_poll(timers, T0 + 20, IF_IDLE) == fired.id
+    assert timers.pending() == 0 and timers.in_flight() == 1
+    # the handler armed the next poll, then was acknowledged: the chain lives on in that poll
+    _chain_poll(timers, T0 + 500, HEAD)
+    assert timers.ack(fired)
+    assert _chain_poll(timers, T0 + 30, IF_IDLE) == f"r:w:a1|{T0 + 500}"
+    assert timers.pending() == 1
+
+
+def test_a_chain_whose_last_timer_was_acknowledged_or_cancelled_is_armed_if_idle(
+    timers, redis_client
+):
+    _chain_poll(timers, T0, HEAD)
+    (fired,) = timers.claim_due(T0, 10, 1000)
+    assert timers.ack(fired)  # the job ended: its last poll armed no other
+    assert redis_client.hlen(timers.keys.chains) == 0  # nothing left behind
+    assert _chain_poll(timers, T0 + 5, IF_IDLE) == f"r:w:a1|{T0 + 5}"
+    assert timers.pending() == 1
+    assert timers.cancel(f"r:w:a1|{T0 + 5}")
+    assert redis_client.hlen(timers.keys.chains) == 0
+    assert _chain_poll(timers, T0 + 6, IF_IDLE) == f"r:w:a1|{T0 + 6}"
+    # a chain head whose timer is gone some other way (an orphan dropped by a claim) is idle
+    redis_client.zrem(timers.keys.due, f"r:w:a1|{T0 + 6}")
+    assert _chain_poll(timers, T0 + 7, IF_IDLE) == f"r:w:a1|{T0 + 7}"
+
+
+def test_acknowledging_an_older_timer_of_a_chain_keeps_its_head(timers, redis_client):
+    _chain_poll(timers, T0, HEAD)
+    (old,) = timers.claim_due(T0, 10, 1000)
+    _chain_poll(timers, T0 + 100, HEAD)  # armed by the old poll's handler
+    assert timers.ack(old)
+    assert redis_client.hget(timers.keys.chains, "r:w:a1") == f"r:w:a1|{T0 + 100}"
+    # timers outside chains, even with ids that look alike, never touch a chain's head
+    timers.arm("r:w:a1|x", T0, {}, timer_id=f"r:w:a1|{T0 + 100}|7")
+    (other,) = timers.claim_due(T0, 10, 1000)
+    assert timers.ack(other)
+    assert redis_client.hget(timers.keys.chains, "r:w:a1") == f"r:w:a1|{T0 + 100}"
+
+
+def test_a_chained_timer_needs_an_id_naming_its_key_and_a_known_mode(timers):
+    with pytest.raises(ValueError, match="must start with 'r:w:a1|'"):
+        timers.arm("r:w:a1", T0, {}, timer_id="other|1", chain=HEAD)
+    with pytest.raises(ValueError, match="must start with"):
+        timers.arm("r:w:a1", T0, {}, chain=IF_IDLE)  # a numbered id is not the chain's
+    with pytest.raises(ValueError, match="invalid chain mode 'tail'"):
+        timers.arm("r:w:a1", T0, {}, timer_id="r:w:a1|1", chain="tail")

@@ -2,10 +2,11 @@
 step that a crashed process left half-done is performed again.
 
 Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; it calls the driver's own work
-(``step``, ``watch``, ``submit_attempt``, ``cancel_attempt``, ``request_cancel``, ``arm_watch``,
-``_launch``, ``_declare``, ``_give_up``, ``_finish``). A timer is delivered again when the
-process that claimed it died or its handler failed; every kind's work is idempotent, so a
-second delivery, or a ``resume`` after it, only completes what the first left undone.
+(``step``, ``watch``, ``submit_attempt``, ``cancel_attempt``, ``request_cancel``,
+``arm_watch_if_idle``, ``_launch``, ``_declare``, ``_give_up``, ``_finish``). A timer is
+delivered again when the process that claimed it died or its handler failed; every kind's work
+is idempotent, so a second delivery, or a ``resume`` after it, only completes what the first
+left undone.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class RecoveryWork:
                 self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:
                 cap = float(caps.get(a.provider, 180.0))
-                if a.id != watched:
-                    self.arm_watch(race_id, a.id, a.provider, a.handle, None, cap, now)
+                if a.id != watched:  # a poll now, unless the job's chain of polls is alive
+                    self.arm_watch_if_idle(race_id, a.id, a.provider, a.handle, None, cap, now)
                 if a.phase is Phase.CANCELLING:
                     self.request_cancel(race_id, a.id, a.provider)
         ids = state.get("timer_ids") or {}

@@ -18,6 +18,7 @@ from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, StatusObserved
 from ..errors import RateLimited
 from ..providers.base import Provider
+from ..store.timers import HEAD, IF_IDLE
 from .backstops import BackstopDrop
 from .base import due_ms, find_attempt
 from .conclude import ResultWork
@@ -230,18 +231,21 @@ class WatchWork(ResultWork):
             at = max(at, now + self.webhooks.fallback_s)
         return max(at, now + MIN_WATCH_GAP_S)  # a hint at "now" must not spin the timer thread
 
-    def arm_watch(self, *args: Any) -> None:
-        """Arm the durable timer of one job's next watch poll (arguments of
-        :meth:`_watch_timer`: race, attempt, provider, handle, last label, cap, when)."""
+    def arm_watch_if_idle(self, *args: Any) -> None:
+        """Arm a poll of one job unless its chain of watch polls is alive (a poll waiting or
+        in flight): a recovery cannot know whether the crash it recovers from broke the chain,
+        and a second chain would poll the job twice as often until it ends. Arguments of
+        :meth:`_watch_timer`: race, attempt, provider, handle, last label, cap, when."""
         key, due, payload, timer_id = self._watch_timer(*args)
-        self.timers.arm(key, due, payload, timer_id=timer_id)
+        self.timers.arm(key, due, payload, timer_id=timer_id, chain=IF_IDLE)
 
     def _watch_arm(self, *args: Any) -> Callable[[Any], None]:
-        """Queue the arm of a watch timer on a pipeline (its id makes a repeat harmless)."""
+        """Queue the arm of a job's next watch poll on a pipeline, as the newest of the job's
+        chain of polls (its id makes a repeat harmless)."""
         key, due, payload, timer_id = self._watch_timer(*args)
 
         def arm(pipe: Any) -> None:
-            self.timers.queue_arm(pipe, key, due, payload, timer_id)
+            self.timers.queue_arm(pipe, key, due, payload, timer_id, chain=HEAD)
 
         return arm
 

@@ -38,6 +38,7 @@ class TimerKeys:
     deliveries: str  # HASH timer id -> how many times it was claimed
     seq: str  # STRING counter giving timer ids their sequence number
     channel: str  # pub/sub channel announcing a new earliest timer
+    chains: str  # HASH chain key -> id of the chain's newest timer (a job's watch polls)
 
 
 def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
@@ -51,6 +52,7 @@ def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
         deliveries=f"{base}:deliveries",
         seq=f"{base}:seq",
         channel=f"{base}:wake",
+        chains=f"{base}:chains",
     )
 
 

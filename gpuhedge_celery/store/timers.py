@@ -37,6 +37,12 @@ ACKED = 1
 NOT_IN_FLIGHT = 0
 CLAIMED_ELSEWHERE = -1
 
+#: How an arm joins its key's chain (lua/timer_arm.lua): "" not at all, ``HEAD`` as the chain's
+#: newest timer, ``IF_IDLE`` the same but only when no timer of the chain waits or is in flight.
+HEAD = "head"
+IF_IDLE = "idle"
+CHAIN_MODES = ("", HEAD, IF_IDLE)
+
 
 @contextlib.contextmanager
 def store_errors(what: str) -> Iterator[None]:
@@ -90,8 +96,14 @@ class TimerStore:
         self._release = lua_script(client, "timer_release")
 
     def _arm_args(
-        self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None
-    ) -> tuple[list[str], list[Any]]:
+        self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None,
+        chain: str = "",
+    ) -> tuple[list[str], list[Any]]:  # fmt: skip
+        if chain not in CHAIN_MODES:
+            raise ValueError(f"invalid chain mode {chain!r}: expected one of {CHAIN_MODES}")
+        if chain and not (timer_id or "").startswith(f"{key}|"):
+            want = f"{key}|"
+            raise ValueError(f"a chained timer's id must start with {want!r}, got {timer_id!r}")
         if not isinstance(key, str) or not key or "\n" in key or len(key) > 300:
             raise ValueError(f"invalid timer key {key!r}: expected 1-300 characters, no newline")
         if isinstance(due_ms, bool) or not isinstance(due_ms, int) or due_ms < 0:
@@ -103,17 +115,26 @@ class TimerStore:
         except (TypeError, ValueError) as e:
             raise ValueError(f"timer payload for {key!r} is not JSON-serialisable: {e}") from None
         k = self.keys
-        return [k.due, k.data, k.seq, k.inflight], [key, due_ms, record, timer_id or "", k.channel]
+        keys = [k.due, k.data, k.seq, k.inflight, k.chains]
+        return keys, [key, due_ms, record, timer_id or "", k.channel, chain]
 
     def arm(
-        self, key: str, due_ms: int, payload: dict[str, Any], *, timer_id: str | None = None
-    ) -> str:
+        self, key: str, due_ms: int, payload: dict[str, Any], *, timer_id: str | None = None,
+        chain: str = "",
+    ) -> str:  # fmt: skip
         """Schedule a timer due at ``due_ms`` (epoch ms) and return its id (``key|seq``).
 
         With an explicit ``timer_id`` arming is idempotent: arming an id that is already
         waiting or in flight changes nothing (a redelivered task may arm twice).
+
+        ``chain``: timers that each arm the next under one key (a job's watch polls) are a
+        chain. ``HEAD`` records this timer as its chain's newest (its id must start with
+        ``key|``); ``IF_IDLE`` arms it only when the chain has no timer waiting or in flight
+        and otherwise returns the id of the one it has, so a recovery that cannot know
+        whether a chain survived never starts a second one. A timer leaves its chain when it
+        is acknowledged or cancelled.
         """
-        keys, args = self._arm_args(key, due_ms, payload, timer_id)
+        keys, args = self._arm_args(key, due_ms, payload, timer_id, chain)
         with store_errors("arming a timer"):
             found = self._arm(keys=keys, args=args)
         return as_text(found[0])
@@ -130,14 +151,16 @@ class TimerStore:
             return [as_text(found[0]) for found in run_pipeline(self.client, build, [self._arm])]
 
     def queue_arm(
-        self, pipe: Any, key: str, due_ms: int, payload: dict[str, Any], timer_id: str
-    ) -> None:
-        """Queue an idempotent arming (fixed ``timer_id``) on someone else's pipeline.
+        self, pipe: Any, key: str, due_ms: int, payload: dict[str, Any], timer_id: str,
+        chain: str = "",
+    ) -> None:  # fmt: skip
+        """Queue an idempotent arming (fixed ``timer_id``) on someone else's pipeline
+        (``chain`` as for :meth:`arm`).
 
         The caller runs the pipeline with :func:`~gpuhedge_celery.store.scripts.run_pipeline`
         and passes :attr:`arm_script` among its scripts.
         """
-        keys, args = self._arm_args(key, due_ms, payload, timer_id)
+        keys, args = self._arm_args(key, due_ms, payload, timer_id, chain)
         queue_script(pipe, self._arm, keys, args)
 
     @property
@@ -156,7 +179,7 @@ class TimerStore:
     @property
     def _claim_keys(self) -> list[str]:
         k = self.keys
-        return [k.due, k.inflight, k.data, k.deliveries]
+        return [k.due, k.inflight, k.data, k.deliveries, k.chains]
 
     def _claim_none(self, acks: Iterable[Timer] = (), cancels: Iterable[str] = ()) -> Claim:
         """A claim that takes no timer: only acknowledges ``acks`` and cancels ``cancels``."""

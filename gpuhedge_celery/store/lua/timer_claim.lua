@@ -4,6 +4,8 @@
 -- is a claim of 0.
 -- KEYS[1] due ZSET (id -> due ms)      KEYS[2] in-flight ZSET (id -> lease deadline ms)
 -- KEYS[3] data HASH (id -> JSON record) KEYS[4] deliveries HASH (id -> claim count)
+-- KEYS[5] chains HASH (chain key -> id of its newest timer; see timer_arm): an acknowledged
+--         or cancelled timer that heads its chain leaves it, so the chain reads as idle
 -- ARGV[1] now, epoch ms                 ARGV[2] most timers to claim (0: none)
 -- ARGV[3] lease in ms: unacknowledged claims become claimable again after it
 -- ARGV[4] look-ahead in ms (0: none): also take timers due up to now + this; the claimer
@@ -25,6 +27,14 @@ local deadline = now + tonumber(ARGV[3])
 local horizon = now + tonumber(ARGV[4])
 local out = {deadline, -1, 0}
 
+-- A timer's chain key is its id up to the last '|' ("<key>|<due>" for a watch poll).
+local function leave_chain(id)
+  local key = string.match(id, '^(.*)|')
+  if key and redis.call('HGET', KEYS[5], key) == id then
+    redis.call('HDEL', KEYS[5], key)
+  end
+end
+
 local acks_end = 5 + 2 * tonumber(ARGV[5])
 for i = 6, acks_end, 2 do
   local id = ARGV[i]
@@ -36,6 +46,7 @@ for i = 6, acks_end, 2 do
     redis.call('ZREM', KEYS[2], id)
     redis.call('HDEL', KEYS[3], id)
     redis.call('HDEL', KEYS[4], id)
+    leave_chain(id)
     code = 1
   end
   out[#out + 1] = code
@@ -49,6 +60,9 @@ for i = acks_end + 1, #ARGV do
   local found = redis.call('ZREM', KEYS[1], id) + redis.call('ZREM', KEYS[2], id)
   redis.call('HDEL', KEYS[3], id)
   redis.call('HDEL', KEYS[4], id)
+  if found > 0 then
+    leave_chain(id)
+  end
   out[#out + 1] = found > 0 and 1 or 0
 end
 out[m_at] = #out - m_at
