@@ -69,5 +69,5 @@ def test_without_a_linger_events_go_out_as_they_come_in_order(redis_url):
 
 
 def test_the_linger_is_a_validated_setting():
-    assert RaceSettings().event_linger_ms == 20.0
+    assert RaceSettings().event_linger_ms == 100.0
     assert RaceSettings.from_env({"GPUHEDGE_EVENT_LINGER_MS": "0"}).event_linger_ms == 0.0
