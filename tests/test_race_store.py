@@ -73,6 +73,53 @@ def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
     assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
 
 
+def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
+    races, redis_client, prefix
+):
+    keys = race_keys(prefix, "r1")
+    races.create("r1", {"n": 0})
+    redis_client.set(keys.request, "{}")
+    races.add_job("r1", "a1", {"provider": "p", "job_id": "j1"})
+    races.add_job("r1", "a2", {"provider": "h", "job_id": "j2"})
+    assert races.last_seen_ms("r1") is not None  # in the live index
+
+    def save(version, save_id, drop):
+        mark = races.save_mark("r1", version, save_id)
+        return races.save(
+            "r1", {"n": version}, version, save_id=save_id,
+            also=lambda pipe: races.queue_finish_on_save(
+                pipe, "r1", {"winner": "a2", "n": version}, mark, 60, drop_jobs=drop,
+                record={"race": "r1"},
+            ),
+            scripts=(races.finish_on_save_script,),
+        )  # fmt: skip
+
+    assert races.save("r1", {"n": 1}, 1) == 2
+    with pytest.raises(VersionConflict):  # computed from version 1: loses, finishes nothing
+        save(1, "s1", ["a1", "a2"])
+    assert races.receipt("r1") is None and races.records.length() == 0
+    assert redis_client.exists(keys.request) and races.live_jobs("r1")
+    # a finish that leaves a job registered keeps the race for the janitor
+    assert save(2, "s2", ["a2"]) == 3
+    assert races.receipt("r1") == {"winner": "a2", "n": 2}
+    assert list(races.live_jobs("r1")) == ["a1"] and races.last_seen_ms("r1") is not None
+    assert not redis_client.exists(keys.request)
+    assert 0 < redis_client.pttl(keys.state) <= 60_000
+    # the same save sent again after its answer was lost: saved, finished once
+    assert save(2, "s2", ["a2"]) == 3
+    assert races.records.length() == 1
+    assert races.last_seen_ms("r1") is not None
+    # the job's own cancel confirmed it later: a finish with no job left leaves the live index
+    races.create("r2", {"n": 0})
+    races.add_job("r2", "a1", {"provider": "p", "job_id": "j3"})
+    mark = races.save_mark("r2", 1, "t1")
+    races.save("r2", {"n": 1}, 1, save_id="t1", scripts=(races.finish_on_save_script,),
+               also=lambda pipe: races.queue_finish_on_save(pipe, "r2", {}, mark, 60,
+                                                            drop_jobs=["a1"]))  # fmt: skip
+    assert races.live_jobs("r2") == {} and races.last_seen_ms("r2") is None
+    assert races.records.length() == 1  # no record given, none appended
+
+
 def test_state_keys_expire_eventually(redis_client, prefix):
     store = RaceStore(redis_client, prefix, state_ttl_s=120)
     store.create("r1", {})

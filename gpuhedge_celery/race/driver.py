@@ -224,6 +224,8 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             also, scripts = self._with_settlements(race_id, race, new, phases, arms, saved)
             also, scripts, claimed = self._with_winner_claim(race_id, race, actions, saved,
                                                              also, scripts)  # fmt: skip
+            also, scripts, finished = self._with_finish(race_id, race, new, actions, saved,
+                                                        also, scripts)  # fmt: skip
             try:
                 self.store.save(
                     race_id, new, record.version, also=also, before=before, scripts=scripts,
@@ -233,7 +235,7 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                 continue
             follow = self._perform(
                 race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,
-                claim=claimed.claim if claimed else None,
+                claim=claimed.claim if claimed else None, finished=finished,
             )  # fmt: skip
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
@@ -337,9 +339,11 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         *,
         armed: bool = False,
         claim: WinnerClaim | None = None,
+        finished: dict[str, Any] | None = None,
     ) -> list[Event]:
         """Perform a saved step's actions; ``armed``: its timers rode in the save already;
-        ``claim``: the winner claim that rode in it (None: claim now)."""
+        ``claim``: the winner claim that rode in it (None: claim now); ``finished``: the
+        receipt of the finish that rode in it (None: finish now)."""
         follow: list[Event] = []
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
@@ -370,7 +374,7 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             elif isinstance(action, GiveUp):
                 self._give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
-                self._finish(race_id, race, state)
+                self._finish(race_id, race, state, finished)
         # Timers the race no longer wants (its deadline, once won): cancelled with this
         # process's next timer claim, or now without a timer service here. One that fires
         # first changes nothing: the race ignores a timer it no longer wants.

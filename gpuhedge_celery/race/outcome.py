@@ -9,12 +9,14 @@ save of the step that decided them has won.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..core.jobs import JobState
 from ..core.race import Race
+from ..core.race_events import RaceFinished
 from ..metrics import record as metrics
-from ..store.races import RaceStore, WinnerClaim
+from ..store.races import RaceStore, SaveMark, WinnerClaim
 from .base import Effects, find_attempt
 from .receipt import (
     assemble_receipt,
@@ -93,17 +95,52 @@ class OutcomeWork:
         message = f"race {race_id}: {race.note}"
         self.effects.failed(race_id, message, receipt, state.get("caller") or {})
 
-    def _finish(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
+    def _finish_parts(
+        self, race: Race, state: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+        """The finished race's receipt, the attempts whose jobs leave the live-job index with
+        it, and its record."""
         spec = spec_from_state(state)
         receipt = assemble_receipt(race, state, spec, now=self.clock.now())
         # a capped job stays registered until its own cancel confirms it stopped
         ended = [
             a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
         ]
-        record = race_record(self.store, race, state, spec, receipt)
-        self.store.finish(
-            race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended, record=record
-        )
+        return receipt, ended, race_record(self.store, race, state, spec, receipt)
+
+    def _with_finish(
+        self, race_id: str, race: Race, state: dict[str, Any], actions: list[Any],
+        saved: SaveMark, also: Callable[[Any], None] | None, scripts: tuple[Any, ...],
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], dict[str, Any] | None]:  # fmt: skip
+        """When the step finishes the race, its finish (receipt, record, indexes) rides in the
+        save, last among the extra commands, and runs only if the save wins: no round trip
+        of its own. Returns the extras, their scripts and the receipt (None: no finish)."""
+        if not any(isinstance(a, RaceFinished) for a in actions):
+            return also, scripts, None
+        receipt, ended, record = self._finish_parts(race, state)
+        ttl_s = self.settings.receipt_ttl_s
+
+        def with_finish(pipe: Any) -> None:
+            if also is not None:
+                also(pipe)
+            self.store.queue_finish_on_save(
+                pipe, race_id, receipt, saved, ttl_s, drop_jobs=ended, record=record
+            )
+
+        return with_finish, (*scripts, self.store.finish_on_save_script), receipt
+
+    def _finish(
+        self, race_id: str, race: Race, state: dict[str, Any],
+        stored: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        """The race's end: its receipt and record stored (unless ``stored``, the receipt its
+        step's save stored already), its metrics, and a failed caller told."""
+        receipt = stored
+        if receipt is None:
+            receipt, ended, record = self._finish_parts(race, state)
+            self.store.finish(
+                race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended, record=record
+            )
         metrics.race_finished(race, receipt)
         if race.winner is None:
             message = f"race {race_id}: {race.note}"

@@ -6,7 +6,7 @@ to expire with the receipt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import codec
 from .codec import dumps_dict, ms
@@ -14,6 +14,9 @@ from .race_keys import RECENT_FINISHED, race_keys
 from .records import RecordStream
 from .scripts import queue_script, run_pipeline
 from .timers import store_errors
+
+if TYPE_CHECKING:
+    from .races import SaveMark
 
 
 class RaceReceipts:
@@ -26,6 +29,7 @@ class RaceReceipts:
     finished_key: str
     records: RecordStream
     _finish: Any
+    _finish_on_save: Any
 
     now_ms: Callable[[], int]  # RaceLiveness's
 
@@ -81,6 +85,39 @@ class RaceReceipts:
             if live and heartbeat is not None:  # a job still registered: the janitor's to see
                 self.client.zadd(self.live_key, {race_id: heartbeat}, gt=True)
         return live
+
+    def queue_finish_on_save(
+        self,
+        pipe: Any,
+        race_id: str,
+        receipt: dict[str, Any],
+        saved: SaveMark,
+        ttl_s: float | None = None,
+        *,
+        drop_jobs: Iterable[str] = (),
+        record: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue :meth:`finish` on the pipeline of the save whose step finished the race, to
+        run only if that save wins (``saved``: its mark): no round trip of its own. Pass
+        :attr:`finish_on_save_script` among the save's scripts. The race leaves the live
+        index when no job is left registered; a finish sent again after a lost answer
+        appends no second record. One script across the race's, the records' and the race
+        indexes' slots: a single primary (``docs/architecture.md``, *Redis topology*)."""
+        keys = race_keys(self.prefix, race_id)
+        data = dumps_dict(receipt, f"receipt of race {race_id!r}")
+        ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
+        line = codec.dumps(record) if record is not None and self.records.enabled else ""
+        queue_script(
+            pipe, self._finish_on_save,
+            [keys.receipt, keys.jobs, saved.state_key, keys.request, self.records.key,
+             self.finished_key, self.live_key, keys.winner, keys.owner_seq],
+            [saved.mark, data, ttl_ms, self.now_ms(), race_id, RECENT_FINISHED, line,
+             self.records.maxlen, *drop_jobs],
+        )  # fmt: skip
+
+    @property
+    def finish_on_save_script(self) -> Any:
+        return self._finish_on_save
 
     def put_receipt(
         self,

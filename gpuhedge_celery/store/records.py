@@ -1,11 +1,12 @@
 """The race-record stream: one compact JSON record per finished race, capped, in Redis.
 
 Every finished race appends its record (:mod:`gpuhedge_celery.core.records`) with ``XADD
-... MAXLEN ~ N`` queued in the same pipeline as the race's final write (the receipt), so a
-record costs one more command in a round trip the race makes anyway, never a round trip of its
-own. The stream lives on its own slot (``{records}``), beside the race's keys, never inside a
-script with them. ``MAXLEN ~`` trims whole stream nodes, so the stream may hold a little more
-than ``N`` entries; ``N = 0`` turns records off.
+... MAXLEN ~ N`` with the race's final write (the receipt), so a record never costs a round trip
+of its own: a step that finishes its race appends it inside the finish script that rides in its
+save (``race_finish_on_save.lua``, which needs a single primary: the stream lives on its own
+slot, ``{records}``); a finish outside a step (a resume, the janitor) queues it in the same
+pipeline as the receipt (:meth:`RecordStream.queue_append`). ``MAXLEN ~`` trims whole stream
+nodes, so the stream may hold a little more than ``N`` entries; ``N = 0`` turns records off.
 
 Entry ids are Redis's own ``<ms>-<seq>``: the time the race finished on the Redis server's
 clock. :meth:`RecordStream.read` pages through a time window with ``XRANGE``.
