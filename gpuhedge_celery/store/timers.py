@@ -99,13 +99,14 @@ class TimerStore:
         self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None,
         chain: str = "",
     ) -> tuple[list[str], list[Any]]:  # fmt: skip
+        """KEYS and ARGV of lua/timer_arm.lua for one timer; ValueError naming bad input."""
+        if not isinstance(key, str) or not key or "\n" in key or len(key) > 300:
+            raise ValueError(f"invalid timer key {key!r}: expected 1-300 characters, no newline")
         if chain not in CHAIN_MODES:
             raise ValueError(f"invalid chain mode {chain!r}: expected one of {CHAIN_MODES}")
         if chain and not (timer_id or "").startswith(f"{key}|"):
-            want = f"{key}|"
+            want = f"{key}|"  # how timer_claim.lua finds the chain of an acknowledged timer
             raise ValueError(f"a chained timer's id must start with {want!r}, got {timer_id!r}")
-        if not isinstance(key, str) or not key or "\n" in key or len(key) > 300:
-            raise ValueError(f"invalid timer key {key!r}: expected 1-300 characters, no newline")
         if isinstance(due_ms, bool) or not isinstance(due_ms, int) or due_ms < 0:
             raise ValueError(f"invalid due time {due_ms!r}: expected epoch milliseconds (int)")
         if not isinstance(payload, dict):
