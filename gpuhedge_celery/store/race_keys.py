@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # A race id or timer namespace becomes part of a hash tag: braces would break the tag, and
 # whitespace or control characters make keys unreadable in redis-cli.
@@ -140,3 +141,11 @@ def reservation_id(race_id: str, attempt_id: str) -> str:
     """The id of an attempt's reservation (one per attempt: reserving again is a no-op)."""
     check_name(race_id, "race id")
     return f"{race_id}/{attempt_id}"
+
+
+class SaveMark(NamedTuple):
+    """The mark a won save leaves on its race's state (see ``RaceStore.save_mark``), which a
+    command riding in that save's pipeline checks to act only if the save won."""
+
+    state_key: str
+    mark: str  # "version:save id"

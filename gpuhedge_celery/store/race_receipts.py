@@ -6,17 +6,14 @@ to expire with the receipt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import codec
 from .codec import dumps_dict, ms
-from .race_keys import RECENT_FINISHED, race_keys
+from .race_keys import RECENT_FINISHED, SaveMark, race_keys
 from .records import RecordStream
 from .scripts import queue_script, run_pipeline
 from .timers import store_errors
-
-if TYPE_CHECKING:
-    from .races import SaveMark
 
 
 class RaceReceipts:

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..core.clock import Clock, WallClock
 from ..errors import StoreError, StoreUnavailable
@@ -34,7 +34,7 @@ from . import codec, race_parts
 from .codec import dumps_dict, ms
 from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
-from .race_keys import finished_races_key, live_races_key, race_keys
+from .race_keys import SaveMark, finished_races_key, live_races_key, race_keys
 from .race_liveness import RaceLiveness
 from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
@@ -84,13 +84,6 @@ class WinnerClaim:
     won: bool
     winner: str
     first: bool
-
-
-class SaveMark(NamedTuple):
-    """The mark a won save leaves on its race's state (see :meth:`RaceStore.save_mark`)."""
-
-    state_key: str
-    mark: str  # "version:save id"
 
 
 def new_save_id() -> str:
