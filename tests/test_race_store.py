@@ -91,7 +91,7 @@ def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
                 pipe, "r1", {"winner": "a2", "n": version}, mark, 60, drop_jobs=drop,
                 record={"race": "r1"},
             ),
-            scripts=(races.finish_on_save_script,),
+            scripts=(races.finish_script,),
         )  # fmt: skip
 
     assert races.save("r1", {"n": 1}, 1) == 2
@@ -113,7 +113,7 @@ def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
     races.create("r2", {"n": 0})
     races.add_job("r2", "a1", {"provider": "p", "job_id": "j3"})
     mark = races.save_mark("r2", 1, "t1")
-    races.save("r2", {"n": 1}, 1, save_id="t1", scripts=(races.finish_on_save_script,),
+    races.save("r2", {"n": 1}, 1, save_id="t1", scripts=(races.finish_script,),
                also=lambda pipe: races.queue_finish_on_save(pipe, "r2", {}, mark, 60,
                                                             drop_jobs=["a1"]))  # fmt: skip
     assert races.live_jobs("r2") == {} and races.last_seen_ms("r2") is None

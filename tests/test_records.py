@@ -104,7 +104,7 @@ def test_records_cost_no_round_trip_or_command_of_their_own_and_none_when_off(re
         assert on.round_trips == off.round_trips  # no round trip of its own
         # the record is an argument of the finish, which rides in the finishing step's save
         assert sum(len(p) for p in on.pipelined) == sum(len(p) for p in off.pipelined)
-        finish = f"EVALSHA {store.finish_on_save_script.sha}"
+        finish = f"EVALSHA {store.finish_script.sha}"
         (finishing,) = [p for p in on.pipelined if finish in p]
         assert f"EVALSHA {store.save_script.sha}" in finishing
         assert not any("XADD" in p for p in on.pipelined + off.pipelined)

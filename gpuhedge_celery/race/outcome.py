@@ -127,7 +127,7 @@ class OutcomeWork:
                 pipe, race_id, receipt, saved, ttl_s, drop_jobs=ended, record=record
             )
 
-        return with_finish, (*scripts, self.store.finish_on_save_script), receipt
+        return with_finish, (*scripts, self.store.finish_script), receipt
 
     def _finish(
         self, race_id: str, race: Race, state: dict[str, Any],

@@ -26,7 +26,6 @@ class RaceReceipts:
     finished_key: str
     records: RecordStream
     _finish: Any
-    _finish_on_save: Any
 
     now_ms: Callable[[], int]  # RaceLiveness's
 
@@ -41,47 +40,25 @@ class RaceReceipts:
     ) -> int:
         """Store the final receipt and let the race's keys expire with it after ``ttl_s``; the
         request (only needed to submit) is dropped at once, and the race joins the index of
-        recently finished races (read by :mod:`.race_lookup`).
+        recently finished races (read by :mod:`.race_lookup`). One script, one round trip
+        (``race_finish.lua``); a step that finishes its race sends it in its save instead
+        (:meth:`queue_finish_on_save`).
 
         ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered by the script
         that writes the receipt (no reader sees them gone beside the receipt before it).
-        ``record``: the race's record, appended to the record stream in the same round trip
-        (one ``XADD``). Returns how many jobs are still registered as live; with none the race
-        also leaves the live index, otherwise it stays there for the janitor (taken out and put
-        back with its heartbeat: one more round trip, only then).
+        ``record``: the race's record, appended to the record stream by the same script.
+        Returns how many jobs are still registered as live; with none the race also leaves the
+        live index, otherwise it stays there for the janitor.
         """
-        keys = race_keys(self.prefix, race_id)
-        data = dumps_dict(receipt, f"receipt of race {race_id!r}")
-        ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
-        drop = list(drop_jobs)
-
-        now_ms = self.now_ms()
-
-        def build(pipe: Any) -> None:
-            if record is not None:
-                self.records.queue_append(pipe, record)
-            pipe.delete(keys.request)  # nothing submits once the race is finished
-            # the recently finished index (a hint on its own slot, like the heartbeat index)
-            pipe.zadd(self.finished_key, {race_id: now_ms})
-            pipe.zremrangebyrank(self.finished_key, 0, -RECENT_FINISHED - 1)
-            pipe.zremrangebyscore(self.finished_key, "-inf", now_ms - ttl_ms)
-            pipe.pexpire(self.finished_key, ttl_ms)
-            queue_script(
-                pipe, self._finish,
-                [keys.receipt, keys.jobs, keys.state, keys.winner, keys.owner_seq],
-                [data, ttl_ms, *drop],
-            )  # fmt: skip
-            # Most races end with no job left registered: leave the live index in this round
-            # trip (its own slot, so not in the script), keeping the heartbeat to put back.
-            pipe.zscore(self.live_key, race_id)
-            pipe.zrem(self.live_key, race_id)
-
         with store_errors(f"finishing race {race_id!r}"):
-            replies = run_pipeline(self.client, build, [self._finish])
-            live, heartbeat = int(replies[-3]), replies[-2]
-            if live and heartbeat is not None:  # a job still registered: the janitor's to see
-                self.client.zadd(self.live_key, {race_id: heartbeat}, gt=True)
-        return live
+            (reply,) = run_pipeline(
+                self.client,
+                lambda pipe: self._queue_finish(
+                    pipe, race_id, receipt, "", ttl_s, drop_jobs, record
+                ),  # fmt: skip
+                [self._finish],
+            )
+        return int(reply[1])
 
     def queue_finish_on_save(
         self,
@@ -96,25 +73,32 @@ class RaceReceipts:
     ) -> None:
         """Queue :meth:`finish` on the pipeline of the save whose step finished the race, to
         run only if that save wins (``saved``: its mark): no round trip of its own. Pass
-        :attr:`finish_on_save_script` among the save's scripts. The race leaves the live
-        index when no job is left registered; a finish sent again after a lost answer
-        appends no second record. One script across the race's, the records' and the race
-        indexes' slots: a single primary (``docs/architecture.md``, *Redis topology*)."""
+        :attr:`finish_script` among the save's scripts. A finish sent again after a lost
+        answer appends no second record."""
+        self._queue_finish(pipe, race_id, receipt, saved.mark, ttl_s, drop_jobs, record)
+
+    def _queue_finish(
+        self, pipe: Any, race_id: str, receipt: dict[str, Any], mark: str,
+        ttl_s: float | None, drop_jobs: Iterable[str], record: dict[str, Any] | None,
+    ) -> None:  # fmt: skip
+        """Queue ``race_finish.lua`` (``mark``: '' to finish now, or the save's mark). One
+        script across the race's, the records' and the race indexes' slots: it needs a single
+        primary (``docs/architecture.md``, *Redis topology*)."""
         keys = race_keys(self.prefix, race_id)
         data = dumps_dict(receipt, f"receipt of race {race_id!r}")
         ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         line = codec.dumps(record) if record is not None and self.records.enabled else ""
         queue_script(
-            pipe, self._finish_on_save,
-            [keys.receipt, keys.jobs, saved.state_key, keys.request, self.records.key,
+            pipe, self._finish,
+            [keys.receipt, keys.jobs, keys.state, keys.request, self.records.key,
              self.finished_key, self.live_key, keys.winner, keys.owner_seq],
-            [saved.mark, data, ttl_ms, self.now_ms(), race_id, RECENT_FINISHED, line,
+            [mark, data, ttl_ms, self.now_ms(), race_id, RECENT_FINISHED, line,
              self.records.maxlen, *drop_jobs],
         )  # fmt: skip
 
     @property
-    def finish_on_save_script(self) -> Any:
-        return self._finish_on_save
+    def finish_script(self) -> Any:
+        return self._finish
 
     def put_receipt(
         self,

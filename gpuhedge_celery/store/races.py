@@ -119,7 +119,6 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self._owner_claim = lua_script(client, "race_owner_claim")
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
-        self._finish_on_save = lua_script(client, "race_finish_on_save")
         # What this process last saved and last read of each race (load(fresh=True), deltas)
         self.copies = StateCopies()
 

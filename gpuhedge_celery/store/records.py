@@ -2,11 +2,12 @@
 
 Every finished race appends its record (:mod:`gpuhedge_celery.core.records`) with ``XADD
 ... MAXLEN ~ N`` with the race's final write (the receipt), so a record never costs a round trip
-of its own: a step that finishes its race appends it inside the finish script that rides in its
-save (``race_finish_on_save.lua``, which needs a single primary: the stream lives on its own
-slot, ``{records}``); a finish outside a step (a resume, the janitor) queues it in the same
-pipeline as the receipt (:meth:`RecordStream.queue_append`). ``MAXLEN ~`` trims whole stream
-nodes, so the stream may hold a little more than ``N`` entries; ``N = 0`` turns records off.
+of its own: the finish script (``race_finish.lua``) appends it, riding in the save of the step
+that finished the race, or on its own for a finish outside a step (a resume, the janitor). That
+script needs a single primary: the stream lives on its own slot, ``{records}``.
+:meth:`RecordStream.queue_append` appends alongside a receipt rewritten later. ``MAXLEN ~``
+trims whole stream nodes, so the stream may hold a little more than ``N`` entries; ``N = 0``
+turns records off.
 
 Entry ids are Redis's own ``<ms>-<seq>``: the time the race finished on the Redis server's
 clock. :meth:`RecordStream.read` pages through a time window with ``XRANGE``.
