@@ -45,3 +45,70 @@ def test_other_writes_still_read_first(backend):
     backend.mark_as_done("race-3", {"winner": "h"})  # a stored SUCCESS is never overwritten
     assert len(backend.reads) == 1
     assert backend.get_task_meta("race-3")["result"] == {"winner": "p", "attempt": "a1"}
+
+
+def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
+    backend, redis_client, prefix
+):
+    import redis
+
+    from gpuhedge_celery.store.races import RaceStore
+
+    store = RaceStore(redis_client, prefix)
+    result = {"winner": "p", "attempt": "a1", "payload": {"text": "hi"}}
+    write = backend.won_write("race-4", result, redis_client)
+    assert write is not None and write.expires_ms > 0
+    listener = redis_client.pubsub()
+    listener.subscribe(write.key)
+    assert listener.get_message(timeout=2)["type"] == "subscribe"
+
+    store.create("race-4", {"n": 0})
+    took = []
+
+    def save(version, save_id):
+        mark = store.save_mark("race-4", version, save_id)
+        return store.save(
+            "race-4", {"n": version}, version, save_id=save_id, took=took.append,
+            also=lambda pipe: store.queue_claim_winner(pipe, "race-4", "a1", mark, write),
+            scripts=(store.claim_winner_script,),
+        )  # fmt: skip
+
+    assert save(1, "s1") == 2
+    assert RaceStore.winner_claim(took[-1][0]).first
+    published = listener.get_message(timeout=2)
+    assert published["type"] == "message" and published["channel"] == write.key
+    backend.mark_won("race-5", result)
+    written, marked = backend.get_task_meta("race-4"), backend.get_task_meta("race-5")
+    assert written["status"] == marked["status"] == "SUCCESS"
+    assert written["result"] == marked["result"] == result
+    assert sorted(written) == sorted(marked) and written["task_id"] == "race-4"
+    assert 0 < redis_client.pttl(write.key) <= write.expires_ms
+    # the same save sent again after its answer was lost: still the winner, nothing rewritten
+    redis_client.set(write.key, "sentinel")
+    assert save(1, "s1") == 2
+    assert not RaceStore.winner_claim(took[-1][0]).first
+    assert redis_client.get(write.key) == "sentinel"
+    assert listener.get_message(timeout=0.2) is None
+    listener.close()
+    # a store on another Redis database: the backend writes the result itself, after the save
+    where = redis_client.connection_pool.connection_kwargs
+    other = redis.Redis(host=where["host"], port=where["port"], db=int(where.get("db") or 0) + 1)
+    assert backend.won_write("race-6", result, other) is None
+    other.close()
+
+
+def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, prefix):
+    from gpuhedge_celery.store.races import RaceStore, VersionConflict
+
+    store = RaceStore(redis_client, prefix)
+    write = backend.won_write("race-7", {"winner": "p", "attempt": "a1"}, redis_client)
+    store.create("race-7", {"n": 0})
+    store.save("race-7", {"n": 1}, 1)
+    mark = store.save_mark("race-7", 1, "late")
+    with pytest.raises(VersionConflict):  # computed from version 1: it loses
+        store.save(
+            "race-7", {"n": 2}, 1, save_id="late",
+            also=lambda pipe: store.queue_claim_winner(pipe, "race-7", "a1", mark, write),
+            scripts=(store.claim_winner_script,),
+        )  # fmt: skip
+    assert redis_client.get(write.key) is None and store.winner("race-7") is None

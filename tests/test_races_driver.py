@@ -8,6 +8,8 @@ the caller hears of the winner once per claim.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpuhedge_celery.config import parse_config_text
@@ -17,6 +19,7 @@ from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.store.race_keys import ResultWrite
 from gpuhedge_celery.store.races import RaceStore
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_races import RACE_CONFIG
@@ -176,6 +179,36 @@ def test_the_winner_is_claimed_in_the_save_that_declares_it(setup):
     assert driver.store.winner("rw") == "a1" and separate == []  # no round trip of its own
     driver.resume("rw")  # a resumed race re-declares through a claim of its own: still a1
     assert separate == [("rw", "a1")] and driver.store.winner("rw") == "a1"
+
+
+class Writing(Recorder):
+    """Effects whose result backend is this Redis: the caller's result rides in the claim."""
+
+    def __init__(self, prefix) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.callers: list[dict] = []
+
+    def result_write(self, race_id, result):
+        return ResultWrite(f"{self.prefix}:caller:{race_id}", json.dumps(result), 60_000)
+
+    def won(self, race_id, result, caller):
+        self.callers.append(caller)
+        super().won(race_id, result, caller)
+
+
+def test_the_callers_result_is_written_by_the_claim_in_the_declaring_save(redis_client, prefix):
+    driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Writing(prefix))
+    driver.create("rc", FAST, build_spec(cfg))
+    driver.submit_attempt("rc", "a1")
+    assert [r["winner"] for r in effects.results] == ["p"]
+    # the key holds the very result the caller is handed, written before the handover
+    assert json.loads(redis_client.get(f"{prefix}:caller:rc")) == effects.results[0]
+    assert effects.callers[0]["result_stored"] is True  # so the effects do not write it again
+    assert 0 < redis_client.pttl(f"{prefix}:caller:rc") <= 60_000
+    driver.resume("rc")  # a resumed race re-declares by a claim of its own: the effects write
+    assert len(effects.callers) == 2 and "result_stored" not in effects.callers[1]
+    assert effects.results[1] == effects.results[0]
 
 
 def test_resume_of_a_finished_race_only_re_marks_the_same_result(setup):

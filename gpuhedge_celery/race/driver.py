@@ -36,13 +36,13 @@ from ..core.race_events import (
 from ..errors import StoreError
 from ..metrics import record as metrics
 from ..providers.base import Provider
-from ..store.races import RaceStore, SaveMark, VersionConflict, WinnerClaim, new_save_id
+from ..store.races import RaceStore, SaveMark, VersionConflict, new_save_id
 from ..store.timers import TimerStore
 from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork
 from .base import Effects, due_ms, find_attempt
 from .budget import RaceBudget
-from .outcome import OutcomeWork
+from .outcome import OutcomeWork, RidingClaim
 from .recovery import RecoveryWork
 from .settings import RaceSettings
 from .spec import RaceSpec
@@ -54,15 +54,6 @@ Events = Event | tuple[Event, ...]
 EventSource = Events | Callable[[Race], Events | None]
 StateUpdate = Callable[[dict[str, Any]], None]
 MAX_CONFLICTS = 50
-
-
-class _RidingClaim:
-    """The winner claim that rode in a step's save: its reply, read once the save won."""
-
-    claim: WinnerClaim | None = None
-
-    def take(self, replies: list[Any]) -> None:
-        self.claim = RaceStore.winner_claim(replies[0])
 
 
 class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
@@ -235,7 +226,7 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                 continue
             follow = self._perform(
                 race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,
-                claim=claimed.claim if claimed else None, finished=finished,
+                claim=claimed, finished=finished,
             )  # fmt: skip
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
@@ -264,16 +255,18 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
     def _with_winner_claim(
         self, race_id: str, race: Race, actions: list[Action], saved: SaveMark,
         also: Callable[[Any], None] | None, scripts: tuple[Any, ...],
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], _RidingClaim | None]:  # fmt: skip
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], RidingClaim | None]:  # fmt: skip
         """When the step declares a winner, its claim rides in the save, first among the extra
-        commands, and claims only if the save wins: no round trip of its own."""
+        commands, and claims only if the save wins: no round trip of its own. The caller's
+        result rides with it where the effects can say how it is stored."""
         if not any(isinstance(a, DeclareWinner) for a in actions) or race.winner is None:
             return also, scripts, None
-        riding = _RidingClaim()
+        riding = RidingClaim()
         winner = race.winner
+        result = self._result_write(race_id, race, riding)
 
         def with_claim(pipe: Any) -> None:
-            self.store.queue_claim_winner(pipe, race_id, winner, saved)
+            self.store.queue_claim_winner(pipe, race_id, winner, saved, result)
             if also is not None:
                 also(pipe)
 
@@ -338,12 +331,13 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         events: tuple[Event, ...],
         *,
         armed: bool = False,
-        claim: WinnerClaim | None = None,
+        claim: RidingClaim | None = None,
         finished: dict[str, Any] | None = None,
     ) -> list[Event]:
         """Perform a saved step's actions; ``armed``: its timers rode in the save already;
-        ``claim``: the winner claim that rode in it (None: claim now); ``finished``: the
-        receipt of the finish that rode in it (None: finish now)."""
+        ``claim``: the winner claim that rode in it (None: claim now), with the caller's
+        result if that rode too; ``finished``: the receipt of the finish that rode in it
+        (None: finish now)."""
         follow: list[Event] = []
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.

@@ -16,7 +16,7 @@ from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import RaceFinished
 from ..metrics import record as metrics
-from ..store.races import RaceStore, SaveMark, WinnerClaim
+from ..store.races import RaceStore, ResultWrite, SaveMark, WinnerClaim
 from .base import Effects, find_attempt
 from .receipt import (
     assemble_receipt,
@@ -29,6 +29,17 @@ from .settings import RaceSettings
 from .spec import spec_from_state
 
 log = logging.getLogger(__name__)
+
+
+class RidingClaim:
+    """The winner claim that rode in a step's save: its reply, read once the save won, and
+    the caller's result when that rode with it (written by the claim that made the winner)."""
+
+    claim: WinnerClaim | None = None
+    result: dict[str, Any] | None = None
+
+    def take(self, replies: list[Any]) -> None:
+        self.claim = RaceStore.winner_claim(replies[0])
 
 
 class OutcomeWork:
@@ -55,13 +66,40 @@ class OutcomeWork:
         except Exception:  # events are for watching; they never break a race
             log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
 
+    def _result_write(self, race_id: str, race: Race, riding: RidingClaim) -> ResultWrite | None:
+        """The caller's result, to ride with the winner claim in the declaring save, where the
+        effects say how their backend stores it (``result_write``) and this process holds the
+        winning result it just validated (no read); noted on ``riding`` for the declare."""
+        prepare = getattr(self.effects, "result_write", None)
+        won = race.winner_attempt
+        stored = self._fresh_results.get((race_id, won.id)) if won is not None else None
+        if prepare is None or won is None or stored is None:
+            return None
+        result = self._winner_result(race_id, race, won.id, stored)
+        write = prepare(race_id, result)
+        if write is not None:
+            riding.result = result
+        return write
+
+    def _winner_result(
+        self, race_id: str, race: Race, attempt_id: str, stored: dict[str, Any]
+    ) -> dict[str, Any]:
+        return winner_result(
+            race,
+            stored,
+            inline_max=self.settings.payload_inline_max,
+            ref=result_key(self.prefix, race_id, attempt_id),
+        )
+
     def _declare(
-        self, race_id: str, race: Race, state: dict[str, Any], claim: WinnerClaim | None = None
+        self, race_id: str, race: Race, state: dict[str, Any], riding: RidingClaim | None = None
     ) -> dict[str, Any] | None:
-        """Claim the winner (unless ``claim``, made in the step's save) and hand the caller
-        its result; returns that result (None when another attempt holds the claim)."""
+        """Claim the winner (unless ``riding``: the claim made in the step's save) and hand
+        the caller its result; returns that result (None when another attempt holds the
+        claim)."""
         won = race.winner_attempt
         assert won is not None
+        claim = riding.claim if riding is not None else None
         if claim is None:
             claim = self.store.claim_winner(race_id, won.id)
         if not claim.won:  # cannot happen while the state's version check holds; never hide it
@@ -70,18 +108,19 @@ class OutcomeWork:
             )
             return None
         stored = self._fresh_results.pop((race_id, won.id), None)
-        if stored is None:
-            stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id) or {}
-        result = winner_result(
-            race,
-            stored,
-            inline_max=self.settings.payload_inline_max,
-            ref=result_key(self.prefix, race_id, won.id),
-        )
-        self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
         caller = state.get("caller") or {}
-        if claim.first:
-            caller = {**caller, "first_claim": True}  # Celery effects skip their "done?" read
+        if riding is not None and riding.result is not None:
+            # The claim that made the winner wrote the caller's result in the same script (a
+            # won claim that is not first is this save sent again: its first send wrote it).
+            result = riding.result
+            caller = {**caller, "first_claim": True, "result_stored": True}
+        else:
+            if stored is None:
+                stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id)
+            result = self._winner_result(race_id, race, won.id, stored or {})
+            if claim.first:
+                caller = {**caller, "first_claim": True}  # Celery effects skip a "done?" read
+        self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
         self.effects.won(race_id, result, caller)
         return result
 

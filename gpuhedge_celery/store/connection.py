@@ -95,3 +95,18 @@ def persistence_warning(client: redis.Redis) -> str | None:
         "deadline) and the provider jobs they submitted can no longer be found or cancelled; "
         "set 'appendonly yes' and 'appendfsync everysec' (docs/reliability.md)"
     )
+
+
+def same_database(a: Any, b: Any) -> bool:
+    """Whether two redis-py clients reach the same Redis database (host and port, or unix
+    socket, and db number): a script run through one may then write keys the other reads."""
+
+    def where(client: Any) -> tuple[Any, ...] | None:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(kwargs, dict):
+            return None
+        place = kwargs.get("path") or (kwargs.get("host"), int(kwargs.get("port") or 6379))
+        return place, int(kwargs.get("db") or 0)
+
+    found = where(a)
+    return found is not None and found == where(b)

@@ -149,3 +149,14 @@ class SaveMark(NamedTuple):
 
     state_key: str
     mark: str  # "version:save id"
+
+
+class ResultWrite(NamedTuple):
+    """A caller's result, encoded as its result backend stores it, to be written by the claim
+    that makes the winner (:meth:`RaceStore.queue_claim_winner`): ``key`` is set to ``value``
+    (expiring after ``expires_ms``, 0: never) and ``value`` published on the key's channel,
+    as the backend's own write would."""
+
+    key: str
+    value: bytes | str
+    expires_ms: int = 0

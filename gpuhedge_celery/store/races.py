@@ -34,7 +34,7 @@ from . import codec, race_parts
 from .codec import dumps_dict, ms
 from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
-from .race_keys import SaveMark, finished_races_key, live_races_key, race_keys
+from .race_keys import ResultWrite, SaveMark, finished_races_key, live_races_key, race_keys
 from .race_liveness import RaceLiveness
 from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
@@ -384,13 +384,24 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             )
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
 
-    def queue_claim_winner(self, pipe: Any, race_id: str, attempt_id: str, saved: SaveMark) -> None:
+    def queue_claim_winner(
+        self, pipe: Any, race_id: str, attempt_id: str, saved: SaveMark,
+        result: ResultWrite | None = None,
+    ) -> None:  # fmt: skip
         """Queue :meth:`claim_winner` on a save's pipeline, to claim only if that save wins
         (``saved``: its :meth:`save_mark`); read the reply with :meth:`winner_claim`. Pass
-        :attr:`claim_winner_script` among the save's scripts."""
+        :attr:`claim_winner_script` among the save's scripts.
+
+        ``result``: the caller's result, written by the claim only if it makes the winner
+        (first), so neither a losing save nor a resend of this one writes it. The result key
+        is in another hash slot than the race's: a single Redis primary (as for the finish)."""
         keys = race_keys(self.prefix, race_id)
-        queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key],
-                     [attempt_id, ms(self.state_ttl_s), saved.mark])  # fmt: skip
+        args = [attempt_id, ms(self.state_ttl_s), saved.mark]
+        if result is None:
+            queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
+            return
+        queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key, result.key],
+                     [*args, result.value, int(result.expires_ms)])  # fmt: skip
 
     @property
     def claim_winner_script(self) -> Any:

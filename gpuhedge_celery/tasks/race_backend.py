@@ -32,6 +32,8 @@ from celery.backends.redis import RedisBackend
 from kombu.utils.encoding import bytes_to_str
 
 from ..race.receipt import PAYLOAD_INLINE, with_payload
+from ..store.connection import same_database
+from ..store.race_keys import ResultWrite
 
 
 class RaceRedisBackend(RedisBackend):
@@ -63,6 +65,23 @@ class RaceRedisBackend(RedisBackend):
         meta["task_id"] = bytes_to_str(task_id)
         self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
         return result
+
+    def won_write(self, task_id: str, result: Any, store_client: Any) -> ResultWrite | None:
+        """The write :meth:`mark_won` would make, as data: the same key, encoded value and
+        expiry, for the winner claim to set and publish (as :meth:`_set` does) in the round
+        trip of the save that declares the winner (``RaceStore.queue_claim_winner``). None
+        unless ``store_client`` (the race store's) reaches this backend's Redis database."""
+        if not same_database(self.client, store_client):
+            return None
+        encoded = self.encode_result(result, states.SUCCESS)
+        meta = self._get_result_meta(result=encoded, state=states.SUCCESS, traceback=None,
+                                     request=None)  # fmt: skip
+        meta["task_id"] = bytes_to_str(task_id)
+        expires = self.expires
+        return ResultWrite(
+            bytes_to_str(self.get_key_for_task(task_id)), self.encode(meta),
+            int(expires * 1000) if expires else 0,
+        )  # fmt: skip
 
     def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
         meta = super().meta_from_decoded(meta)

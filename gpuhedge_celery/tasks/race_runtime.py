@@ -28,6 +28,7 @@ from ..race.settings import RaceSettings
 from ..race.watch_batch import WatchBatch
 from ..store.budget import BudgetStore
 from ..store.connection import client_for
+from ..store.race_keys import ResultWrite
 from ..store.races import RaceStore
 from ..store.redis_clock import RedisClock
 from ..store.timer_service import TimerService
@@ -67,11 +68,17 @@ class CeleryEffects:
     Task events are handed to one sender thread, so a race step never waits on publishing them.
     """
 
-    def __init__(self, settings: RaceSettings | None = None, prefix: str | None = None) -> None:
+    def __init__(
+        self, settings: RaceSettings | None = None, prefix: str | None = None,
+        client: Any = None,
+    ) -> None:  # fmt: skip
         self.settings = settings or race_settings()
         # With the key prefix, a winner's payload is marked by reference to its stored result
         # where the result backend reads it back (tasks/race_backend.py): Redis gets one copy.
         self.prefix = prefix
+        # The race store's client: where the result backend's Redis is the same database, the
+        # caller's result is written by the winner claim in the declaring save (result_write).
+        self.client = client
         self._lock = threading.Lock()
         self._dispatcher: Any = None
         self._cancels: ThreadPoolExecutor | None = None
@@ -119,17 +126,40 @@ class CeleryEffects:
             self._events.put(None)
             sender.join(timeout)
 
+    def result_write(self, race_id: str, result: dict[str, Any]) -> ResultWrite | None:
+        """The caller's result as the backend would write it, for the winner claim riding in
+        the save that declares the winner (one round trip less per race); None where the
+        backend cannot say (another backend, another Redis): then :meth:`won` writes it."""
+        if self.client is None:
+            return None
+        backend = _app().backend
+        write = getattr(backend, "won_write", None)
+        if write is None:
+            return None
+        try:
+            return write(race_id, self._to_store(backend, race_id, result), self.client)
+        except Exception:  # the write after the save still works; never fail a step here
+            log.debug("race %s: result not prepared for the claim", race_id, exc_info=True)
+            return None
+
     def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         app = _app()
         if not caller.get("first_claim") and (
             app.backend.get_task_meta(race_id).get("status") == "SUCCESS"
         ):
             return  # a resumed race re-declares its winner: links and chains must not run twice
+        if caller.get("result_stored"):  # the claim in the declaring save wrote it
+            self._succeeded(race_id, result, caller)
+            return
         stored = self._to_store(app.backend, race_id, result)
         if caller.get("first_claim") and hasattr(app.backend, "mark_won"):
             app.backend.mark_won(race_id, stored)  # nothing to read first: see RaceRedisBackend
         else:
             app.backend.mark_as_done(race_id, stored)
+        self._succeeded(race_id, result, caller)
+
+    def _succeeded(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
+        """After the result is stored: Flower's task-succeeded, then links and the chain."""
         self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
         _continue(race_id, result, caller)
 
@@ -315,7 +345,7 @@ class RaceRuntime:
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
-        self.effects = CeleryEffects(self.settings, self.prefix)
+        self.effects = CeleryEffects(self.settings, self.prefix, self.client)
         # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
         self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
         self.driver = RaceDriver(

@@ -1,11 +1,16 @@
 -- race_claim_winner: make one attempt the race's only winner, ever.
 -- KEYS[1] winner STRING
 -- KEYS[2] with a save mark only (ARGV[3]): the race's state HASH (race_save.lua)
+-- KEYS[3] (optional) the caller's result key (STRING, the result backend's): written and
+--         published with ARGV[4] only by the claim that makes the winner
 -- ARGV[1] attempt id claiming the win
 -- ARGV[2] expiry in ms of the winner key, 0 = none (finish() sets the final expiry)
 -- ARGV[3] (optional) the mark 'version:save id' of the race save this claim rides with: it
 --         claims only if that save won (the mark is in the state's history of saves, field s);
 --         a save that lost its version check was computed from an old copy of the race
+-- ARGV[4] (with KEYS[3]) the caller's result as the backend stores it; ARGV[5] its expiry in
+--         ms, 0 = none. The same SET and PUBLISH the backend itself would make: a caller
+--         waiting on the key's channel wakes with it.
 -- Returns {1, attempt, 1}  this claim made the attempt the winner
 --         {1, attempt, 0}  the same attempt had already won (a redelivered claim): still won
 --         {0, winner, 0}   another attempt won first
@@ -28,5 +33,14 @@ if ttl > 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 else
   redis.call('SET', KEYS[1], ARGV[1])
+end
+if KEYS[3] then
+  local expiry = tonumber(ARGV[5])
+  if expiry > 0 then
+    redis.call('SET', KEYS[3], ARGV[4], 'PX', expiry)
+  else
+    redis.call('SET', KEYS[3], ARGV[4])
+  end
+  redis.call('PUBLISH', KEYS[3], ARGV[4])
 end
 return {1, ARGV[1], 1}
