@@ -14,6 +14,7 @@ from gpuhedge_celery.core.budget import BudgetCaps
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
+from gpuhedge_celery.store.race_keys import race_keys
 from tests.test_races_driver import Recorder, build_driver
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,3 +78,32 @@ def test_budgets_add_no_round_trip(redis_url, prefix, policy):
     ledger = BudgetStore(redis.Redis.from_url(redis_url, decode_responses=True), prefix)
     settled = [e for _, e in ledger.entries() if e["type"] == "settle" and e["race"] == "r-True"]
     assert len(settled) == submits_on and ledger.open_count() == 0
+
+
+def test_the_first_submits_claim_rides_in_the_create_and_only_a_create_that_wins_makes_it(
+    redis_client, prefix
+):
+    driver, effects, cfg, ledger, _ = build_driver(redis_client, prefix, Recorder())
+    driver.budget = RaceBudget(BudgetStore(redis_client, prefix), CAPS)
+    claims = []
+    claim = driver.store.claim_submit_with_request
+    driver.store.claim_submit_with_request = lambda *a, **k: claims.append(a) or claim(*a, **k)
+    spec = build_spec(cfg, "single")
+    request = {"sim": {"p": {"queue_s": 5, "run_s": 100}}}
+    assert driver.create("c1", request, spec, submit_first=True)
+    assert claims == []  # no claim round trip of its own: it rode in the create
+    assert driver.store.live_jobs("c1")["a1"]["job_id"]  # submitted once and registered
+    assert int(ledger.get("sim:seq:p") or 0) == 1
+    budget = driver.budget.store
+    reserved = [e for _, e in budget.entries() if e["type"] == "reserve" and e["race"] == "c1"]
+    assert [e["attempt"] for e in reserved] == ["a1"] and budget.open_count() == 1
+    # A redelivered create loses to the first: it claims and reserves nothing, though the
+    # claim and the reservation were in its pipeline. (Both made by the first are taken away,
+    # so that one made now would show.)
+    redis_client.hdel(race_keys(prefix, "c1").jobs, "a1")
+    redis_client.delete(budget.keys.reservation("c1/a1"))
+    redis_client.zrem(budget.keys.open, "c1/a1")
+    entries = len(list(budget.entries()))
+    assert not driver.create("c1", request, spec, submit_first=True)
+    assert driver.store.live_jobs("c1") == {} and claims == []
+    assert len(list(budget.entries())) == entries and budget.open_count() == 0

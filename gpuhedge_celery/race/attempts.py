@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Attempt, Phase
@@ -32,6 +33,50 @@ def _launching(state: dict[str, Any], attempt_id: str) -> bool:
     """Whether a stored race state has ``attempt_id`` launched and not yet submitted."""
     attempts = state["race"].get("attempts") or []
     return any(a["id"] == attempt_id and a["phase"] == Phase.LAUNCHING.value for a in attempts)
+
+
+@dataclass
+class ClaimedSubmit:
+    """A submit claim that rode in the round trip of the create that made the race: the
+    intent recorded, the request to submit, and the budget's reservation (its reply read)."""
+
+    intent: dict[str, Any]
+    request: dict[str, Any]
+    budget: Any = None  # the PendingReservation that rode with it, or None (budgets off)
+
+
+class FirstSubmit:
+    """The submit claim of the attempt a create submits itself, riding in the create's round
+    trip: its intent and the budget's reservation, each made only if the create wins (a
+    redelivered create that conflicts claims and reserves nothing). The submit that follows
+    then needs no round trip before the provider's."""
+
+    def __init__(self, store: RaceStore, race_id: str, claim: ClaimedSubmit, attempt_id: str,
+                 mark: Any) -> None:  # fmt: skip
+        self.store, self.race_id, self.claim = store, race_id, claim
+        self.attempt_id, self.mark = attempt_id, mark
+        self._data = ""
+        self._ours = False
+        reserve = () if claim.budget is None else (claim.budget.store.reserve_script,)
+        self.scripts = (store.submit_intent_script, *reserve)
+
+    def queue(self, pipe: Any) -> None:
+        self._data = self.store.queue_submit_intent(
+            pipe, self.race_id, self.attempt_id, self.claim.intent, self.mark
+        )
+        if self.claim.budget is not None:
+            self.claim.budget.queue_on_save(pipe, self.mark)
+
+    def take(self, replies: list[Any]) -> None:
+        """The replies of the create's extra commands (this claim's first), once it won."""
+        self._ours = self.store.submit_intent_ours(replies[0], self._data)
+        if self.claim.budget is not None:
+            self.claim.budget.take(replies[1:])
+
+    @property
+    def ours(self) -> ClaimedSubmit | None:
+        """The claim, if the create won and recorded it as this process's."""
+        return self.claim if self._ours else None
 
 
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
@@ -75,6 +120,7 @@ class AttemptWork(CancelWork, WatchWork):
     def submit_attempt(
         self, race_id: str, attempt_id: str, *, new_race: bool = False,
         backstop: str | None = None, takeover: bool = False, decided_here: bool = False,
+        claimed: ClaimedSubmit | None = None,
     ) -> None:  # fmt: skip
         """Submit a launched attempt's job once, register it, report it, start watching it.
 
@@ -91,7 +137,8 @@ class AttemptWork(CancelWork, WatchWork):
         process saved the step that launched the attempt just now, so its copy of the race
         serves (no read; a job registered meanwhile is found by the submit claim); a copy
         without the attempt still launching (saved here before a resume asked for the launch)
-        is read again from Redis.
+        is read again from Redis. ``claimed``: the submit claim that rode in the round trip of
+        the create that just made the race (``new_race``): the claim is this process's.
         """
         drop = BackstopDrop(self.timers, backstop)
         record = self.store.load(race_id, fresh=True) if new_race or decided_here else None
@@ -122,13 +169,15 @@ class AttemptWork(CancelWork, WatchWork):
             )  # fmt: skip
             drop.now()
             return
-        request = None
-        if known is None:
+        intent, request = (claimed.intent, claimed.request) if claimed else (None, None)
+        if claimed is not None and claimed.budget is not None and not claimed.budget.result.granted:
+            self._refused(race_id, a, claimed.budget.result, drop)
+            return
+        if known is None and intent is None:
             # The intent first: a crash between the provider's reply and the handle's
             # registration must not look like "never submitted" to a redelivery. Its window
             # tells a late-comer whether the submitter may still be at work.
-            now = self.clock.now()
-            intent = {"submitting": True, "at": now, "until": now + self.settings.launch_backstop_s}
+            intent = self._submit_intent()
             # The budget's reservation of the attempt's worst case rides in the same round trip.
             budget = self.budget.reservation(race_id, a, record.state) if self.budget else None
             # A claim whose answer was lost is sent again within the intent's window: the same
@@ -143,7 +192,7 @@ class AttemptWork(CancelWork, WatchWork):
             if known is None and budget is not None and not budget.result.granted:
                 self._refused(race_id, a, budget.result, drop)
                 return
-        if known is None:  # the claim is ours: submit
+        if known is None and intent is not None:  # the claim is ours: submit
             # (a race created before the request had its own key still carries it inline)
             request = request if request is not None else record.state.get("request")
             if request is None:  # never submit a request we no longer have as something else
@@ -186,6 +235,25 @@ class AttemptWork(CancelWork, WatchWork):
         self.watch(
             race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
         )
+
+    def _first_submit(
+        self, race_id: str, race: Race, state: dict[str, Any], request: dict[str, Any],
+        first: Any, save_id: str,
+    ) -> FirstSubmit | None:  # fmt: skip
+        """The claim of ``first`` (the Launch a create submits itself), to ride in the create
+        saved with ``save_id``; None without one."""
+        a = find_attempt(race, first.attempt_id) if first is not None else None
+        if a is None:
+            return None
+        budget = self.budget.reservation(race_id, a, state) if self.budget else None
+        mark = self.store.save_mark(race_id, 0, save_id)
+        claim = ClaimedSubmit(self._submit_intent(), request, budget)
+        return FirstSubmit(self.store, race_id, claim, a.id, mark)
+
+    def _submit_intent(self) -> dict[str, Any]:
+        """A submit intent as claimed now; its window (``until``) is the launch backstop's."""
+        now = self.clock.now()
+        return {"submitting": True, "at": now, "until": now + self.settings.launch_backstop_s}
 
     def _register_job(self, race_id: str, attempt_id: str, handle: JobHandle, until: float) -> None:
         """Register a job the provider just accepted, before it is reported: a crash now leaves

@@ -118,20 +118,26 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         # redelivered create, whose resume launches it behind a backstop), and once due it would
         # take over that attempt's later work (its cancel) from the timer meant for it.
         arms = self._arms(race_id, state, rest)
-        also = arms
-        if spec.deadline_s is not None:
-            at = (race.started_at or 0.0) + spec.deadline_s
+        deadline = None if spec.deadline_s is None else (race.started_at or 0.0) + spec.deadline_s
+        # The first submit's claim rides here too, made only if the create wins (FirstSubmit).
+        save_id = new_save_id()
+        ride = self._first_submit(race_id, race, state, request, first, save_id)
 
-            def also(pipe: Any) -> None:
-                if arms is not None:
-                    arms(pipe)
-                self.store.queue_deadline(pipe, race_id, at)  # for waiting callers
+        def also(pipe: Any) -> None:
+            if ride is not None:  # first among the extras: its replies come first
+                ride.queue(pipe)
+            if arms is not None:
+                arms(pipe)
+            if deadline is not None:
+                self.store.queue_deadline(pipe, race_id, deadline)  # for waiting callers
 
         try:
             # the request has its own key, written once (each step rewrites the state)
             self.store.create(
-                race_id, state, request, also=also,
-                scripts=(self.timers.arm_script, self.timers.cancel_script),
+                race_id, state, request, also=also, save_id=save_id,
+                took=ride.take if ride is not None else None,
+                scripts=(self.timers.arm_script, self.timers.cancel_script,
+                         *(ride.scripts if ride is not None else ())),
             )  # fmt: skip
         except VersionConflict:
             self.resume(race_id)
@@ -139,7 +145,8 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         metrics.race_started(race)
         self._perform(race_id, race, state, rest, before, [], [], (), armed=arms is not None)
         if first is not None:
-            self.submit_attempt(race_id, first.attempt_id, new_race=True)
+            claimed = ride.ours if ride is not None else None
+            self.submit_attempt(race_id, first.attempt_id, new_race=True, claimed=claimed)
         return True
 
     # ------------------------------------------------------------------ the step

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.budget import ANY_KEY, BudgetCaps, refusal_text, to_nano, to_usd
-from .race_keys import budget_keys, reservation_id
+from .race_keys import SaveMark, budget_keys, reservation_id
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
@@ -62,10 +62,19 @@ class PendingReservation:
     def queue(self, pipe: Any) -> None:
         queue_script(pipe, self.store.reserve_script, self.keys, self.args)
 
+    def queue_on_save(self, pipe: Any, saved: SaveMark) -> None:
+        """:meth:`queue`, to reserve only if the race save it rides with wins (``saved``: its
+        mark; the create of the race, which a redelivery may lose)."""
+        queue_script(pipe, self.store.reserve_script, [*self.keys, saved.state_key],
+                     [*self.args, saved.mark])  # fmt: skip
+
     def take(self, replies: Sequence[Any]) -> Reservation:
         code, value, used, slot = (int(x) for x in replies[0])
         amount = int(self.args[1])
-        if code in (GRANTED, REPEAT):
+        if code < 0:  # rode in a save that lost: nothing reserved, nothing to submit
+            reason = "budget: not reserved (the race save it rode with lost)"
+            found = Reservation(self.reservation_id, False, amount, reason=reason, cap="none")
+        elif code in (GRANTED, REPEAT):
             found = Reservation(self.reservation_id, True, value, repeat=code == REPEAT)
         elif code == SETTLED:
             reason = "budget: this attempt's reservation was settled already: not submitted again"

@@ -13,8 +13,8 @@ from typing import Any
 
 from . import codec
 from .codec import dumps_dict
-from .race_keys import race_keys
-from .scripts import run_pipeline
+from .race_keys import SaveMark, race_keys
+from .scripts import queue_script, run_pipeline
 from .timers import as_text, store_errors
 
 
@@ -25,6 +25,7 @@ class RaceJobs:
     prefix: str
 
     _touch: Callable[[Any, str], None]  # RaceLiveness's: the heartbeat, one command
+    _submit_intent: Any  # the race_submit_intent script, registered by the store
 
     def add_job(self, race_id: str, attempt_id: str, handle: dict[str, Any]) -> None:
         """Register a submitted provider job as live (its JSON handle), before anything else.
@@ -96,6 +97,29 @@ class RaceJobs:
         if claimed or found is None or as_text(found) == data:
             return None, request
         return codec.loads(found), request
+
+    def queue_submit_intent(
+        self, pipe: Any, race_id: str, attempt_id: str, intent: dict[str, Any], saved: SaveMark
+    ) -> str:
+        """Queue :meth:`claim_submit`'s intent on the pipeline of the save that created the
+        race, to be recorded only if that save won (``saved``: its mark; a redelivered create
+        that conflicts claims nothing). Pass :attr:`submit_intent_script` among the save's
+        scripts; read the reply with :meth:`submit_intent_ours`. Returns the intent's JSON."""
+        keys = race_keys(self.prefix, race_id)
+        data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
+        queue_script(pipe, self._submit_intent, [keys.jobs, saved.state_key],
+                     [saved.mark, attempt_id, data])  # fmt: skip
+        return data
+
+    @property
+    def submit_intent_script(self) -> Any:
+        return self._submit_intent
+
+    @staticmethod
+    def submit_intent_ours(reply: Any, data: str) -> bool:
+        """Whether a queued intent's ``reply`` says the claim is ours (``data``: the intent
+        queued): recorded now, or by a first send of the same save."""
+        return reply is not None and reply != -1 and as_text(reply) == data
 
     def remove_job(self, race_id: str, attempt_id: str) -> bool:
         """Forget a job that reached a terminal state; False if it was not registered."""

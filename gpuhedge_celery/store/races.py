@@ -119,6 +119,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self._owner_claim = lua_script(client, "race_owner_claim")
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
+        self._submit_intent = lua_script(client, "race_submit_intent")
         # What this process last saved and last read of each race (load(fresh=True), deltas)
         self.copies = StateCopies()
 
@@ -131,16 +132,20 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         request: dict[str, Any] | None = None,
         also: Callable[[Any], None] | None = None,
         scripts: tuple[Any, ...] = (),
+        save_id: str | None = None,
+        took: Callable[[list[Any]], None] | None = None,
     ) -> int:
         """Store a new race's first state (version 1); VersionConflict if the race exists.
 
         ``request``: the caller's request, stored once (compact JSON, its own key, written in
         the same round trip) rather than in the state every step rewrites; read it back with
         :meth:`request` or :meth:`claim_submit_with_request`. :meth:`finish` drops it.
-        ``also`` and ``scripts``: as for :meth:`save` (the first timers ride in this round trip).
+        ``also``, ``scripts``, ``save_id`` and ``took``: as for :meth:`save` (the first timers
+        and the first submit's intent ride in this round trip).
         """
+        more = {"also": also, "scripts": scripts, "save_id": save_id, "took": took}
         if request is None:
-            return self.save(race_id, state, 0, also=also, scripts=scripts)
+            return self.save(race_id, state, 0, **more)
         key = race_keys(self.prefix, race_id).request
         data = dumps_dict(request, f"request of race {race_id!r}")
         ttl_ms = ms(self.state_ttl_s)
@@ -149,7 +154,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             # NX: a redelivered create (which then conflicts) leaves the first one in place
             pipe.set(key, data, nx=True, px=ttl_ms or None)
 
-        return self.save(race_id, state, 0, also=also, scripts=scripts, before=store_request)
+        return self.save(race_id, state, 0, before=store_request, **more)
 
     def request(self, race_id: str) -> dict[str, Any] | None:
         """The race's request as :meth:`create` stored it; None once the race has finished

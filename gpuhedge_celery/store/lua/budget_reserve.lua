@@ -13,11 +13,16 @@
 --         (-1: counted, no cap). The scopes, as core/budget.py's scopes() names them:
 --         all, d:<day>, p:<provider>, d:<day>:p:<provider>, and with a key k:<key>,
 --         d:<day>:k:<key>
+-- KEYS[6] (optional) the race's state HASH (race_save.lua), with ARGV[10 + number of scopes]
+--         the mark 'version:save id' of the race save this reservation rides with (the create
+--         of the race): it reserves only if that save won, i.e. the mark is in the state's
+--         history of saves (field s). A redelivered create that lost reserves nothing.
 -- Returns {1, amount, 0, 0}          reserved now
 --         {2, amount, 0, 0}          reserved already (a repeat: nothing changes)
 --         {3, settled, 0, 0}         reserved and settled already: do not submit again
 --         {0, cap, used, slot}       refused: used + amount would pass the cap of the slot
 --                                    (0 = per request, i = the i-th scope)
+--         {-1, 0, 0, 0}              (with a save mark) that save did not win: nothing done
 local id, amount = ARGV[1], tonumber(ARGV[2])
 local found = redis.call('HMGET', KEYS[4], 'amount', 'settled')
 if found[1] then
@@ -32,6 +37,12 @@ local scopes = {'all', 'd:' .. day, 'p:' .. provider, 'd:' .. day .. ':p:' .. pr
 if key ~= '' then
   scopes[5] = 'k:' .. key
   scopes[6] = 'd:' .. day .. ':k:' .. key
+end
+if KEYS[6] then
+  local history = redis.call('HGET', KEYS[6], 's') or ''
+  if not string.find(' ' .. history .. ' ', ' ' .. ARGV[10 + #scopes] .. ' ', 1, true) then
+    return {-1, 0, 0, 0}
+  end
 end
 local function refuse(cap, used, slot)
   redis.call('XADD', KEYS[3], '*', 'type', 'refuse', 'id', id, 'nano', amount, 'race', race,
