@@ -93,10 +93,12 @@ def test_settings_defaults_and_values():
             "GPUHEDGE_RACE_EVENTS": "off",
             "GPUHEDGE_PLUGINS": "json, tests.support.fixtures_races",
             "GPUHEDGE_SUBMIT_PRIMARY_INLINE": "false",
+            "GPUHEDGE_ACK_LINGER_MS": "0",
         }
     )
     assert (s.receipt_ttl_s, s.payload_inline_max, s.events) == (60.0, 0, False)
     assert s.plugins == ("json", "tests.support.fixtures_races") and not s.submit_primary_inline
+    assert s.ack_linger_ms == 0.0 and RaceSettings().ack_linger_ms == 250.0
     s.import_plugins()
     assert s.as_celery_conf()["gpuhedge_race_receipt_ttl_s"] == 60.0
 
@@ -109,6 +111,7 @@ def test_settings_defaults_and_values():
         ({"GPUHEDGE_RACE_EVENTS": "maybe"}, "GPUHEDGE_RACE_EVENTS: expected 1/0"),
         ({"GPUHEDGE_PLUGINS": "not a module"}, "GPUHEDGE_PLUGINS: expected a module path"),
         ({"GPUHEDGE_TIMER_NAMESPACE": "a b"}, "GPUHEDGE_TIMER_NAMESPACE: expected letters"),
+        ({"GPUHEDGE_ACK_LINGER_MS": "-5"}, "GPUHEDGE_ACK_LINGER_MS: expected a number"),
     ],
 )
 def test_settings_errors_name_the_variable(env, fragment):

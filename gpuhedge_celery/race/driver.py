@@ -115,8 +115,10 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         rest = [a for a in actions if a is not first]
         # The first timers ride in the create's round trip. Not a launch backstop for the
         # attempt submitted inline below: nothing would drop it (a crash here is covered by the
-        # redelivered create, whose resume launches it behind a backstop), and once due it would
-        # take over that attempt's later work (its cancel) from the timer meant for it.
+        # redelivered create, whose resume launches it behind a backstop: as the submit's
+        # intent is already recorded, that backstop ends it "outcome unknown" past the intent's
+        # window, as for a death during any submit), and once due it would take over that
+        # attempt's later work (its cancel) from the timer meant for it.
         arms = self._arms(race_id, state, rest)
         deadline = None if spec.deadline_s is None else (race.started_at or 0.0) + spec.deadline_s
         # The first submit's claim rides here too, made only if the create wins (FirstSubmit).

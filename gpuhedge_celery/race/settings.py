@@ -27,6 +27,12 @@ GPUHEDGE_EVENT_LINGER_MS           100         how long a process gathers race e
                                                publish carries many events: 1.4 publishes
                                                per race at 20 ms, 0.4 at 100, measured); 0:
                                                at once
+GPUHEDGE_ACK_LINGER_MS             250         how long a coordination task's broker
+                                               acknowledgement may wait to ride in the next
+                                               delivery's round trip (a flush sends what is
+                                               left after this long); a crash in between
+                                               only redelivers an idempotent task after the
+                                               visibility timeout; 0: each sent at once
 GPUHEDGE_TIMER_NAMESPACE           races       the durable-timer namespace races use
 GPUHEDGE_SUBMIT_PRIMARY_INLINE     1           hedged_infer submits the first attempt
                                                itself instead of through a race_submit task
@@ -143,6 +149,7 @@ class RaceSettings:
     watch_interval_s: float = 1.0
     events: bool = True
     event_linger_ms: float = 100.0
+    ack_linger_ms: float = 250.0
     timer_namespace: str = "races"
     submit_primary_inline: bool = True
     launch_inline: bool = True
@@ -196,6 +203,7 @@ class RaceSettings:
             watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
             events=env_flag(env, "GPUHEDGE_RACE_EVENTS", True),
             event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 100.0, minimum=-1),
+            ack_linger_ms=_float(env, "GPUHEDGE_ACK_LINGER_MS", 250.0, minimum=-1),
             timer_namespace=namespace,
             submit_primary_inline=env_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
             launch_inline=env_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),

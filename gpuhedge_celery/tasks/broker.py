@@ -16,22 +16,105 @@ connection is gone, are logged and skipped: the messages are still in Redis's un
 (where the broker put them when it delivered them), and any worker's periodic sweep restores
 them once the visibility timeout has passed (``GPUHEDGE_VISIBILITY_TIMEOUT_S``); every task is
 idempotent, so one that finished and runs again is harmless.
+
+**Acknowledgements of coordination tasks ride in the next delivery's round trip.** kombu
+acknowledges a message with a round trip of its own (``ZREM`` + ``HDEL`` of the unacked index
+and hash) and records the next delivery with another (``ZADD`` + ``HSET``). For the race tasks
+(``hedged_infer``, ``race_step``, ``race_submit``, ``race_cancel``: idempotent, and a finished
+one only resumes its race when it runs again) the acknowledgement waits, up to
+``GPUHEDGE_ACK_LINGER_MS`` (250), to go in the pipeline that records the next delivery; what
+no delivery took is sent by a flush on the worker's event loop after that long, and on close.
+Celery's own bookkeeping (prefetch, the delivered set) sees the acknowledgement at once. A
+worker that dies in between leaves those messages in the unacked index: they are restored
+after the visibility timeout, and their tasks resume races that are already running or done.
+Other tasks (pooled GPU jobs, the janitor) are acknowledged at once, as kombu does.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from functools import lru_cache
+from time import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.json import dumps
 
 log = logging.getLogger(__name__)
 
 TRANSPORT = "gpuhedge_celery.tasks.broker:Transport"
+# the race tasks (tasks/race_runtime.py names them): idempotent, a rerun resumes its race
+LINGERING_TASKS = frozenset(
+    {"gpuhedge.hedged_infer", "gpuhedge.race_step", "gpuhedge.race_submit", "gpuhedge.race_cancel"}
+)
+
+
+@lru_cache(maxsize=1)
+def ack_linger_s() -> float:
+    """``GPUHEDGE_ACK_LINGER_MS`` in seconds (read once per process)."""
+    from ..race.settings import RaceSettings
+
+    return RaceSettings.from_env().ack_linger_ms / 1000.0
 
 
 class QoS(kombu_redis.QoS):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._acks_lock = threading.Lock()  # Celery's pool threads acknowledge
+        self._lingering: list[Any] = []  # delivery tags acknowledged, not yet sent to Redis
+
+    def _lingers(self, delivery_tag: Any) -> bool:
+        if ack_linger_s() <= 0:
+            return False
+        headers = getattr(self._delivered.get(delivery_tag), "headers", None) or {}
+        return headers.get("task") in LINGERING_TASKS
+
+    def _take_lingering(self) -> list[Any]:
+        with self._acks_lock:
+            tags, self._lingering = self._lingering, []
+        return tags
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        """kombu's append (the message recorded as unacked), with the acknowledgements made
+        since the last round trip sent in the same pipeline."""
+        tags = self._take_lingering()
+        delivery = message.delivery_info
+        record = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.pipe_or_acquire() as pipe:
+            for tag in tags:
+                self._remove_from_indices(tag, pipe)
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time()})
+            pipe.hset(self.unacked_key, delivery_tag, record)
+            try:
+                pipe.execute()
+            except Exception:
+                self._keep(tags)  # for the next round trip or flush
+                raise
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def _keep(self, tags: list[Any]) -> None:
+        with self._acks_lock:
+            self._lingering[:0] = tags
+
+    def flush_acks(self) -> None:
+        """Send the acknowledgements still waiting for a delivery to ride with."""
+        tags = self._take_lingering()
+        if not tags or self.channel.connection is None:
+            return
+        try:
+            with self.pipe_or_acquire() as pipe:
+                for tag in tags:
+                    self._remove_from_indices(tag, pipe)
+                pipe.execute()
+        except Exception as e:
+            self._keep(tags)
+            log.warning("%d broker acknowledgement(s) not sent yet (%s); sent with the next "
+                        "round trip", len(tags), e)  # fmt: skip
+
     def restore_unacked(self, client: Any = None) -> Any:
+        self.flush_acks()  # acknowledged messages are not restored, nor left in the index
         try:
             return super().restore_unacked(client)
         except AttributeError as e:  # the connection is gone (see the module docstring)
@@ -54,8 +137,14 @@ class QoS(kombu_redis.QoS):
         return True
 
     def ack(self, delivery_tag: Any) -> None:
-        if not self._gone(delivery_tag, "acknowledged"):
+        if self._gone(delivery_tag, "acknowledged"):
+            return
+        if not self._lingers(delivery_tag):
             super().ack(delivery_tag)
+            return
+        with self._acks_lock:
+            self._lingering.append(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)  # Celery's prefetch sees it at once
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if not self._gone(delivery_tag, "rejected"):
@@ -65,6 +154,27 @@ class QoS(kombu_redis.QoS):
 class Channel(kombu_redis.Channel):
     QoS = QoS
 
+    def close(self) -> None:
+        qos = self._qos
+        if qos is not None and not self.closed:
+            qos.flush_acks()
+        super().close()
+
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        old = getattr(self, "_acks_tref", None)
+        if old is not None:  # a reconnect registers again: one flush timer, not one each
+            old.cancel()
+        self._acks_tref = None
+        if ack_linger_s() > 0:
+            self._acks_tref = loop.call_repeatedly(ack_linger_s(), self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        for channel in list(self.cycle._channels):
+            qos = getattr(channel, "_qos", None)
+            if qos is not None:
+                qos.flush_acks()
