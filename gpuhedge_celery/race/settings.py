@@ -57,11 +57,12 @@ GPUHEDGE_COORD_LOOP                batched     ``batched``: the timer thread ste
                                                timer threads; ``threads``: every timer on a
                                                timer thread (docs/architecture.md compares
                                                the two)
-GPUHEDGE_TIMER_AHEAD_MS            10          a timer claim also takes timers due within this
+GPUHEDGE_TIMER_AHEAD_MS            25          a timer claim also takes timers due within this
                                                many ms, each fired at its due time: one claim
                                                per window of timers, not one per timer and
-                                               claiming process (claims per race 5-6 -> 2.5
-                                               on two workers, measured); 0: off
+                                               claiming process (claims per race 5-6 at 0,
+                                               2.7 at 10, 1.45 at 25 on two workers,
+                                               measured); 0: off
 GPUHEDGE_CANCEL_THREADS            32          threads per process that call providers' native
                                                cancels the moment a race decides them (and as
                                                many again for inline launches' submits)
@@ -155,7 +156,7 @@ class RaceSettings:
     launch_inline: bool = True
     launch_backstop_s: float = 60.0
     timer_threads: int = 16
-    timer_ahead_ms: int = 10
+    timer_ahead_ms: int = 25
     coord_loop: str = "batched"
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
@@ -209,7 +210,7 @@ class RaceSettings:
             launch_inline=env_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
             launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
             timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 16),
-            timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 10.0, minimum=-1)),
+            timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 25.0, minimum=-1)),
             coord_loop=_coord_loop(env),
             cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
             cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
