@@ -88,3 +88,20 @@ def test_a_zero_linger_acknowledges_at_once(channel, monkeypatch):
     conn.drain_events(timeout=5)
     got[-1].ack()
     assert unacked(ch) == set()
+
+
+def test_receipts_that_expire_before_the_visibility_timeout_turn_lingering_off(
+    channel, monkeypatch
+):
+    """A task redelivered after the visibility timeout must find its race's keys: where they
+    expire sooner (a short GPUHEDGE_RECEIPT_TTL_S), acknowledgements go at once."""
+    monkeypatch.setattr(broker, "_receipt_ttl_s", lambda: 60.0)
+    conn, ch = channel
+    assert ch.qos.visibility_timeout > 60
+    queue = Queue("t-coord4", Exchange("t-coord4", type="direct"), routing_key="t-coord4")
+    publish(ch, queue, ["gpuhedge.hedged_infer"])
+    got = []
+    Consumer(ch, [queue], callbacks=[lambda body, m: got.append(m)], no_ack=False).consume()
+    conn.drain_events(timeout=5)
+    got[-1].ack()
+    assert unacked(ch) == set()

@@ -52,7 +52,7 @@ def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
 ):
     import redis
 
-    from gpuhedge_celery.store.races import RaceStore
+    from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 
     store = RaceStore(redis_client, prefix)
     result = {"winner": "p", "attempt": "a1", "payload": {"text": "hi"}}
@@ -83,13 +83,26 @@ def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
     assert written["result"] == marked["result"] == result
     assert sorted(written) == sorted(marked) and written["task_id"] == "race-4"
     assert 0 < redis_client.pttl(write.key) <= write.expires_ms
-    # the same save sent again after its answer was lost: still the winner, nothing rewritten
+    # the same save sent again after its answer was lost: still the claim that made the
+    # winner (so the caller's result is known written), and nothing is written again
     redis_client.set(write.key, "sentinel")
     assert save(1, "s1") == 2
-    assert not RaceStore.winner_claim(took[-1][0]).first
+    assert RaceStore.winner_claim(took[-1][0]).first
     assert redis_client.get(write.key) == "sentinel"
     assert listener.get_message(timeout=0.2) is None
     listener.close()
+    # a standalone claim that made the winner first (a resume between the save and its claim)
+    # leaves the riding claim not first: it writes nothing, the effects decide after the save
+    store.create("race-8", {"n": 0})
+    store.claim_winner("race-8", "a1")
+    took.clear()
+    mark = store.save_mark("race-8", 1, "t1")
+    write8 = backend.won_write("race-8", result, redis_client)
+    store.save("race-8", {"n": 1}, 1, save_id="t1", took=took.append,
+               also=lambda pipe: store.queue_claim_winner(pipe, "race-8", "a1", mark, write8),
+               scripts=(store.claim_winner_script,))  # fmt: skip
+    assert RaceStore.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
+    assert redis_client.get(write8.key) is None
     # a store on another Redis database: the backend writes the result itself, after the save
     where = redis_client.connection_pool.connection_kwargs
     other = redis.Redis(host=where["host"], port=where["port"], db=int(where.get("db") or 0) + 1)
@@ -112,3 +125,14 @@ def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, pr
             scripts=(store.claim_winner_script,),
         )  # fmt: skip
     assert redis_client.get(write.key) is None and store.winner("race-7") is None
+
+
+def test_a_pool_that_does_not_say_where_it_connects_is_never_the_same_database(backend):
+    import redis
+
+    from gpuhedge_celery.store.connection import same_database
+
+    unknown = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=redis.Connection))
+    unknown.connection_pool.connection_kwargs.pop("host", None)
+    assert not same_database(unknown, unknown)
+    assert same_database(backend.client, backend.client)

@@ -68,9 +68,12 @@ def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
     with pytest.raises(VersionConflict):  # a step computed from version 1 again: it loses
         save(1, "a2", "s2")
     assert races.winner("r1") == "a1" and len(took) == 1  # nothing claimed, nothing taken
-    # the same save sent again after its answer was lost: saved, and still the winner
+    # the same save sent again after its answer was lost: saved, and still the claim that
+    # made the winner (its first send's answer never arrived)
     assert save(1, "a1", "s1") == 2
-    assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
+    assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=True)
+    # a claim of its own (a resume re-declaring) finds the same winner, not first
+    assert races.claim_winner("r1", "a1") == WinnerClaim(won=True, winner="a1", first=False)
 
 
 def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(

@@ -108,18 +108,18 @@ class OutcomeWork:
             )
             return None
         stored = self._fresh_results.pop((race_id, won.id), None)
-        caller = state.get("caller") or {}
-        if riding is not None and riding.result is not None:
-            # The claim that made the winner wrote the caller's result in the same script (a
-            # won claim that is not first is this save sent again: its first send wrote it).
-            result = riding.result
-            caller = {**caller, "first_claim": True, "result_stored": True}
-        else:
+        result = riding.result if riding is not None else None  # built before the save
+        if result is None:
             if stored is None:
                 stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id)
             result = self._winner_result(race_id, race, won.id, stored or {})
-            if claim.first:
-                caller = {**caller, "first_claim": True}  # Celery effects skip a "done?" read
+        caller = state.get("caller") or {}
+        if claim.first:
+            caller = {**caller, "first_claim": True}  # Celery effects skip a "done?" read
+            if riding is not None and riding.result is not None:
+                # The claim that made the winner wrote the caller's result in its script (or
+                # this save's first send did, its answer lost: the claim says first again).
+                caller["result_stored"] = True
         self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
         self.effects.won(race_id, result, caller)
         return result

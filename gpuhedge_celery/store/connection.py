@@ -105,8 +105,10 @@ def same_database(a: Any, b: Any) -> bool:
         kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
         if not isinstance(kwargs, dict):
             return None
-        place = kwargs.get("path") or (kwargs.get("host"), int(kwargs.get("port") or 6379))
-        return place, int(kwargs.get("db") or 0)
+        place = kwargs.get("path") or kwargs.get("host")
+        if not place:  # a pool that does not say where it connects (Sentinel): not known
+            return None
+        return place, int(kwargs.get("port") or 6379), int(kwargs.get("db") or 0)
 
     found = where(a)
     return found is not None and found == where(b)

@@ -27,13 +27,17 @@ no delivery took is sent by a flush on the worker's event loop after that long, 
 Celery's own bookkeeping (prefetch, the delivered set) sees the acknowledgement at once. A
 worker that dies in between leaves those messages in the unacked index: they are restored
 after the visibility timeout, and their tasks resume races that are already running or done.
-Other tasks (pooled GPU jobs, the janitor) are acknowledged at once, as kombu does.
+That needs a race's keys to outlive the visibility timeout: where receipts expire sooner
+(``GPUHEDGE_RECEIPT_TTL_S`` below ``GPUHEDGE_VISIBILITY_TIMEOUT_S``) nothing lingers. Other
+tasks (pooled GPU jobs, the janitor) are acknowledged at once, as kombu does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from functools import lru_cache
 from time import time
 from typing import Any
@@ -59,6 +63,13 @@ def ack_linger_s() -> float:
     return RaceSettings.from_env().ack_linger_ms / 1000.0
 
 
+@lru_cache(maxsize=1)
+def _receipt_ttl_s() -> float:
+    from ..race.settings import receipt_ttl_s
+
+    return receipt_ttl_s(os.environ)
+
+
 class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -66,7 +77,10 @@ class QoS(kombu_redis.QoS):
         self._lingering: list[Any] = []  # delivery tags acknowledged, not yet sent to Redis
 
     def _lingers(self, delivery_tag: Any) -> bool:
-        if ack_linger_s() <= 0:
+        # A task redelivered after the visibility timeout must still find its race's keys
+        # (kept for GPUHEDGE_RECEIPT_TTL_S), or it would start the race again: where receipts
+        # expire sooner, every acknowledgement goes at once.
+        if ack_linger_s() <= 0 or _receipt_ttl_s() < float(self.visibility_timeout):
             return False
         headers = getattr(self._delivered.get(delivery_tag), "headers", None) or {}
         return headers.get("task") in LINGERING_TASKS
@@ -100,8 +114,10 @@ class QoS(kombu_redis.QoS):
 
     def flush_acks(self) -> None:
         """Send the acknowledgements still waiting for a delivery to ride with."""
+        if self.channel.connection is None:  # gone: the messages wait for the visibility timeout
+            return
         tags = self._take_lingering()
-        if not tags or self.channel.connection is None:
+        if not tags:
             return
         try:
             with self.pipe_or_acquire() as pipe:
@@ -167,11 +183,24 @@ class Transport(kombu_redis.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
         old = getattr(self, "_acks_tref", None)
-        if old is not None:  # a reconnect registers again: one flush timer, not one each
+        if old is not None:  # registered again: one flush timer, not one each
             old.cancel()
         self._acks_tref = None
-        if ack_linger_s() > 0:
-            self._acks_tref = loop.call_repeatedly(ack_linger_s(), self._flush_acks)
+        if ack_linger_s() <= 0:
+            return
+        # A reconnect builds a new transport: the timer holds this one weakly and stops once it
+        # is gone, so old transports neither pile up timers nor stay alive through them.
+        ref = weakref.ref(self)
+
+        def flush() -> None:
+            transport = ref()
+            if transport is None:
+                tref.cancel()
+                return
+            transport._flush_acks()
+
+        tref = loop.call_repeatedly(ack_linger_s(), flush)
+        self._acks_tref = tref
 
     def _flush_acks(self) -> None:
         for channel in list(self.cycle._channels):

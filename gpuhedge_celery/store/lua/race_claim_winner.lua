@@ -11,11 +11,14 @@
 -- ARGV[4] (with KEYS[3]) the caller's result as the backend stores it; ARGV[5] its expiry in
 --         ms, 0 = none. The same SET and PUBLISH the backend itself would make: a caller
 --         waiting on the key's channel wakes with it.
--- Returns {1, attempt, 1}  this claim made the attempt the winner
+-- Returns {1, attempt, 1}  this claim made the attempt the winner (with a save mark: or this
+--                          save's first send did, its answer lost: the state's field w
+--                          keeps the mark of the save whose claim made the winner)
 --         {1, attempt, 0}  the same attempt had already won (a redelivered claim): still won
 --         {0, winner, 0}   another attempt won first
 --         {-1, '', 0}      (with a save mark) that save did not win: nothing claimed
-if ARGV[3] and ARGV[3] ~= '' then
+local marked = ARGV[3] and ARGV[3] ~= ''
+if marked then
   local history = redis.call('HGET', KEYS[2], 's') or ''
   if not string.find(' ' .. history .. ' ', ' ' .. ARGV[3] .. ' ', 1, true) then
     return {-1, '', 0}
@@ -24,6 +27,9 @@ end
 local winner = redis.call('GET', KEYS[1])
 if winner then
   if winner == ARGV[1] then
+    if marked and redis.call('HGET', KEYS[2], 'w') == ARGV[3] then
+      return {1, winner, 1}  -- written already by the first send, result included
+    end
     return {1, winner, 0}
   end
   return {0, winner, 0}
@@ -33,6 +39,9 @@ if ttl > 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 else
   redis.call('SET', KEYS[1], ARGV[1])
+end
+if marked then
+  redis.call('HSET', KEYS[2], 'w', ARGV[3])
 end
 if KEYS[3] then
   local expiry = tonumber(ARGV[5])
