@@ -35,6 +35,16 @@ def unacked(channel) -> set[str]:
     return channel.unacked_in_redis()
 
 
+def one_delivered(conn, ch, name: str, task: str):
+    """Publish one ``task`` message on a queue of its own and deliver it; the message."""
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+    publish(ch, queue, [task])
+    got = []
+    Consumer(ch, [queue], callbacks=[lambda body, m: got.append(m)], no_ack=False).consume()
+    conn.drain_events(timeout=5)
+    return got[-1]
+
+
 def test_a_race_tasks_ack_waits_for_the_next_delivery_and_others_go_at_once(channel):
     conn, ch = channel
     queue = Queue("t-coord", Exchange("t-coord", type="direct"), routing_key="t-coord")
@@ -81,12 +91,7 @@ def test_what_no_delivery_took_is_flushed_and_close_flushes(channel):
 def test_a_zero_linger_acknowledges_at_once(channel, monkeypatch):
     monkeypatch.setattr(broker, "ack_linger_s", lambda: 0.0)
     conn, ch = channel
-    queue = Queue("t-coord3", Exchange("t-coord3", type="direct"), routing_key="t-coord3")
-    publish(ch, queue, ["gpuhedge.hedged_infer"])
-    got = []
-    Consumer(ch, [queue], callbacks=[lambda body, m: got.append(m)], no_ack=False).consume()
-    conn.drain_events(timeout=5)
-    got[-1].ack()
+    one_delivered(conn, ch, "t-coord3", "gpuhedge.hedged_infer").ack()
     assert unacked(ch) == set()
 
 
@@ -98,10 +103,5 @@ def test_receipts_that_expire_before_the_visibility_timeout_turn_lingering_off(
     monkeypatch.setattr(broker, "_receipt_ttl_s", lambda: 60.0)
     conn, ch = channel
     assert ch.qos.visibility_timeout > 60
-    queue = Queue("t-coord4", Exchange("t-coord4", type="direct"), routing_key="t-coord4")
-    publish(ch, queue, ["gpuhedge.hedged_infer"])
-    got = []
-    Consumer(ch, [queue], callbacks=[lambda body, m: got.append(m)], no_ack=False).consume()
-    conn.drain_events(timeout=5)
-    got[-1].ack()
+    one_delivered(conn, ch, "t-coord4", "gpuhedge.hedged_infer").ack()
     assert unacked(ch) == set()

@@ -17,6 +17,13 @@
 --         {1, attempt, 0}  the same attempt had already won (a redelivered claim): still won
 --         {0, winner, 0}   another attempt won first
 --         {-1, '', 0}      (with a save mark) that save did not win: nothing claimed
+local function set(key, value, ttl_ms)
+  if ttl_ms > 0 then
+    redis.call('SET', key, value, 'PX', ttl_ms)
+  else
+    redis.call('SET', key, value)
+  end
+end
 local marked = ARGV[3] and ARGV[3] ~= ''
 if marked then
   local history = redis.call('HGET', KEYS[2], 's') or ''
@@ -34,22 +41,12 @@ if winner then
   end
   return {0, winner, 0}
 end
-local ttl = tonumber(ARGV[2])
-if ttl > 0 then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-else
-  redis.call('SET', KEYS[1], ARGV[1])
-end
+set(KEYS[1], ARGV[1], tonumber(ARGV[2]))
 if marked then
   redis.call('HSET', KEYS[2], 'w', ARGV[3])
 end
 if KEYS[3] then
-  local expiry = tonumber(ARGV[5])
-  if expiry > 0 then
-    redis.call('SET', KEYS[3], ARGV[4], 'PX', expiry)
-  else
-    redis.call('SET', KEYS[3], ARGV[4])
-  end
+  set(KEYS[3], ARGV[4], tonumber(ARGV[5]))
   redis.call('PUBLISH', KEYS[3], ARGV[4])
 end
 return {1, ARGV[1], 1}
