@@ -150,18 +150,22 @@ def test_a_10s_redis_outage_under_load_every_race_ends_and_no_gpu_is_held_twice(
         cluster = start_fault_cluster(redis.url, tmp_path, deadline_s=60.0, gpus=2)
         for _ in range(2):  # warm both coordinators
             send_race(cluster, QUICK_REQUEST).get(timeout=30)
-        pooled = [
-            cluster.app.send_task(TASK_POOLED_INFER, ({"id": f"job{i}", "duration_s": 4},))
-            for i in range(4)
-        ]  # fmt: skip
         callers = Callers([send_race(cluster, HEDGED_REQUEST) for _ in range(RACES)])
         time.sleep(1.0)  # races submitted, hedges launching
-        # and a pooled job running, to run through the outage (a slow machine starts them late)
+        # Pooled jobs sent now, so that the outage starts while one has just begun: with 3 s
+        # leases, a 5 s job that began under a second before Redis went away is still running
+        # when its lease lapses, and must be stopped and run again (a job sent earlier could be
+        # in its last moment when the outage starts and end, correctly, on its first lease).
+        pooled = [
+            cluster.app.send_task(TASK_POOLED_INFER, ({"id": f"job{i}", "duration_s": 5},))
+            for i in range(4)
+        ]  # fmt: skip
         log = cluster.env["GPUHEDGE_TEST_RUN_LOG"]
         wait_until(
-            lambda: any(end == float("inf") for spans in run_intervals(log).values()
-                        for _, end, _, _ in spans),
-            20, what="a pooled job running",
+            lambda: any(end == float("inf") and time.time() - began < 1.0
+                        for spans in run_intervals(log).values()
+                        for began, end, _, _ in spans),
+            20, interval_s=0.02, what="a pooled job that has just begun",
         )  # fmt: skip
         down_at = time.monotonic()
         redis.stop()
