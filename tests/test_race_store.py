@@ -43,11 +43,17 @@ def test_create_load_save_and_conflicts(races):
     assert (record.version, record.state) == (1, {"phase": "primary"})
     assert races.save("r1", {"phase": "hedged"}, record.version) == 2
     # A second coordinator that read version 1 must not advance the race again.
-    with pytest.raises(VersionConflict, match="at version 2, not 1"):
+    with pytest.raises(VersionConflict, match="at version 2, not 1") as info:
         races.save("r1", {"phase": "cut over"}, record.version)
     assert races.load("r1").state == {"phase": "hedged"}
-    with pytest.raises(VersionConflict, match="does not exist"):
+    with pytest.raises(VersionConflict, match="does not exist") as gone:
         races.save("nope", {}, 3)
+    # A conflict is answered with the state there, so the loser can decide again from it
+    # without reading it: the race as saved, or no race at all.
+    found = info.value.found
+    assert info.value.read and (found.version, found.state) == (2, {"phase": "hedged"})
+    assert not found.cached
+    assert gone.value.read and gone.value.found is None
     assert isinstance(VersionConflict("r", 1, 2), StoreError)
 
 
@@ -456,6 +462,9 @@ def test_store_scripts_also_run_on_fakeredis(fake_redis):
     store = RaceStore(fake_redis, "demo")
     assert store.create("r", {"n": 0}) == 1
     assert store.save("r", {"n": 1}, 1) == 2
+    with pytest.raises(VersionConflict) as info:
+        store.save("r", {"n": 5}, 1)
+    assert (info.value.found.version, info.value.found.state) == (2, {"n": 1})
     assert store.claim_winner("r", "a").first
     assert not store.claim_winner("r", "b").won
     assert store.claim_owner("r", "coord", 1000).token == 1

@@ -290,6 +290,40 @@ def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redi
     assert any(label == JobState.IN_PROGRESS.value for _, label in a1.timeline), a1.timeline
 
 
+def test_a_step_whose_save_conflicts_decides_again_from_the_state_it_was_answered_with(
+    setup, redis_client, prefix, monkeypatch
+):
+    # The stale copy says a1 is launching; another process has registered its job since. The
+    # step's save conflicts, and the script's answer carries the race as it is: the step
+    # decides again from that (a duplicate report: nothing more to do) with no read of its own.
+    from gpuhedge_celery.core.race_events import AttemptSubmitted
+
+    driver, _, cfg, _, providers = setup
+    assert driver.create("r10", SLOW, build_spec(cfg)) is True  # a1 launching, cached here
+    other = RaceDriver(
+        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__, Recorder(), RaceSettings(),
+    )  # fmt: skip
+    handle = providers["p"].submit(SLOW)
+    submitted = AttemptSubmitted("a1", handle.job_id, handle.to_dict())
+    other.step("r10", submitted)
+    version = other.store.load("r10").version
+    reads = []
+    load = driver.store.load
+
+    def counted(race_id, *, fresh=False):
+        found = load(race_id, fresh=fresh)
+        if found is not None and not found.cached:
+            reads.append(race_id)
+        return found
+
+    monkeypatch.setattr(driver.store, "load", counted)
+    saved = driver.step("r10", submitted)  # the same report, delivered here too
+    assert reads == []  # the conflict's answer was the read
+    assert saved.attempts[0].job_id == handle.job_id
+    assert other.store.load("r10").version == version  # nothing applied twice
+
+
 def test_a_redelivered_watch_poll_leaves_its_job_one_chain_of_polls(setup):
     # Its first claimer died; the second delivery polls, arms the next poll and resumes the
     # race, which must not arm a second poll for the same job (two chains from then on).

@@ -182,10 +182,15 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         change: StateUpdate | None,
         before: Callable[[Any], None] | None = None,
     ) -> tuple[Race | None, list[Event]]:
+        reread: VersionConflict | None = None
         for attempt in range(MAX_CONFLICTS):
             # First from what this process saved last (no round trip). A stale copy costs a
-            # failed version check; a step it would make a no-op is checked against Redis.
-            record = self.store.load(race_id, fresh=attempt == 0)
+            # failed version check, answered with the state there to decide again from; a
+            # step a copy would make a no-op is checked against Redis.
+            if reread is not None:
+                record, reread = reread.found, None
+            else:
+                record = self.store.load(race_id, fresh=attempt == 0)
             if record is None:
                 log.warning("race %s: no such race (expired or never created)", race_id)
                 return None, []
@@ -231,7 +236,8 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                     race_id, new, record.version, also=also, before=before, scripts=scripts,
                     save_id=save_id, took=claimed.take if claimed else None,
                 )  # fmt: skip
-            except VersionConflict:
+            except VersionConflict as e:
+                reread = e if e.read else None
                 continue
             follow = self._perform(
                 race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,

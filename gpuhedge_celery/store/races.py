@@ -50,12 +50,17 @@ log = logging.getLogger(__name__)
 
 
 class VersionConflict(StoreError):
-    """A save named a version that is no longer current: reload and decide again."""
+    """A save named a version that is no longer current: reload and decide again.
+
+    ``read``: the save's script answered with the state there (race_save.lua does), which is
+    ``found`` (None: no such race), so the caller need not reload it."""
 
     def __init__(self, race_id: str, expected: int, current: int):
         self.race_id = race_id
         self.expected = expected
         self.current = current
+        self.read = False
+        self.found: RaceRecord | None = None
         if expected == 0:
             what = f"race {race_id!r} already exists (version {current})"
         elif current == 0:
@@ -260,11 +265,17 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         save_id: str,
     ) -> int:
         """The new version from a queued save's ``reply`` (remembered as this process's last
-        copy of the race), or :class:`VersionConflict` if someone saved since."""
-        ok, version = reply
+        copy of the race), or :class:`VersionConflict` if someone saved since, carrying the
+        state the script answered with."""
+        ok, version, *there = reply
         if not ok:
             self.copies.forget(race_id)
-            raise VersionConflict(race_id, expected_version, int(version))
+            conflict = VersionConflict(race_id, expected_version, int(version))
+            if there:  # the state hash's fields, flat (HGETALL in the script)
+                flat = iter(there[0])
+                conflict.found = self._record(race_id, dict(zip(flat, flat, strict=True)))
+                conflict.read = True
+            raise conflict
         self.copies.keep_saved(race_id, Copy(int(version), save_id, data.parts))
         return int(version)
 
@@ -364,14 +375,16 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         ``change`` may run several times (once per conflict), so it must be a pure function of
         the state it is given.
         """
+        reread: VersionConflict | None = None
         for _ in range(attempts):
-            record = self.load(race_id)
+            record = reread.found if reread is not None else self.load(race_id)
             if record is None:
                 raise VersionConflict(race_id, 1, 0)
             new_state = change(record.state)
             try:
                 version = self.save(race_id, new_state, record.version)
-            except VersionConflict:
+            except VersionConflict as e:  # decide again from the state it was answered with
+                reread = e if e.read else None
                 continue
             return RaceRecord(race_id, version, new_state)
         raise StoreError(f"race {race_id!r}: gave up after {attempts} conflicting saves")

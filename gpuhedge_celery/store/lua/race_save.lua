@@ -15,8 +15,11 @@
 -- ARGV[5] n, the number of parts to set; ARGV[6 .. 5+2n] field, JSON pairs;
 --         ARGV[6+2n ..] the fields of parts to delete
 -- Returns {1, new_version}      saved (now, or already by this same save id)
---         {0, current_version}  conflict: someone saved since (current 0 = no such race), or
---                               the delta's base is not the state there
+--         {0, current_version, fields}
+--                               conflict: someone saved since (current 0 = no such race), or
+--                               the delta's base is not the state there; fields: the state
+--                               hash as it is (HGETALL), so the caller can decide again from
+--                               it without a round trip to read it
 -- Redis's Lua stack holds about 8,000 values: HSET and HDEL go in chunks of fields.
 local CHUNK = 1000
 local function hdel_all(fields, first, last)
@@ -32,14 +35,14 @@ if current ~= expected then
   if ARGV[4] ~= '' and string.find(' ' .. history .. ' ', ' ' .. mine .. ' ', 1, true) then
     return {1, expected + 1}
   end
-  return {0, current}
+  return {0, current, redis.call('HGETALL', KEYS[1])}
 end
 local base = ARGV[2]
 if base ~= '' then
   local head = string.match(history, '^%S+') or ''
   -- 'data': a whole state an older version saved over the parts since: not the base
   if head ~= expected .. ':' .. base or redis.call('HEXISTS', KEYS[1], 'data') == 1 then
-    return {0, current}
+    return {0, current, redis.call('HGETALL', KEYS[1])}
   end
 else
   -- a full write: drop every part of the state it replaces (and an older save's whole state)
