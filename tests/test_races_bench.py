@@ -48,6 +48,20 @@ def test_bench_races_prints_every_row_as_json(redis_url):
     assert rows["cancel"]["races"] == 3 and rows["cancel"]["n"] <= 3
 
 
+def test_bench_races_audio_s_sets_the_payload_each_race_stores(redis_url):
+    # A longer WAV per sim job: the payload grows with it, and Redis receives it (once) per race.
+    script = shutil.which("gpuhedge-celery")
+    argv = [script, "--redis-url", redis_url, "bench", "races", "--json", "--rows", "capacity",
+            "--races", "6", "--duration-s", "1", "--workers", "1", "--audio-s", "4"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (capacity,) = json.loads(done.stdout)["results"]
+    assert capacity["won"] == 6
+    # 4 s of 16-bit 16 kHz mono: 128,000 bytes of samples, a third more as base64
+    assert 4 * 42_000 < capacity["payload_bytes"] < 4 * 43_000
+    assert capacity["redis_bytes_per_race"] > capacity["payload_bytes"]
+
+
 def test_bench_races_rejects_an_unknown_row():
     script = shutil.which("gpuhedge-celery")
     for bad in (["--rows", "nope"], ["--races", "many"]):

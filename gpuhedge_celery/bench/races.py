@@ -67,13 +67,13 @@ providers:
     adapter: sim
     billed_rate_per_s: 0.0003
     sim: {{seed: 1, slow_probability: 0, fast: {{queue_s: 0, run_s: 0}},
-          cancel: {{ack_s: 0.05, terminal_s: 0.1}}}}
+          cancel: {{ack_s: 0.05, terminal_s: 0.1}}, audio: {{seconds: {audio_s}}}}}
   h:
     role: hedge
     adapter: sim
     billed_rate_per_s: 0.0007
     sim: {{seed: 2, slow_probability: 0, fast: {{queue_s: 0, run_s: 0}},
-          cancel: {{ack_s: 0.05, terminal_s: 0.1}}}}{extra}
+          cancel: {{ack_s: 0.05, terminal_s: 0.1}}, audio: {{seconds: {audio_s}}}}}{extra}
 policy:
   name: fixed
   params: {{hedge_after_ms: 10000}}
@@ -103,6 +103,7 @@ class Bench:
         extra_config: str = "",
         receiver_workers: int = 1,
         webhook_senders: int = 8,
+        audio_s: float = 1.0,
     ):
         self.metrics = metrics
         self.metrics_ports: list[int] = []
@@ -122,7 +123,8 @@ class Bench:
             extra = races_runpod.providers_yaml(self.fake)
             if "budget:" not in extra_config:  # a paid adapter needs a ceiling (docs/costs.md)
                 extra_config += "budget: {ceiling_usd: 1000000}\n"
-        config.write_text(CONFIG.format(scale=scale, extra=extra) + extra_config)  # e.g. a budget
+        text = CONFIG.format(scale=scale, extra=extra, audio_s=audio_s)
+        config.write_text(text + extra_config)  # e.g. a budget
         self.env = {
             **os.environ,
             "GPUHEDGE_REDIS_URL": self.redis_url,
@@ -271,11 +273,12 @@ def bench_cluster(
     extra_config: str = "",
     receiver_workers: int = 1,
     webhook_senders: int = 8,
+    audio_s: float = 1.0,
 ) -> Iterator[Bench]:
     """A :class:`Bench` that is always cleaned up."""
     bench = Bench(
         redis_url, workers, concurrency, scale, extra_env, provider, metrics, webhooks,
-        extra_config, receiver_workers, webhook_senders,
+        extra_config, receiver_workers, webhook_senders, audio_s,
     )  # fmt: skip
     try:
         yield bench
@@ -406,13 +409,16 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
               help="With --webhooks on: receiver processes (webhooks --workers N).")  # fmt: skip
 @click.option("--webhook-senders", type=click.IntRange(1, 256), default=8, show_default=True,
               help="The RunPod fake's webhook delivery threads.")  # fmt: skip
+@click.option("--audio-s", type=click.FloatRange(0.01, 600), default=1.0, show_default=True,
+              help="Seconds of 16 kHz WAV each sim job returns: the payload's size (1 s: 42.7 "
+              "KB as base64 JSON) in the overhead, capacity, cancel and memory rows.")  # fmt: skip
 def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
             ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
             memory_races: int, request_bytes: int, rows: str, record_pairs: int,
             loop_pairs: int, metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
             budget_races: int, budget_pairs: int,
             seed: int, provider: str, webhooks: str,
-            receiver_workers: int, webhook_senders: int) -> None:  # fmt: skip
+            receiver_workers: int, webhook_senders: int, audio_s: float) -> None:  # fmt: skip
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
@@ -484,7 +490,7 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
                                    metrics_pairs, seed))  # fmt: skip
         wanted.remove("metrics")
     hooks = {"webhooks": webhooks == "on", "receiver_workers": receiver_workers,
-             "webhook_senders": webhook_senders}  # fmt: skip
+             "webhook_senders": webhook_senders, "audio_s": audio_s}  # fmt: skip
     with (
         bench_cluster(url, workers, concurrency, scale, provider=provider, **hooks)
         if wanted
