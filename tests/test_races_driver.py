@@ -262,6 +262,14 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
     assert driver.store.live_jobs("r8").keys() == {"a1"}
 
 
+def _another_process(redis_client, prefix, providers) -> RaceDriver:
+    """A second driver on the same Redis, as another coordination worker would have."""
+    return RaceDriver(
+        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        providers.__getitem__, Recorder(), RaceSettings(),
+    )  # fmt: skip
+
+
 def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redis_client, prefix):
     # This process saved the race last, then another process moved it on. An event that is a
     # no-op on the stale copy must not be dropped: the step re-reads Redis and applies it.
@@ -271,10 +279,7 @@ def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redi
 
     driver, effects, cfg, _, providers = setup
     assert driver.create("r9", SLOW, build_spec(cfg)) is True  # a1 launching, cached here
-    other = RaceDriver(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
-        providers.__getitem__, Recorder(), RaceSettings(),
-    )  # fmt: skip
+    other = _another_process(redis_client, prefix, providers)
     handle = providers["p"].submit(SLOW)
     other.step("r9", AttemptSubmitted("a1", handle.job_id, handle.to_dict()))
     assert driver.store.load("r9", fresh=True).cached  # the stale copy is still here
@@ -300,10 +305,7 @@ def test_a_step_whose_save_conflicts_decides_again_from_the_state_it_was_answere
 
     driver, _, cfg, _, providers = setup
     assert driver.create("r10", SLOW, build_spec(cfg)) is True  # a1 launching, cached here
-    other = RaceDriver(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
-        providers.__getitem__, Recorder(), RaceSettings(),
-    )  # fmt: skip
+    other = _another_process(redis_client, prefix, providers)
     handle = providers["p"].submit(SLOW)
     submitted = AttemptSubmitted("a1", handle.job_id, handle.to_dict())
     other.step("r10", submitted)
