@@ -60,6 +60,11 @@ def test_bench_races_audio_s_sets_the_payload_each_race_stores(redis_url):
     # 4 s of 16-bit 16 kHz mono: 128,000 bytes of samples, a third more as base64
     assert 4 * 42_000 < capacity["payload_bytes"] < 4 * 43_000
     assert capacity["redis_bytes_per_race"] > capacity["payload_bytes"]
+    # every race's start against its send: after it (same host's clock), within the run
+    intake = capacity["intake_lag_ms"]
+    assert intake["n"] == 6
+    assert 1 <= capacity["started_peak"] <= 6  # (the sent-and-unfinished peak is sampled)
+    assert 0 <= intake["p50_ms"] <= intake["p99_ms"] < capacity["wall_s"] * 1000
 
 
 def test_bench_races_rejects_an_unknown_row():
@@ -86,3 +91,15 @@ def test_bench_races_memory_row_measures_each_phase(redis_url):
     finished = phases["finished"]
     assert finished["races"] == 3 and "request" not in finished["by_key_bytes_per_race"]
     assert finished["by_key_bytes_per_race"]["receipt"] > 0
+
+
+def test_started_peak_counts_races_started_and_not_finished_at_once():
+    from gpuhedge_celery.bench.race_capacity import started_peak
+
+    spans = [(0.0, 10.0), (1.0, 2.0), (2.0, 3.0), (2.5, 4.0), (11.0, 12.0)]
+    receipts = [{"created_at": a, "finished_at": b} for a, b in spans]
+    # (0, 10), (2, 3) and (2.5, 4) overlap; (1, 2) ends as (2, 3) starts: not at once
+    assert started_peak(receipts) == 3
+    # a race without a start or an end (no receipt fields) is left out
+    assert started_peak([*receipts, {"created_at": None, "finished_at": 5.0}]) == 3
+    assert started_peak([]) == 0

@@ -17,7 +17,7 @@ from ._pairs import alternating_sides
 LOOPS = ("threads", "batched")
 KEPT = ("cpu_ms_per_race", "cpu_ms_per_race_by", "round_trips_per_race",
         "coordination_round_trips_per_race", "redis_bytes_per_race", "concurrent_peak",
-        "finished", "won", "leaks", "races")  # fmt: skip
+        "started_peak", "finished", "won", "leaks", "races")  # fmt: skip
 
 
 def loop_row(

@@ -38,6 +38,22 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))], 3)
 
 
+def started_peak(receipts: list[dict[str, Any]]) -> int:
+    """The most races at once that had started (the race created) and not yet finished, from
+    their receipts: unlike the sent-and-unfinished peak, it leaves out races whose messages
+    still wait in the broker."""
+    edges = []
+    for receipt in receipts:
+        start, end = receipt.get("created_at"), receipt.get("finished_at")
+        if start is not None and end is not None:
+            edges += [(start, 1), (end, -1)]
+    peak = now = 0
+    for _, step in sorted(edges):  # at a tie an end (-1) sorts first: not counted as overlap
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 def _summary(values: list[float]) -> dict[str, Any]:
     return {
         "n": len(values),
@@ -140,7 +156,8 @@ def capacity_row(
     traffic0 = _traffic(bench)
     me0 = time.process_time()
     t_start = time.perf_counter()
-    ids = []
+    ids: list[str] = []
+    sent_at: list[float] = []
     ends: dict[tuple[str, str], float] = {}  # (race, role) -> queue + run, real seconds
     policy = f"hedge:{primary}->{hedge_name}@{hedge_after_s:.3f}s"
     for i in range(races):
@@ -153,6 +170,7 @@ def capacity_row(
         else:
             request = {"sim": {"p": {"queue_s": p_queue, "run_s": p_total - p_queue},
                                "h": {"queue_s": 0.5, "run_s": h_total - 0.5}}}  # fmt: skip
+        sent_at.append(time.time())  # the race's own start is on the same host's clock
         ids.append(bench.send(request, policy=policy).id)
         ends[(ids[-1], "primary")] = p_total * scale
         ends[(ids[-1], "hedge")] = h_total * scale
@@ -189,13 +207,15 @@ def capacity_row(
     if bench.receiver is not None:
         parts["receiver"] = receiver_cpu_s(bench.receiver) - receiver0
     cpu = sum(parts.values())
-    hedge_lag, watch_lag, hedged, won = [], [], 0, 0
+    hedge_lag, watch_lag, intake_lag, hedged, won = [], [], [], 0, 0
     receipts = []
-    for race_id in ids:
+    for race_id, sent in zip(ids, sent_at, strict=True):
         receipt = bench.store.receipt(race_id)
         if receipt is None:
             continue
         receipts.append(receipt)
+        if receipt.get("created_at") is not None:
+            intake_lag.append((receipt["created_at"] - sent) * 1000.0)
         won += receipt.get("winner") is not None
         by_role = {a["role"]: a for a in receipt["attempts"]}
         primary, hedge = by_role.get("primary"), by_role.get("hedge")
@@ -213,6 +233,7 @@ def capacity_row(
         "leaks": sum(len(r.get("leaks") or []) for r in receipts),
         "races": races,
         "concurrent_peak": peak,
+        "started_peak": started_peak(receipts),
         "finished": races - len(pending),
         "won": won,
         "hedged": hedged,
@@ -220,6 +241,7 @@ def capacity_row(
         "time_scale": scale,
         "timer_lag_ms": _summary(hedge_lag),
         "watch_lag_ms": _summary(watch_lag),
+        "intake_lag_ms": _summary(intake_lag),
         "ramp_s": ramp_s,
         "wall_s": round(wall, 2),
         "cpu_ms_per_race": round(1000.0 * cpu / races, 1),
@@ -233,6 +255,8 @@ def capacity_row(
         "worker_rss_bytes_per_race": round((peak_rss - rss0) / max(peak, 1)),
         "worker_rss_bytes": peak_rss,
         "what": "races started over a ramp; timer lag = hedge launch - its due time; "
+        "intake lag = a race's start - its send; concurrent peak: sent, not finished; "
+        "started peak: started, not finished; "
         "watch lag = a finished job seen - its end; memory: growth at the peak / races in flight; "
         "Redis traffic: see bench/race_capacity.py",
     }
