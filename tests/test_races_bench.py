@@ -103,3 +103,17 @@ def test_started_peak_counts_races_started_and_not_finished_at_once():
     # a race without a start or an end (no receipt fields) is left out
     assert started_peak([*receipts, {"created_at": None, "finished_at": 5.0}]) == 3
     assert started_peak([]) == 0
+
+
+def test_a_capacity_row_meets_its_target_only_with_its_races_started_promptly():
+    from gpuhedge_celery.bench.race_capacity import meets_capacity_target
+
+    def row(timer_p99, intake_p99):
+        return {"timer_lag_ms": {"p99_ms": timer_p99}, "intake_lag_ms": {"p99_ms": intake_p99}}
+
+    assert meets_capacity_target(row(14.0, 13.0))
+    assert not meets_capacity_target(row(60.0, 13.0))  # hedges late
+    # timers on time, but the races waited in the broker: not that many in flight
+    assert not meets_capacity_target(row(14.0, 43_000.0))
+    assert meets_capacity_target(row(None, 13.0))  # no race hedged: no timer late
+    assert not meets_capacity_target(row(None, None))  # and none finished: nothing measured

@@ -54,6 +54,19 @@ def started_peak(receipts: list[dict[str, Any]]) -> int:
     return peak
 
 
+TIMER_LAG_P99_MS = 50.0  # the capacity target: hedges fire this close to their due time
+INTAKE_LAG_P99_MS = 100.0  # and the races counted had started, not waited in the broker
+
+
+def meets_capacity_target(row: dict[str, Any]) -> bool:
+    """Timer lag p99 within the target, with the races started promptly: a row whose races
+    queue in the broker for seconds does not hold that many races in flight, whatever its
+    timers do."""
+    timers = row["timer_lag_ms"]["p99_ms"] or 0.0  # None: no race hedged
+    intake = row["intake_lag_ms"]["p99_ms"]  # None: no race finished
+    return timers <= TIMER_LAG_P99_MS and intake is not None and intake <= INTAKE_LAG_P99_MS
+
+
 def _summary(values: list[float]) -> dict[str, Any]:
     return {
         "n": len(values),
