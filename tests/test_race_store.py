@@ -57,6 +57,26 @@ def test_create_load_save_and_conflicts(races):
     assert isinstance(VersionConflict("r", 1, 2), StoreError)
 
 
+def test_a_conflict_whose_state_does_not_decode_leaves_the_read_to_the_caller(
+    races, redis_client, prefix, caplog
+):
+    # A hash missing one of its parts (a race says 2 attempts, only one is there): the
+    # refusal still raises VersionConflict, without a state, so the caller reads the race
+    # itself (and meets the error there) instead of a decode error escaping a batch of saves.
+    from gpuhedge_celery.store import race_parts
+    from gpuhedge_celery.store.race_keys import race_keys
+
+    races.create("rb", {"race": {"attempts": [{"id": "a1"}, {"id": "a2"}]}})
+    record = races.load("rb")
+    races.save("rb", {"race": {"attempts": [{"id": "a1"}, {"id": "a2"}], "n": 1}}, 1)
+    redis_client.hdel(race_keys(prefix, "rb").state, f"{race_parts.ATTEMPT}1")
+    with pytest.raises(VersionConflict) as info:
+        races.save("rb", {"race": {"attempts": []}}, record.version)
+    assert (info.value.expected, info.value.current) == (1, 2)
+    assert not info.value.read and info.value.found is None
+    assert "does not decode" in caplog.text
+
+
 def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
     races.create("r1", {"n": 0})
     took = []

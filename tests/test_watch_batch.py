@@ -199,7 +199,7 @@ def test_a_job_that_ended_is_handed_back_to_be_concluded(setup):
 
 
 def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
-    setup, redis_client, prefix
+    setup, redis_client, prefix, monkeypatch
 ):
     driver, effects, cfg, _, providers = setup
     start(driver, cfg, ["c1"])
@@ -213,7 +213,18 @@ def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
     assert driver.store.cached("c1").version < driver.store.load("c1").version
     back = handled(WatchBatch(driver), [timer])
     assert [t for t, _ in back] == [timer] and callable(back[0][1])
+    reads, load = [], driver.store.load
+
+    def counted(race_id, *, fresh=False):
+        found = load(race_id, fresh=fresh)
+        if found is not None and not found.cached:
+            reads.append(race_id)
+        return found
+
+    monkeypatch.setattr(driver.store, "load", counted)
     back[0][1]()
+    assert reads == []  # stepped from the state the refused save was answered with
+    monkeypatch.undo()
     state = driver.store.load("c1").state
     assert state["note"] == "moved on"  # the other process's save is kept
     assert state["race"]["attempts"][0]["phase"] == Phase.RUNNING.value  # and the poll's

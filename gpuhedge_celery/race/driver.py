@@ -158,11 +158,14 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         event: EventSource,
         update: StateUpdate | None = None,
         before: Callable[[Any], None] | None = None,
+        answered: VersionConflict | None = None,
     ) -> Race | None:
         """Apply ``event`` (or ``event(race)``) and perform its actions; follow-ups included.
 
         ``before(pipe)``: writes to make in the save's round trip, ahead of the state (see
         :meth:`RaceStore.save`); a step that saves nothing does not make them.
+        ``answered``: a refused save of this race elsewhere, whose state (if it carries one)
+        the step starts from instead of reading the race.
         Returns the race as saved by the last step (None for an unknown race).
         """
         pending: list[tuple[EventSource, StateUpdate | None]] = [(event, update)]
@@ -170,7 +173,9 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         first = True
         while pending:
             source, change = pending.pop(0)
-            race, follow = self._step_once(race_id, source, change, before if first else None)
+            race, follow = self._step_once(
+                race_id, source, change, before if first else None, answered if first else None
+            )  # fmt: skip
             first = False
             pending.extend((e, None) for e in follow)
         return race
@@ -181,8 +186,9 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         source: EventSource,
         change: StateUpdate | None,
         before: Callable[[Any], None] | None = None,
+        answered: VersionConflict | None = None,
     ) -> tuple[Race | None, list[Event]]:
-        reread: VersionConflict | None = None
+        reread = answered if answered is not None and answered.read else None
         for attempt in range(MAX_CONFLICTS):
             # First from what this process saved last (no round trip). A stale copy costs a
             # failed version check, answered with the state there to decide again from; a

@@ -323,10 +323,11 @@ class WatchBatch:
             reply = (0, -1)
         try:
             d.store.saved(work.race_id, reply, data, work.record.version, work.save_id)
-        except VersionConflict:  # reported again from Redis; the next polls are armed
+        except VersionConflict as e:  # reported again (the next polls are armed), the first
+            answer = [e] if e.read else []  # from the state the refusal was answered with
             for p in work.polls:
                 if p.observed is not None:
-                    back(p.timer, _restep(d, work.race_id, p))
+                    back(p.timer, _restep(d, work.race_id, p, answer))
             return
         d._perform(work.race_id, work.race, new, list(actions), phases, flags, gone, events,
                    armed=True)  # fmt: skip
@@ -352,9 +353,14 @@ def _conclude(d: RaceDriver, race_id: str, attempt_id: str, provider: str, poll:
     return lambda: d.conclude(race_id, attempt_id, d.providers(provider), poll.handle, cap_s, None)
 
 
-def _restep(d: RaceDriver, race_id: str, poll: _Poll) -> Callable[[], Any]:
+def _restep(
+    d: RaceDriver, race_id: str, poll: _Poll, answer: list[VersionConflict]
+) -> Callable[[], Any]:
     """The per-timer work for a poll whose batched save lost its version check: the same
-    report, stepped from Redis (its next poll already rode in the batch)."""
+    report, stepped again (its next poll already rode in the batch). The first of the race's
+    polls to run takes the refusal from ``answer`` and starts from the state it carries; the
+    others (or all, when it carries none) load the race as usual, by then from what the first
+    saved here."""
     observed = poll.observed
     assert observed is not None
     handle_data = poll.timer.payload["handle"]
@@ -365,7 +371,14 @@ def _restep(d: RaceDriver, race_id: str, poll: _Poll) -> Callable[[], Any]:
             return (AttemptSubmitted(a.id, poll.handle.job_id, handle_data), observed)
         return observed
 
-    return lambda: d.step(race_id, source)
+    def work() -> Any:
+        try:
+            answered = answer.pop()  # atomic: the polls run on several threads
+        except IndexError:
+            answered = None
+        return d.step(race_id, source, answered=answered)
+
+    return work
 
 
 __all__ = ["HandBack", "WatchBatch"]

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 class VersionConflict(StoreError):
-    """A save named a version that is no longer current: reload and decide again.
+    """A save named a version that is no longer current: decide again from the race as it is.
 
     ``read``: the save's script answered with the state there (race_save.lua does), which is
     ``found`` (None: no such race), so the caller need not reload it."""
@@ -272,9 +272,13 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             self.copies.forget(race_id)
             conflict = VersionConflict(race_id, expected_version, int(version))
             if there:  # the state hash's fields, flat (HGETALL in the script)
-                flat = iter(there[0])
-                conflict.found = self._record(race_id, dict(zip(flat, flat, strict=True)))
-                conflict.read = True
+                try:
+                    flat = iter(there[0])
+                    conflict.found = self._record(race_id, dict(zip(flat, flat, strict=True)))
+                    conflict.read = True
+                except Exception as e:  # the caller reads it again (and meets the error there)
+                    log.warning("race %s: the state a refused save was answered with does not "
+                                "decode (%s); it is read again", race_id, e)  # fmt: skip
             raise conflict
         self.copies.keep_saved(race_id, Copy(int(version), save_id, data.parts))
         return int(version)
