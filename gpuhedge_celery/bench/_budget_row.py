@@ -31,10 +31,12 @@ REQUEST = {"sim": {"p": {"queue_s": 0.5, "run_s": 10}, "h": {"queue_s": 0.2, "ru
 POLICY = "hedge:p->h@0.001s"
 
 
-def _stats(bench: Any) -> tuple[int, int]:
+def _stats(bench: Any) -> tuple[int, int, int]:
+    """Commands processed, ``EVALSHA`` calls and budget ledger entries so far."""
     info = bench.client.info("stats")
     calls = bench.client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    return int(info["total_commands_processed"]), int(calls)
+    ledger = bench.client.xlen(f"{bench.prefix}:{{budget}}:ledger")
+    return int(info["total_commands_processed"]), int(calls), int(ledger)
 
 
 class Tools:
@@ -56,7 +58,7 @@ def _side(
             bench.send(REQUEST, policy=POLICY).get(timeout=60)
         time.sleep(0.5)  # let the warm-up races' losers finish their cancels
         pids = bench.worker_pids()
-        cmds0, evalsha0 = _stats(bench)
+        cmds0, evalsha0, ledger0 = _stats(bench)
         workers0, redis0 = sum(_cpu_s(p) for p in pids), bench.redis_cpu_s()
         me0 = time.process_time()
         t0 = time.perf_counter()
@@ -73,7 +75,7 @@ def _side(
             "redis": bench.redis_cpu_s() - redis0,
             "client": time.process_time() - me0,
         }
-        cmds1, evalsha1 = _stats(bench)
+        cmds1, evalsha1, ledger1 = _stats(bench)
         open_left = bench.client.zcard(f"{bench.prefix}:{{budget}}:open")
     submitted = sum(1 for r in receipts for a in r["attempts"] if a.get("handle"))
     return {
@@ -85,6 +87,8 @@ def _side(
         "cpu_ms_per_race_by": {k: round(1000.0 * v / races, 3) for k, v in parts.items()},
         "redis_commands_per_race": round((cmds1 - cmds0) / races, 2),
         "evalsha_per_race": round((evalsha1 - evalsha0) / races, 2),
+        # reservations, refusals and settlements the ledger recorded (0 with budgets off)
+        "ledger_entries_per_race": round((ledger1 - ledger0) / races, 2),
         "open_reservations_left": int(open_left),
         "wall_s": round(time.perf_counter() - t0, 2),
     }
