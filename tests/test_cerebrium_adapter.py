@@ -14,6 +14,7 @@ from gpuhedge_celery.core.jobs import JobState
 from gpuhedge_celery.core.receipts import Evidence
 from gpuhedge_celery.errors import ConfigError, SubmitError
 from tests.support.cerebrium_fake import KEY, FakeCerebrium, cerebrium_block
+from tests.support.waiting import wait_for
 from tests.support.webhook_server import Recorder
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,7 +102,10 @@ def test_deliveries_are_retried_three_times_but_never_after_a_5xx(fake):
         assert len(refused.wait(3)) == 3 and len(broken.wait(1)) == 1
         gaps = [b[2] - a[2] for a, b in zip(refused.posts, refused.posts[1:], strict=False)]
         assert all(g >= 0.09 for g in gaps)
-        stats = fake.stats()["webhooks"]
+        # the fake counts a delivery once it has read its answer, after the receiver logged it
+        stats = wait_for(
+            lambda: (w := fake.stats()["webhooks"])["failed"] == 2 and w, 5, "two failed webhooks"
+        )
         assert stats["failed"] == 2 and stats["attempts"] == 4
         assert len(refused.wait(4, timeout_s=0.5)) == 3  # no fourth try
     finally:

@@ -16,6 +16,7 @@ import pytest
 from gpuhedge_celery.errors import ProviderError
 from gpuhedge_celery.providers.sim import SimProvider
 from tests.support.fixtures_races import RACE_CONFIG, start_race_cluster, stop_race_cluster
+from tests.support.waiting import wait_until_subscribed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +84,7 @@ class EventLog:
     def __enter__(self) -> EventLog:
         self.thread.start()
         assert self.ready.wait(10)
-        time.sleep(0.5)  # the subscription is in place before anything is sent
+        wait_until_subscribed(self.app, self.events)  # before anything is sent
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.store.race_keys import race_keys
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
-from tests.support.waiting import wait_for
+from tests.support.waiting import wait_for, wait_until_subscribed
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers]
 
@@ -173,7 +173,7 @@ def test_task_events_show_the_race_lifecycle(api_cluster):
     listener = threading.Thread(target=listen, daemon=True)
     listener.start()
     assert ready.wait(10)
-    time.sleep(0.5)  # the receiver's subscription is in place before the race starts
+    wait_until_subscribed(app, events)  # before the race starts
     res = api_cluster.send(HEDGE_RESCUE)
     res.get(timeout=20)
     api_cluster.receipt(res.id)

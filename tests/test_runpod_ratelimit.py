@@ -39,20 +39,30 @@ def test_the_local_bucket_grants_the_burst_then_reserves_then_refuses():
 
 
 def test_the_redis_bucket_is_one_script_on_redis_time(redis_client, redis_url, prefix):
+    import time
+
     limiter = RedisLimiter(redis_client, prefix)
-    rl = RouteLimit("cancel", 100, 10.0, 0.9)
-    grants = [limiter.take("runpod:ep", rl, max_wait_s=0.3) for _ in range(13)]
+    # capacity 10, 0.8 tokens a second: reservations 1.25 s apart, so a slow call or two on a
+    # loaded machine moves no grant across a bound
+    rl = RouteLimit("cancel", 100, 100.0, 0.9)
+    grants, sent = [], []
+    for _ in range(13):
+        sent.append(time.monotonic())
+        grants.append(limiter.take("runpod:ep", rl, max_wait_s=3.0))
     assert all(g.granted and g.wait_s == 0 for g in grants[:10])
-    # reservations, 1/8 s apart (less what refilled while the calls ran)
-    assert 0.05 < grants[10].wait_s <= 0.125 and grants[10].granted and grants[11].granted
-    assert grants[11].wait_s - grants[10].wait_s == pytest.approx(0.125, abs=0.02)
-    assert not grants[12].granted  # ~0.375 s > 0.3: refused, nothing taken
+    # reservations, 1.25 s apart (less what refilled while the calls ran): each grant's slot,
+    # its call's time plus its wait, 1.25 s after the one before it
+    assert 0.5 < grants[10].wait_s <= 1.25 and grants[10].granted and grants[11].granted
+    slots = [t + g.wait_s for t, g in zip(sent, grants, strict=True)]
+    assert slots[10] - sent[0] == pytest.approx(1.25, abs=0.05)
+    assert slots[11] - slots[10] == pytest.approx(1.25, abs=0.05)
+    assert not grants[12].granted  # ~3.75 s > 3: refused, nothing taken
     key = f"{prefix}:ratelimit:{{runpod:ep}}:cancel"
     assert -2.0 <= float(redis_client.hget(key, "tokens")) < -1.0
-    assert 0 < redis_client.pttl(key) <= 1000 * (10 / 8 + 0.3 + 10)
+    assert 0 < redis_client.pttl(key) <= 1000 * (10 / 0.8 + 3.0 + 100)
     # another client (another process) shares the same bucket
     other = RedisLimiter(redis_client.__class__.from_url(redis_url), prefix)
-    assert not other.take("runpod:ep", rl, max_wait_s=0.3).granted
+    assert not other.take("runpod:ep", rl, max_wait_s=3.0).granted
 
 
 def test_a_redis_failure_lets_calls_through_unmetered(prefix):

@@ -535,7 +535,7 @@ def test_timers_claimed_ahead_fire_at_their_due_time_never_before(redis_client, 
     fired = {t.due_ms: at for t, at in recorder.fired}
     assert sorted(fired) == dues
     assert all(at >= due for due, at in fired.items())  # never early...
-    assert max(at - due for due, at in fired.items()) < 200  # ...and on time (loaded machine)
+    assert max(at - due for due, at in fired.items()) < 500  # ...and on time (loaded machine)
     assert len(during) <= 3, during  # not one claim per timer
 
 

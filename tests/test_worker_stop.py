@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers, pytest
 
 
 @pytest.mark.parametrize("role", ["coordinator", "solo GPU worker"])
-def test_sigterm_stops_an_idle_worker_within_two_seconds(celery_cluster, role):
+def test_sigterm_stops_an_idle_worker_within_three_seconds(celery_cluster, role):
     c = celery_cluster
     if role == "coordinator":
         worker = c.start_coordinator()
@@ -27,4 +27,4 @@ def test_sigterm_stops_an_idle_worker_within_two_seconds(celery_cluster, role):
     worker.kill(signal.SIGTERM)  # the main process only, as systemd and Kubernetes stop it
     worker.process.wait(30)
     took = time.monotonic() - started
-    assert took < 2.0, f"the {role} took {took:.1f} s to stop"
+    assert took < 3.0, f"the {role} took {took:.1f} s to stop"  # (kombu asleep: 8-10 s)

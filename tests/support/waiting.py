@@ -20,3 +20,23 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, every_s: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(every_s)
+
+
+def wait_until_subscribed(app, events: list[dict], timeout_s: float = 10.0) -> None:
+    """Send probe task events on ``app``'s broker until the receiver collecting into ``events``
+    sees one: events sent before a receiver subscribes are lost (pub/sub)."""
+    import uuid
+
+    probe = f"subscription-probe-{uuid.uuid4().hex}"
+
+    def seen() -> bool:
+        with app.events.default_dispatcher() as dispatcher:
+            dispatcher.send("task-test-probe", uuid=probe)
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            if any(e.get("uuid") == probe for e in list(events)):
+                return True
+            time.sleep(0.01)
+        return False
+
+    wait_for(seen, timeout_s, "the event receiver to subscribe", every_s=0)
