@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..store.race_keys import budget_keys
+
 # caps no race here can reach: every reservation is made and settled, none refused
 BUDGET = """
 budget:
@@ -35,7 +37,7 @@ def _stats(bench: Any) -> tuple[int, int, int]:
     """Commands processed, ``EVALSHA`` calls and budget ledger entries so far."""
     info = bench.client.info("stats")
     calls = bench.client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    ledger = bench.client.xlen(f"{bench.prefix}:{{budget}}:ledger")
+    ledger = bench.client.xlen(budget_keys(bench.prefix).ledger)
     return int(info["total_commands_processed"]), int(calls), int(ledger)
 
 
@@ -76,7 +78,7 @@ def _side(
             "client": time.process_time() - me0,
         }
         cmds1, evalsha1, ledger1 = _stats(bench)
-        open_left = bench.client.zcard(f"{bench.prefix}:{{budget}}:open")
+        open_left = bench.client.zcard(budget_keys(bench.prefix).open)
     submitted = sum(1 for r in receipts for a in r["attempts"] if a.get("handle"))
     return {
         "budgets": "on" if on else "off",
