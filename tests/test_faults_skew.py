@@ -34,12 +34,12 @@ def test_a_redis_clock_reads_redis_time_whatever_the_host_says(redis_client, mon
 
     clock = RedisClock(redis_client, sync_s=60)
     seconds, micros = redis_client.time()
-    assert abs(clock.now() - (seconds + micros / 1e6)) < 0.05
+    assert abs(clock.now() - (seconds + micros / 1e6)) < 0.25  # a stalled thread, not 5 s
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 5.0)  # the host's clock jumps
     seconds, micros = redis_client.time()
-    assert abs(clock.now() - (seconds + micros / 1e6)) < 0.05
-    assert clock.skew_s == pytest.approx(5.0, abs=0.05)
+    assert abs(clock.now() - (seconds + micros / 1e6)) < 0.25
+    assert clock.skew_s == pytest.approx(5.0, abs=0.25)
     assert clock.syncs == 1  # one TIME per sync period, not one per reading
 
 

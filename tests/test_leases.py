@@ -210,9 +210,9 @@ def test_durations_recorded_newest_first(lease_store):
 # -- the keeper -----------------------------------------------------------------------------
 def test_keeper_keeps_a_long_job_alive(lease_store):
     (gpu,) = add_pool(lease_store)
-    lease = lease_store.try_claim(gpu, "long", ttl_ms=300)
+    lease = lease_store.try_claim(gpu, "long", ttl_ms=600)
     with LeaseKeeper(lease_store, lease) as keeper:
-        time.sleep(1.0)  # more than three TTLs
+        time.sleep(2.0)  # more than three TTLs
         assert not keeper.lost.is_set() and keeper.renewals >= 3
         assert lease_store.current(gpu).token == lease.token
     lease_store.release(lease)

@@ -175,8 +175,9 @@ def test_submit_returns_at_once_then_queued_running_completed(pool, provider):
     assert result.state is JobState.COMPLETED and result.error is None
     assert result.payload["echo"] == {"duration_s": 0.6, "id": "a"}  # the runner's output
     assert result.metrics["gpu_id"] == pool.gpu_id(0) and result.metrics["pool"] == POOL
-    assert result.metrics["execution_ms"] == pytest.approx(600, abs=150)
-    assert result.metrics["cost_usd"] == pytest.approx(0.0006, abs=0.0002)
+    # the runner's 0.6 s, measured: a loaded machine adds to it, never takes from it
+    assert 590 <= result.metrics["execution_ms"] < 1_500
+    assert result.metrics["cost_usd"] == pytest.approx(result.metrics["execution_ms"] / 1e6)
     assert 0 <= result.metrics["delay_ms"] < result.wall_ms
     assert result.wall_ms >= 600
     assert [e.stage for e in result.events] == ["running", "completed"]

@@ -254,9 +254,9 @@ def test_hedge_timer_survives_the_worker_that_armed_it(crash_cluster):
         receipt = rc.receipt(res.id)
         primary, hedge = receipt["attempts"]
         due = primary["submitted_at_s"] + 0.3  # the hedge timer: 300 ms after the submit
-        # fired by a survivor well within the timer lease (10 s) and the 2 s visibility
-        # timeout; the margin covers a loaded machine
-        assert 0 <= hedge["launched_at_s"] - due < 1.0, (primary, hedge)
+        # fired by a survivor well within the timer lease (10 s) and before the 2 s
+        # visibility timeout would redeliver it; the margin covers a loaded machine
+        assert 0 <= hedge["launched_at_s"] - due < 1.5, (primary, hedge)
 
 
 def test_a_cancel_dies_with_its_worker_and_the_backstop_timer_finishes_it(crash_cluster):

@@ -94,7 +94,7 @@ def test_cancel_of_a_running_job_is_confirmed_by_status_not_by_its_reply(runpod)
     assert receipt.scope is CancelScope.REQUEST
     # the cancel answered "CANCELLED" at once; RunPod's own status showed it ~0.3 s later
     assert receipt.terminal_ms - receipt.cancel_ack_ms >= 250
-    assert 400 <= receipt.execution_ms_before_cancel <= 700
+    assert 400 <= receipt.execution_ms_before_cancel <= 1_200  # 0.2 s + 0.3 s, and any load
     assert receipt.reconciled_cost_usd == pytest.approx(receipt.execution_ms_before_cancel / 1e6)
     assert receipt.billing_stop_confirmed is True  # RunPod's terminal state, final executionTime
     assert runpod.job("ep1", h.job_id)["status"] == "CANCELLED"
