@@ -244,7 +244,7 @@ def test_a_slow_poll_is_bounded_by_its_timeout(server):
     started = time.monotonic()
     with pytest.raises(ProviderError, match="poll did not answer within 0.3 s"):
         p.status(h)
-    assert time.monotonic() - started < 0.8
+    assert time.monotonic() - started < 1.5  # the 0.3 s timeout, not the 2 s the poll takes
     started = time.monotonic()
     r = p.result(h, cap_s=time.time() - h.submitted_at + 0.5)  # cap 0.5 s from now
     assert r.state in (JobState.TIMEOUT, JobState.FAILED)
