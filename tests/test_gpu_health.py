@@ -65,6 +65,23 @@ def test_rules(index, kw, health, fault):
         assert fault in found.fault
 
 
+RECORDED = Path(__file__).parent / "data" / "nvml" / "h200-recorded.json"
+
+
+def test_answers_recorded_from_a_real_h200_replay_as_an_idle_healthy_gpu():
+    """``nvml record`` on an NVIDIA H200 (driver 580.159.04, scripts/gpu-check.sh): the file the
+    real binding wrote reads back through the replay seam, and the rules find the idle GPU
+    healthy, with no process on it."""
+    recorded = json.loads(RECORDED.read_text())
+    assert recorded["source"] == "nvml" and recorded["driver"] == "580.159.04"
+    found = assess(ReplaySource(str(RECORDED)).sample(0), set())
+    assert found.health is None and found.fault is None
+    r = found.report
+    assert r["memory_total_mb"] == 143771.0 and r["processes"] == []
+    assert r["ecc_uncorrected"] == 0 and r["utilization_pct"] == 0
+    assert "no device 1 recorded" in ReplaySource(str(RECORDED)).sample(1).error
+
+
 def test_answers_nvml_cannot_give():
     error = judged(7)
     assert error.report["error"] == "NVML: Unknown Error" and error.health is error.fault is None
