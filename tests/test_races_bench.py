@@ -54,12 +54,24 @@ def test_bench_races_prints_every_row_as_json(redis_url):
 
 def test_bench_races_audio_s_sets_the_payload_each_race_stores(redis_url):
     # A longer WAV per sim job: the payload grows with it, and Redis receives it (once) per race.
+    # The Celery floor beside it: as many plain tasks, each returning that same payload.
     script = shutil.which("gpuhedge-celery")
-    argv = [script, "--redis-url", redis_url, "bench", "races", "--json", "--rows", "capacity",
-            "--races", "6", "--duration-s", "1", "--workers", "1", "--audio-s", "4"]  # fmt: skip
+    argv = [script, "--redis-url", redis_url, "bench", "races", "--json", "--rows",
+            "capacity,floor", "--races", "6", "--duration-s", "1", "--workers", "1",
+            "--audio-s", "4"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
-    (capacity,) = json.loads(done.stdout)["results"]
+    capacity, floor = json.loads(done.stdout)["results"]
+    assert floor["row"] == "celery-floor" and floor["tasks"] == 6
+    assert floor["payload_bytes"] == capacity["payload_bytes"]
+    # each task's result reached Redis with its payload; the workers' own requests were counted
+    assert floor["redis_bytes_per_task"] > floor["payload_bytes"]
+    assert floor["round_trips_per_task"] > 0 and floor["cpu_ms_per_task_by"]["workers"] > 0
+    beside = floor["beside_capacity"]
+    assert beside["cpu_ms_beyond_floor"] == pytest.approx(
+        capacity["cpu_ms_per_race"] - floor["cpu_ms_per_task"], abs=0.011
+    )
+    assert 0 < beside["floor_share_of_race_cpu"]
     assert capacity["won"] == 6
     # 4 s of 16-bit 16 kHz mono: 128,000 bytes of samples, a third more as base64
     assert 4 * 42_000 < capacity["payload_bytes"] < 4 * 43_000

@@ -86,6 +86,16 @@ def payload_bytes(bench: Bench, provider: str) -> int:
     return codec.size(_audio_b64(spec.audio_s, spec.sample_rate, False))
 
 
+def cpu_snapshot(bench: Bench) -> dict[str, float]:
+    """CPU seconds used so far by the workers, Redis and this client (a row's cost is the
+    difference of two)."""
+    return {
+        "workers": sum(_cpu_s(p) for p in bench.worker_pids()),
+        "redis": bench.redis_cpu_s(),
+        "client": time.process_time(),
+    }
+
+
 def _traffic(bench: Bench) -> dict[str, Any]:
     """Redis's input bytes and commands so far, the workers' and this client's requests."""
     stats = bench.client.info("stats")
@@ -162,12 +172,11 @@ def capacity_row(
     redis_probe.install()  # this client's own requests: its share of Redis's input bytes
     used0 = int(bench.client.info("memory")["used_memory"])
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
-    workers0, redis0 = sum(_cpu_s(p) for p in bench.worker_pids()), bench.redis_cpu_s()
+    cpu0 = cpu_snapshot(bench)
     from .races_runpod import receiver_cpu_s
 
     receiver0 = receiver_cpu_s(bench.receiver) if bench.receiver else 0.0
     traffic0 = _traffic(bench)
-    me0 = time.process_time()
     t_start = time.perf_counter()
     ids: list[str] = []
     sent_at: list[float] = []
@@ -212,11 +221,7 @@ def capacity_row(
     wall = time.perf_counter() - t_start
     time.sleep(2 * redis_probe.WRITE_INTERVAL_S)  # the workers' counts up to now, written
     traffic = traffic_fields(traffic0, _traffic(bench), races)
-    parts = {
-        "workers": sum(_cpu_s(p) for p in bench.worker_pids()) - workers0,
-        "redis": bench.redis_cpu_s() - redis0,
-        "client": time.process_time() - me0,
-    }
+    parts = {k: v - cpu0[k] for k, v in cpu_snapshot(bench).items()}
     if bench.receiver is not None:
         parts["receiver"] = receiver_cpu_s(bench.receiver) - receiver0
     cpu = sum(parts.values())

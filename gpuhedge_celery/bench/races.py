@@ -17,6 +17,10 @@ is deleted afterwards) and sim providers from a generated config. Rows:
   (:mod:`.race_capacity`, which holds the row).
 * ``cancel``: races where the hedge wins while the primary still runs; time from the winner's
   validation (``won_at``) to the loser's native cancel call (recorded by the sim ledger).
+* ``floor`` (only when asked for): after the capacity rows, on the same workers, as many plain
+  Celery tasks as the first capacity row has races, over the same ramp, each returning the same
+  payload: the part of a race's CPU and Redis traffic that is Celery's own, and the rest
+  (:mod:`.celery_floor`).
 * ``loop`` (only when asked for): the capacity row with the coordination loop ``threads``
   and ``batched`` in alternating pairs (:mod:`._loop_row`).
 * ``records`` (only when asked for): the capacity row's CPU per race with race records on and
@@ -58,6 +62,8 @@ from . import redis_probe
 from ._procs import cpu_s as _cpu_s
 from ._procs import free_port as _free_port
 from .race_capacity import _summary, capacity_row, meets_capacity_target
+
+FLOOR_PLUGIN = f"{__package__}.celery_floor"  # imported by the workers, not here
 
 CONFIG = """
 time_scale: {scale}
@@ -139,7 +145,8 @@ class Bench:
         # each worker counts its Redis round trips into files here (bench/redis_probe.py)
         self.probe_dir = self.tmp / "probe"
         plugins = [p for p in self.env.get("GPUHEDGE_PLUGINS", "").split(",") if p.strip()]
-        self.env["GPUHEDGE_PLUGINS"] = ",".join([*plugins, redis_probe.__name__])
+        # and register the Celery floor's task (bench/celery_floor.py)
+        self.env["GPUHEDGE_PLUGINS"] = ",".join([*plugins, redis_probe.__name__, FLOOR_PLUGIN])
         self.env[redis_probe.DIR_ENV] = str(self.probe_dir)
         for name in ("GPUHEDGE_GPU", "CUDA_VISIBLE_DEVICES", "GPUHEDGE_METRICS_PORT",
                      "PROMETHEUS_MULTIPROC_DIR"):  # fmt: skip
@@ -379,7 +386,7 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     "--rows",
     default="overhead,capacity,cancel",
     show_default=True,
-    help="Rows to run, comma-separated (also: records, memory, metrics, budget, loop).",
+    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, loop).",
 )
 @click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
               help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
@@ -422,7 +429,8 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
-        "overhead", "capacity", "cancel", "records", "memory", "metrics", "budget", "loop"
+        "overhead", "capacity", "cancel", "floor", "records", "memory", "metrics", "budget",
+        "loop",
     }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
@@ -514,6 +522,14 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
                     rp["meets_target"] = meets_capacity_target(rp)
                     rp["cpu_vs_sim"] = round(rp["cpu_ms_per_race"] / row["cpu_ms_per_race"], 2)
                     results.append(rp)
+        if "floor" in wanted:
+            from .celery_floor import beside_capacity, floor_row
+
+            floor = floor_row(bench, levels[0], 15.0 * scale if ramp_s is None else ramp_s)
+            capacity = next((r for r in results if r["row"] == "capacity"), None)
+            if capacity is not None and capacity["races"] == levels[0]:
+                floor["beside_capacity"] = beside_capacity(floor, capacity)
+            results.append(floor)
     for row in results:
         row["setup"] = setup
     if as_json:
