@@ -2,7 +2,8 @@
 # Run every benchmark once, each printing JSON, into one folder (default bench-results/), so the
 # figures in docs/benchmarks.md come from one run on one machine. Each bench compares against its
 # baseline inside the same run (keyspace vs polling vs RTT; lease vs ideal/round-robin/least-conn;
-# race overhead vs a plain Celery round trip). Not a test: it asserts nothing.
+# race overhead vs a plain Celery round trip, CPU per race vs a plain task returning the same
+# payload). Not a test: it asserts nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results}"
@@ -27,6 +28,6 @@ run pool-runners pool --runner cpu:fixed=0 --runner python:tests.support.tiny_mo
   --runner "server:http://127.0.0.1:$port/v1/completions" \
   --runner "cmd:$py $PWD/tests/support/tiny_model.py" \
   --server-cmd "$py $PWD/tests/support/model_server.py --port $port"
-run races races
+run races races --rows overhead,capacity,cancel,floor  # floor: a plain Celery task with the same payload
 run races-metrics races --rows metrics  # CPU per race, metrics off vs on, alternating
 python3 scripts/bench_table.py "$out"
