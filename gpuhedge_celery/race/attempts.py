@@ -80,11 +80,12 @@ class FirstSubmit:
 
 
 UNKNOWN_SUBMIT = "submit outcome unknown: its worker died mid-submit; not submitted again"
+NOT_NEEDED = "not submitted: the race no longer needs it"
 NO_REQUEST = "not submitted: the race's request is gone (the race expired or finished)"
 
 if TYPE_CHECKING:
     from ..core.clock import Clock
-    from ..store.races import RaceStore
+    from ..store.races import RaceRecord, RaceStore
     from ..store.timers import TimerStore
     from ..webhooks.settings import WebhookSettings
     from .base import Effects
@@ -141,7 +142,47 @@ class AttemptWork(CancelWork, WatchWork):
         the create that just made the race (``new_race``): the claim is this process's.
         """
         drop = BackstopDrop(self.timers, backstop)
-        record = self.store.load(race_id, fresh=True) if new_race or decided_here else None
+        found = self._attempt_to_submit(race_id, attempt_id, new_race or decided_here, drop)
+        if found is None:
+            return
+        record, race, a, known = found
+        if known is None and (race.finished or race.has_winner or a.cancel_requested):
+            self._submit_failed(race_id, attempt_id, NOT_NEEDED, drop)
+            return
+        intent, request = (claimed.intent, claimed.request) if claimed else (None, None)
+        if claimed is not None and claimed.budget is not None and not claimed.budget.result.granted:
+            self._refused(race_id, a, claimed.budget.result, drop)
+            return
+        if known is None and intent is None:
+            claim = self._claim_submit(race_id, a, record.state, drop)
+            if claim is None:  # the budget refused it
+                return
+            known, intent, request = claim
+        if known is None:  # the claim is ours (just made, or riding in the create): submit
+            handle = self._submit_claimed(race_id, a, record.state, intent, request, drop)
+            if handle is None:
+                return
+        elif known.get("submitting"):
+            self._submitting_elsewhere(race_id, attempt_id, known, takeover, drop)
+            return
+        else:  # registered before: a redelivery reports that job instead of submitting again
+            handle = JobHandle.from_dict(known)
+        # Reported together with the job's first status (one save): see watch.
+        spec = record.state["spec"]
+        cap = float(spec["caps_s"].get(a.provider, 180.0))
+        submitted = AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict())
+        self.watch(
+            race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
+        )
+
+    def _attempt_to_submit(
+        self, race_id: str, attempt_id: str, fresh: bool, drop: BackstopDrop
+    ) -> tuple[RaceRecord, Race, Attempt, dict[str, Any] | None] | None:
+        """The race's record, the race, the attempt still launching and the job registered for
+        it (None if none), for :meth:`submit_attempt`; ``fresh``: this process's saved copy
+        serves. None when there is nothing to submit (the backstop is then dropped): the race or
+        the attempt is gone, or the attempt was reported submitted already."""
+        record = self.store.load(race_id, fresh=True) if fresh else None
         jobs: dict[str, dict[str, Any]] = {}
         if record is None or (record.cached and not _launching(record.state, attempt_id)):
             # Not the copy a deciding step just saved (a launch a resume asked for, in a process
@@ -149,92 +190,93 @@ class AttemptWork(CancelWork, WatchWork):
             record, jobs = self.store.load_with_jobs(race_id)
         if record is None:
             drop.now()
-            return
+            return None
         race = Race.from_dict(record.state["race"], self.clock)
         a = find_attempt(race, attempt_id)
         if a is None:
             drop.now()
-            return
+            return None
         if a.phase is not Phase.LAUNCHING:
             # Already reported: a redelivery, whose first run may have died between its step's
             # save and the actions (timers, watch) that step asked for. Re-perform them.
             self.resume(race_id)
             drop.now()
+            return None
+        return record, race, a, jobs.get(attempt_id)
+
+    def _claim_submit(
+        self, race_id: str, a: Attempt, state: dict[str, Any], drop: BackstopDrop
+    ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any] | None] | None:
+        """Claim the attempt's submit: ``(the job found registered or being submitted by
+        another process, or None if the claim is ours; the intent; the request to submit)``.
+        None when the budget refused the attempt (reported ended)."""
+        # The intent first: a crash between the provider's reply and the handle's registration
+        # must not look like "never submitted" to a redelivery. Its window tells a late-comer
+        # whether the submitter may still be at work.
+        intent = self._submit_intent()
+        # The budget's reservation of the attempt's worst case rides in the same round trip.
+        budget = self.budget.reservation(race_id, a, state) if self.budget else None
+        # A claim whose answer was lost is sent again within the intent's window: the same
+        # intent found is ours (store/race_jobs.py), the reservation a repeat. Failing instead
+        # would leave an intent the launch backstop must judge "outcome unknown".
+        known, request = self._within_window(
+            f"race {race_id}: claim the submit of {a.id}", float(intent["until"]),
+            lambda: self.store.claim_submit_with_request(race_id, a.id, intent, also=budget),
+        )  # fmt: skip
+        if known is None and budget is not None and not budget.result.granted:
+            self._refused(race_id, a, budget.result, drop)
+            return None
+        return known, intent, request
+
+    def _submit_claimed(
+        self, race_id: str, a: Attempt, state: dict[str, Any], intent: dict[str, Any],
+        request: dict[str, Any] | None, drop: BackstopDrop,
+    ) -> JobHandle | None:  # fmt: skip
+        """Submit the job of an attempt whose submit claim is this process's, and register
+        it; None if it was not submitted (the attempt is then reported ended)."""
+        # (a race created before the request had its own key still carries it inline)
+        request = request if request is not None else state.get("request")
+        if request is None:  # never submit a request we no longer have as something else
+            self._submit_failed(race_id, a.id, NO_REQUEST, drop)
+            return None
+        provider = self.providers(a.provider)
+        try:
+            handle = self._submit(provider, request, race_id, a.id)
+        except ProviderError as e:
+            unknown = bool(getattr(e, "outcome_unknown", False))  # the job may exist
+            self._submit_failed(race_id, a.id, str(e), drop, unknown=unknown)
+            return None
+        except Exception as e:  # an adapter bug must end the attempt, not hang the race
+            self._submit_failed(race_id, a.id, f"{type(e).__name__}: {e}", drop)
+            return None
+        self._register_job(race_id, a.id, handle, float(intent["until"]))
+        return handle
+
+    def _submitting_elsewhere(
+        self, race_id: str, attempt_id: str, known: dict[str, Any], takeover: bool,
+        drop: BackstopDrop,
+    ) -> None:  # fmt: skip
+        """Another process claimed the submit: left to it while its window lasts; past it,
+        that submitter died mid-submit and the attempt ends."""
+        until = known.get("until")
+        if until is not None and self.clock.now() < float(until):
+            # It will report the job; should it die, the launch's backstop (or the janitor)
+            # finds the intent past its window.
+            if takeover:
+                self._rearm_launch_backstop(race_id, attempt_id, float(until))
             return
-        known = jobs.get(attempt_id)
-        if known is None and (race.finished or race.has_winner or a.cancel_requested):
-            self.step(
-                race_id, SubmitFailed(attempt_id, "not submitted: the race no longer needs it"),
-                None, drop.queue,
-            )  # fmt: skip
-            drop.now()
-            return
-        intent, request = (claimed.intent, claimed.request) if claimed else (None, None)
-        if claimed is not None and claimed.budget is not None and not claimed.budget.result.granted:
-            self._refused(race_id, a, claimed.budget.result, drop)
-            return
-        if known is None and intent is None:
-            # The intent first: a crash between the provider's reply and the handle's
-            # registration must not look like "never submitted" to a redelivery. Its window
-            # tells a late-comer whether the submitter may still be at work.
-            intent = self._submit_intent()
-            # The budget's reservation of the attempt's worst case rides in the same round trip.
-            budget = self.budget.reservation(race_id, a, record.state) if self.budget else None
-            # A claim whose answer was lost is sent again within the intent's window: the same
-            # intent found is ours (store/race_jobs.py), the reservation a repeat. Failing
-            # instead would leave an intent the launch backstop must judge "outcome unknown".
-            known, request = self._within_window(
-                f"race {race_id}: claim the submit of {attempt_id}", float(intent["until"]),
-                lambda: self.store.claim_submit_with_request(
-                    race_id, attempt_id, intent, also=budget
-                ),
-            )  # fmt: skip
-            if known is None and budget is not None and not budget.result.granted:
-                self._refused(race_id, a, budget.result, drop)
-                return
-        if known is None and intent is not None:  # the claim is ours: submit
-            # (a race created before the request had its own key still carries it inline)
-            request = request if request is not None else record.state.get("request")
-            if request is None:  # never submit a request we no longer have as something else
-                self.step(race_id, SubmitFailed(attempt_id, NO_REQUEST), None, drop.queue)
-                drop.now()
-                return
-            provider = self.providers(a.provider)
-            try:
-                handle = self._submit(provider, request, race_id, attempt_id)
-            except ProviderError as e:
-                unknown = bool(getattr(e, "outcome_unknown", False))  # the job may exist
-                self.step(race_id, SubmitFailed(attempt_id, str(e), unknown), None, drop.queue)
-                drop.now()
-                return
-            except Exception as e:  # an adapter bug must end the attempt, not hang the race
-                error = f"{type(e).__name__}: {e}"
-                self.step(race_id, SubmitFailed(attempt_id, error), None, drop.queue)
-                drop.now()
-                return
-            self._register_job(race_id, attempt_id, handle, float(intent["until"]))
-        elif known.get("submitting"):
-            until = known.get("until")
-            if until is not None and self.clock.now() < float(until):
-                # Another process is submitting it now and will report the job; should it die,
-                # the launch's backstop (or the janitor) finds the intent past its window.
-                if takeover:
-                    self._rearm_launch_backstop(race_id, attempt_id, float(until))
-                return
-            # A submit was in flight when its worker died: the provider may hold a job we have
-            # no id for. Never submit blindly again: end the attempt (the policy moves on).
-            self.step(race_id, SubmitFailed(attempt_id, UNKNOWN_SUBMIT), None, drop.queue)
-            drop.now()
-            return
-        else:
-            handle = JobHandle.from_dict(known)
-        # Reported together with the job's first status (one save): see watch.
-        cap = float(record.state["spec"]["caps_s"].get(a.provider, 180.0))
-        spec = record.state["spec"]
-        submitted = AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict())
-        self.watch(
-            race_id, attempt_id, a.provider, handle.to_dict(), None, cap, spec, drop, submitted
-        )
+        # The provider may hold a job we have no id for. Never submit blindly again: end the
+        # attempt (the policy moves on).
+        self._submit_failed(race_id, attempt_id, UNKNOWN_SUBMIT, drop)
+
+    def _submit_failed(
+        self, race_id: str, attempt_id: str, reason: str, drop: BackstopDrop,
+        unknown: bool = False,
+    ) -> None:  # fmt: skip
+        """Report that the attempt was not submitted (``unknown``: a job may exist), dropping
+        the launch's backstop in the same round trip."""
+        self.step(race_id, SubmitFailed(attempt_id, reason, unknown), None, drop.queue)
+        drop.now()
 
     def _first_submit(
         self, race_id: str, race: Race, state: dict[str, Any], request: dict[str, Any],
