@@ -7,8 +7,17 @@ the caller. This row sends the same number of tasks of :data:`TASK_NAME` over th
 each returning the same WAV payload a sim job returns, and finds them done the way the
 capacity row finds its races done (the result keys, looked up in batches every 0.5 s). Its CPU
 per task (workers, Redis, this client), round trips and Redis bytes per task are the part of
-a race's cost that is Celery's own: no race, whatever its design, costs less while it is a
-Celery task whose result carries the payload. ``cpu_ms_beyond_floor`` is the rest.
+a race's cost that is Celery's own; ``cpu_ms_beyond_floor`` is the rest.
+
+Beside a capacity row the floor's window is as long as that row's (from the first send to the
+last look), so both are charged the same seconds of the workers' and Redis's idle work (timer
+service, heartbeats, broker polls: about 24 ms and 5 ms of CPU a second on the bench's two
+workers). Like the capacity row it never waits on a result, so it does not subscribe to the
+results' channels either (Celery's client does that at each send; nothing would read the
+payloads published there). Two things a race does more cheaply than a plain task, which the
+floor therefore still includes: its broker acknowledgement rides in the next delivery's round
+trip (``tasks/broker.py``; a plain task's is a round trip of its own), and the caller's result
+refers to the payload stored once instead of carrying it in its ``SET`` and ``PUBLISH``.
 
 The workers register the task by importing this module as a plugin (``GPUHEDGE_PLUGINS``,
 set by the bench's cluster); it runs nowhere else.
@@ -21,12 +30,14 @@ import time
 from typing import Any
 
 from ..tasks.app import app
+from . import redis_probe
 from .race_capacity import _traffic, cpu_snapshot, payload_bytes, traffic_fields
 
 Bench = Any  # bench/races.py's Bench
 
 TASK_NAME = "gpuhedge.bench.celery_floor"
 QUEUE = "gpuhedge.coord"  # the queue hedged_infer is sent to
+SETTLE_S = 1.0
 
 
 @functools.lru_cache(maxsize=4)
@@ -43,19 +54,28 @@ def celery_floor(seconds: float, sample_rate: int) -> dict[str, Any]:
     return {"payload": _payload(seconds, sample_rate)}
 
 
-def floor_row(bench: Bench, tasks: int, ramp_s: float) -> dict[str, Any]:
-    """``tasks`` tasks of :data:`TASK_NAME` over ``ramp_s`` seconds; CPU and traffic per task."""
+def floor_row(
+    bench: Bench, tasks: int, ramp_s: float, window_s: float | None = None
+) -> dict[str, Any]:
+    """``tasks`` tasks of :data:`TASK_NAME` over ``ramp_s`` seconds; CPU and traffic per task
+    over at least ``window_s`` seconds from the first send (a capacity row's ``wall_s``)."""
     spec = bench.config.build("p").spec
     args = (spec.audio_s, spec.sample_rate)
     bench.app.send_task(TASK_NAME, args, queue=QUEUE).get(timeout=60)  # both sides warm
-    cpu0, traffic0 = cpu_snapshot(bench), _traffic(bench)
+    time.sleep(SETTLE_S)  # what the row before left running is in neither row's window
+    traffic0, cpu0 = _traffic(bench), cpu_snapshot(bench)
     t_start = time.perf_counter()
     ids: list[str] = []
-    for i in range(tasks):
-        ids.append(bench.app.send_task(TASK_NAME, args, queue=QUEUE).id)
-        pause = t_start + ramp_s * (i + 1) / tasks - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)
+    backend = bench.app.backend
+    backend.on_task_call = lambda producer, task_id: None  # no SUBSCRIBE (see above)
+    try:
+        for i in range(tasks):
+            ids.append(bench.app.send_task(TASK_NAME, args, queue=QUEUE).id)
+            pause = t_start + ramp_s * (i + 1) / tasks - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+    finally:
+        del backend.on_task_call  # the class's own again
     pending = {bench.app.backend.get_key_for_task(task_id) for task_id in ids}
     deadline = time.monotonic() + 120
     while pending and time.monotonic() < deadline:
@@ -66,10 +86,12 @@ def floor_row(bench: Bench, tasks: int, ramp_s: float) -> dict[str, Any]:
         pending.difference_update(k for k, done in zip(batch, pipe.execute(), strict=True) if done)
         if pending:
             time.sleep(0.5)
-    wall = time.perf_counter() - t_start
     if pending:
         raise RuntimeError(f"celery floor: {len(pending)} of {tasks} tasks stored no result")
-    time.sleep(0.4)  # the workers' probe counts up to now, written (bench/redis_probe.py)
+    wall = time.perf_counter() - t_start
+    if window_s is not None and wall < window_s:
+        time.sleep(window_s - wall)
+    time.sleep(2 * redis_probe.WRITE_INTERVAL_S)  # the workers' counts up to now, written
     traffic = traffic_fields(traffic0, _traffic(bench), tasks)
     cpu = {k: v - cpu0[k] for k, v in cpu_snapshot(bench).items()}
     return {
@@ -77,6 +99,7 @@ def floor_row(bench: Bench, tasks: int, ramp_s: float) -> dict[str, Any]:
         "tasks": tasks,
         "ramp_s": ramp_s,
         "wall_s": round(wall, 2),
+        "window_s": round(max(wall, window_s or 0.0), 2),
         "cpu_ms_per_task": round(1000.0 * sum(cpu.values()) / tasks, 2),
         "cpu_ms_per_task_by": {k: round(1000.0 * v / tasks, 2) for k, v in cpu.items()},
         "round_trips_per_task": traffic["round_trips_per_race"],

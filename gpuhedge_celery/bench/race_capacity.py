@@ -172,11 +172,11 @@ def capacity_row(
     redis_probe.install()  # this client's own requests: its share of Redis's input bytes
     used0 = int(bench.client.info("memory")["used_memory"])
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
-    cpu0 = cpu_snapshot(bench)
     from .races_runpod import receiver_cpu_s
 
     receiver0 = receiver_cpu_s(bench.receiver) if bench.receiver else 0.0
     traffic0 = _traffic(bench)
+    cpu0 = cpu_snapshot(bench)
     t_start = time.perf_counter()
     ids: list[str] = []
     sent_at: list[float] = []

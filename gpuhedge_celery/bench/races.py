@@ -17,9 +17,9 @@ is deleted afterwards) and sim providers from a generated config. Rows:
   (:mod:`.race_capacity`, which holds the row).
 * ``cancel``: races where the hedge wins while the primary still runs; time from the winner's
   validation (``won_at``) to the loser's native cancel call (recorded by the sim ledger).
-* ``floor`` (only when asked for): after the capacity rows, on the same workers, as many plain
-  Celery tasks as the first capacity row has races, over the same ramp, each returning the same
-  payload: the part of a race's CPU and Redis traffic that is Celery's own, and the rest
+* ``floor`` (only when asked for): right after the first capacity row, on the same workers, as
+  many plain Celery tasks as it has races, over the same ramp and window, each returning the
+  same payload: the part of a race's CPU and Redis traffic that is Celery's own, and the rest
   (:mod:`.celery_floor`).
 * ``loop`` (only when asked for): the capacity row with the coordination loop ``threads``
   and ``batched`` in alternating pairs (:mod:`._loop_row`).
@@ -318,6 +318,18 @@ def overhead_rows(bench: Bench, n: int) -> list[dict[str, Any]]:
     return [race, trip]
 
 
+def _floor(bench: Bench, tasks: int, scale: float, ramp_s: float | None,
+           capacity: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """The Celery floor row, over the capacity row's ramp and window when it is beside one."""
+    from .celery_floor import beside_capacity, floor_row
+
+    window_s = capacity["wall_s"] if capacity is not None else None
+    floor = floor_row(bench, tasks, 15.0 * scale if ramp_s is None else ramp_s, window_s)
+    if capacity is not None:
+        floor["beside_capacity"] = beside_capacity(floor, capacity)
+    return floor
+
+
 WARM_CANCELS = 10
 
 
@@ -512,24 +524,22 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
             from .race_memory import memory_row
 
             results.append(memory_row(bench, memory_races, request_bytes, scale))
+        first_capacity: dict[str, Any] | None = None
         if "capacity" in wanted:
             for level in levels:
                 row = capacity_row(bench, level, scale, seed, ramp_s)
                 row["meets_target"] = meets_capacity_target(row)
                 results.append(row)
+                first_capacity = first_capacity or row
                 if provider == "runpod-fake":  # the same races on RunPod, beside the sim row
                     rp = capacity_row(bench, level, scale, seed, ramp_s, provider)
                     rp["meets_target"] = meets_capacity_target(rp)
                     rp["cpu_vs_sim"] = round(rp["cpu_ms_per_race"] / row["cpu_ms_per_race"], 2)
                     results.append(rp)
-        if "floor" in wanted:
-            from .celery_floor import beside_capacity, floor_row
-
-            floor = floor_row(bench, levels[0], 15.0 * scale if ramp_s is None else ramp_s)
-            capacity = next((r for r in results if r["row"] == "capacity"), None)
-            if capacity is not None and capacity["races"] == levels[0]:
-                floor["beside_capacity"] = beside_capacity(floor, capacity)
-            results.append(floor)
+                if "floor" in wanted and row is first_capacity:  # right after the row it is beside
+                    results.append(_floor(bench, level, scale, ramp_s, row))
+        if "floor" in wanted and first_capacity is None:
+            results.append(_floor(bench, levels[0], scale, ramp_s, None))
     for row in results:
         row["setup"] = setup
     if as_json:
