@@ -323,10 +323,10 @@ def _floor(bench: Bench, tasks: int, scale: float, ramp_s: float | None,
     """The Celery floor row, over the capacity row's ramp and window when it is beside one."""
     from .celery_floor import beside_capacity, floor_row
 
-    window_s = capacity["wall_s"] if capacity is not None else None
-    floor = floor_row(bench, tasks, 15.0 * scale if ramp_s is None else ramp_s, window_s)
-    if capacity is not None:
-        floor["beside_capacity"] = beside_capacity(floor, capacity)
+    if capacity is None:
+        return floor_row(bench, tasks, 15.0 * scale if ramp_s is None else ramp_s)
+    floor = floor_row(bench, tasks, capacity["ramp_s"], capacity["wall_s"])
+    floor["beside_capacity"] = beside_capacity(floor, capacity)
     return floor
 
 
