@@ -31,7 +31,7 @@ from typing import Any
 
 from ..tasks.app import app
 from . import redis_probe
-from .race_capacity import _traffic, cpu_snapshot, payload_bytes, traffic_fields
+from .race_capacity import _traffic, cpu_snapshot, payload_bytes, still_missing, traffic_fields
 
 Bench = Any  # bench/races.py's Bench
 
@@ -79,11 +79,7 @@ def floor_row(
     pending = {bench.app.backend.get_key_for_task(task_id) for task_id in ids}
     deadline = time.monotonic() + 120
     while pending and time.monotonic() < deadline:
-        batch = list(pending)
-        pipe = bench.client.pipeline(transaction=False)
-        for key in batch:
-            pipe.exists(key)
-        pending.difference_update(k for k, done in zip(batch, pipe.execute(), strict=True) if done)
+        pending = still_missing(bench.client, pending, lambda key: key)
         if pending:
             time.sleep(0.5)
     if pending:

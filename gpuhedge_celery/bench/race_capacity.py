@@ -22,6 +22,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import redis_probe
@@ -94,6 +95,16 @@ def cpu_snapshot(bench: Bench) -> dict[str, float]:
         "redis": bench.redis_cpu_s(),
         "client": time.process_time(),
     }
+
+
+def still_missing(client: Any, names: set[Any], key_of: Callable[[Any], Any]) -> set[Any]:
+    """The ``names`` whose key (``key_of(name)``) Redis does not hold yet, in one pipelined
+    round trip: how a row finds its races (receipts) or tasks (results) done."""
+    batch = list(names)
+    pipe = client.pipeline(transaction=False)
+    for name in batch:
+        pipe.exists(key_of(name))
+    return {name for name, done in zip(batch, pipe.execute(), strict=True) if not done}
 
 
 def _traffic(bench: Bench) -> dict[str, Any]:
@@ -206,13 +217,9 @@ def capacity_row(
     deadline = time.monotonic() + 30.0 * scale + 120
     pending = set(ids)
     while pending and time.monotonic() < deadline:
-        pipe = bench.client.pipeline(transaction=False)
-        batch = list(pending)
-        for race_id in batch:
-            pipe.exists(f"{bench.prefix}:race:{{{race_id}}}:receipt")
-        for race_id, done in zip(batch, pipe.execute(), strict=True):
-            if done:
-                pending.discard(race_id)
+        pending = still_missing(
+            bench.client, pending, lambda race_id: f"{bench.prefix}:race:{{{race_id}}}:receipt"
+        )
         if len(pending) > peak:
             peak = len(pending)
             peak_used = int(bench.client.info("memory")["used_memory"])
