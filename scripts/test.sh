@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with Python and pip:
-#   installs the package with its test extras, makes sure a real redis-server and a real RabbitMQ
-#   are reachable (starting or installing them), installs the checkers that are missing
-#   (systemd-analyze, Prometheus and promtool), lints with ruff, then runs pytest. Extra args go
-#   to pytest.
+#   installs the package with its test extras into the active interpreter, makes sure a real
+#   redis-server and a real RabbitMQ are reachable (starting or apt-installing them), apt-installs
+#   the checkers that are missing (systemd-analyze, espeak-ng), unpacks Prometheus and promtool
+#   into a private directory (scripts/ensure-prometheus.sh: never installed, no service), lints
+#   with ruff, then runs pytest. Extra args go to pytest (one module: tests/test_x.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
@@ -23,7 +24,8 @@ GPUHEDGE_TEST_REDIS_URL="$(bash scripts/ensure-redis.sh)"
 GPUHEDGE_TEST_AMQP_URL="$(bash scripts/ensure-rabbitmq.sh)"
 export GPUHEDGE_TEST_REDIS_URL GPUHEDGE_TEST_AMQP_URL
 echo "tests use Redis at $GPUHEDGE_TEST_REDIS_URL and RabbitMQ at $GPUHEDGE_TEST_AMQP_URL"
-bash scripts/ensure-prometheus.sh
+PATH="$(bash scripts/ensure-prometheus.sh):$PATH"
+export PATH
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m pytest -q "$@"

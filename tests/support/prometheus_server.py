@@ -1,8 +1,9 @@
 """A real Prometheus server on loopback for end-to-end tests, and helpers to read endpoints.
 
-``scripts/ensure-prometheus.sh`` (run by the test command) installs Debian's ``prometheus``
-package (``prometheus`` and ``promtool``) where it is missing; a test that needs it fails,
-never skips, when it is not there.
+``scripts/ensure-prometheus.sh`` (run by the test command) unpacks ``prometheus`` and
+``promtool`` from Debian's package into a private directory that the test command puts on PATH
+(the package is not installed: no service); a test that needs them fails, never skips, when
+they are not there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def binary(name: str) -> str:
     """The path of ``prometheus`` or ``promtool``; AssertionError naming the fix if missing."""
     found = shutil.which(name)
-    assert found, f"{name} is not installed: run scripts/ensure-prometheus.sh (apt-get)"
+    assert found, f"{name} is not on PATH: run the tests with scripts/test.sh"
     return found
 
 
