@@ -23,27 +23,42 @@ def command() -> None:
 
 @command.command(name="check")
 @click.argument("file", required=False)
-def check(file: str | None) -> None:
+@click.option("--strict", is_flag=True, help="Exit 1 when there is any warning.")
+def check(file: str | None, strict: bool) -> None:
     """Load and validate FILE as a worker would, and print one line: ``ok: ...`` (exit code 0)
     or the error naming the file and key (exit code 2).
+
+    A budget cap that refuses an attempt the policy can launch (a hedge whose worst case does
+    not fit beside the primary's under max_usd_per_request, say) is a warning: the line says
+    ``ok with N warning(s)`` and one ``warning:`` line per attempt follows, with the
+    arithmetic. The exit code stays 0, since the config does run, unless --strict (then 1).
 
     Without FILE it checks the config this installation would use: --config / GPUHEDGE_CONFIG,
     else ./config/gpuhedge.yaml, else the packaged default. ${VAR} references are resolved
     when a worker builds a provider, so unset variables are not reported here.
     """
-    from ..cli import root_config
+    from ..cli import EXIT_FAILED, root_config
+    from ..config_budget import cap_warnings
 
     if file is not None and not Path(file).is_file():
         raise ConfigError("config file not found", file=file)
     cfg = root_config(file)
+    warnings = [w.text() for w in cap_warnings(cfg)]
     providers = ", ".join(
         f"{p.name} ({p.role}{'' if p.deployed else ', not deployed'})"
         for p in cfg.providers.values()
     )
+    status = "ok"
+    if warnings:
+        status = f"ok with {len(warnings)} warning{'s' if len(warnings) > 1 else ''}"
     click.echo(
-        f"ok: {cfg.source}: providers {providers or 'none'}; policy {cfg.policy.name}; "
+        f"{status}: {cfg.source}: providers {providers or 'none'}; policy {cfg.policy.name}; "
         f"validator {cfg.validator.name}"
     )
+    for line in warnings:
+        click.echo(f"warning: {line}")
+    if warnings and strict:
+        raise click.exceptions.Exit(EXIT_FAILED)
 
 
 def _redacted(value: Any, path: str, secrets: list[str]) -> Any:

@@ -1,11 +1,13 @@
 """``gpuhedge-celery plan [TRACES] [--map NAME=TRACE] [--json]``: what the config would cost.
 
 Tables of the config's providers (role, rate, idle billing, cap, worst case per attempt) and of
-its budget (every cap), and the configured policy's worst case per request. Given paired-round
-TRACES (``replay``'s format), the configured policy is replayed on them with the config's
-rates: its expected (mean) billed cost per request and the p95 of that cost, beside its
-latency. Each provider the policy races must be in the traces under its own name or mapped
-with ``--map CONFIG_NAME=TRACE_NAME``. Nothing is sent anywhere. Exit codes: 0, 2 bad input.
+its budget (every cap), and the configured policy's worst case per request (every attempt it
+can launch at its worst case, never clamped to a cap), with a warning for each attempt a cap
+refuses (``warnings`` in --json). Given paired-round TRACES (``replay``'s format), the
+configured policy is replayed on them with the config's rates: its expected (mean) billed cost
+per request and the p95 of that cost, beside its latency. Each provider the policy races must
+be in the traces under its own name or mapped with ``--map CONFIG_NAME=TRACE_NAME``. Nothing
+is sent anywhere. Exit codes: 0, 2 bad input.
 """
 
 from __future__ import annotations
@@ -117,7 +119,12 @@ def render(plan: dict[str, Any]) -> str:
     if not plan["budget_enabled"]:
         lines.append("  (no cap: budgets are off)")
     lines += ["", f"policy: {plan['policy']}",
-              f"  worst case per request: {_usd(plan['worst_case_per_request_usd'])}"]  # fmt: skip
+              f"  worst case per request: {_usd(plan['worst_case_per_request_usd'])} "
+              "(every attempt it can launch, each at its worst case)"]  # fmt: skip
+    if plan["warnings"]:
+        lines += ["", f"warnings ({len(plan['warnings'])}): the budget refuses attempts "
+                  "this policy launches"]  # fmt: skip
+        lines += [f"  {w}" for w in plan["warnings"]]
     found = plan.get("replay")
     if found:
         cost, lat = found["cost_per_request_usd"], found["latency_s"]
@@ -142,6 +149,7 @@ def render(plan: dict[str, Any]) -> str:
 def command(traces: str | None, subset: str, mapping: tuple[str, ...], as_json: bool) -> None:
     """Providers, budget and the policy's worst case; with TRACES, its expected cost."""
     from ..cli import root_config
+    from ..config_budget import cap_warnings, planned_attempts
 
     cfg = root_config()
     pairs = {}
@@ -151,16 +159,16 @@ def command(traces: str | None, subset: str, mapping: tuple[str, ...], as_json: 
             raise ConfigError(f"expected NAME=TRACE, got {item!r}", key="--map")
         pairs[name] = trace
     policy = cfg.make_policy()
-    worst = {r["provider"]: r["worst_case_usd"] for r in provider_rows(cfg)}
-    per_request = sum(worst[name] for name in policy.providers())
-    if cfg.budget.max_usd_per_request is not None:
-        per_request = min(per_request, cfg.budget.max_usd_per_request)
+    attempts = planned_attempts(cfg, policy)
+    # Not clamped to max_usd_per_request: a cap below this refuses attempts (see warnings).
+    per_request = sum(a.worst_case_usd for a in attempts)
     plan: dict[str, Any] = {
         "providers": provider_rows(cfg),
         "budget": budget_rows(cfg.budget),
         "budget_enabled": cfg.budget.enabled,
         "policy": policy.name,
         "worst_case_per_request_usd": per_request,
+        "warnings": [w.text() for w in cap_warnings(cfg, policy)],
     }
     if traces:
         plan["replay"] = replay_costs(cfg, traces, subset, pairs)

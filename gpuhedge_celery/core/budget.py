@@ -111,6 +111,86 @@ def worst_case_usd(cap_s: float, rate_per_s: float, idle_s: float) -> float:
 
 
 @dataclass(frozen=True)
+class PlannedAttempt:
+    """One attempt a policy can launch, as its reservation sees it: provider, role, the
+    attempt's cap and the provider's rate and idle window (one time unit throughout)."""
+
+    provider: str
+    role: str
+    cap_s: float
+    rate_per_s: float
+    idle_s: float
+
+    @property
+    def worst_case_usd(self) -> float:
+        return worst_case_usd(self.cap_s, self.rate_per_s, self.idle_s)
+
+    def arithmetic(self) -> str:
+        """``primary runpod 180 s x $0.000306/s + 60 s idle x $0.000306/s = $0.0734``."""
+        return (
+            f"{self.role} {self.provider} {self.cap_s:g} s x ${self.rate_per_s:g}/s + "
+            f"{self.idle_s:g} s idle x ${self.rate_per_s:g}/s = ${self.worst_case_usd:.4f}"
+        )
+
+
+@dataclass(frozen=True)
+class CapConflict:
+    """A cap that refuses ``attempt`` in a race whose earlier attempts (``before``, those the
+    same cap counts) are still reserved at their worst cases: the policy can launch it, the
+    budget never lets it run."""
+
+    cap: str
+    limit_usd: float
+    before: tuple[PlannedAttempt, ...]
+    attempt: PlannedAttempt
+
+    @property
+    def total_usd(self) -> float:
+        return sum(a.worst_case_usd for a in (*self.before, self.attempt))
+
+    def text(self) -> str:
+        """One line: the cap, the attempt it forbids and the arithmetic."""
+        a = self.attempt
+        parts = ", ".join(b.arithmetic() for b in (*self.before, a))
+        head = f"budget.{self.cap} ${self.limit_usd:g} forbids the {a.role} attempt ({a.provider})"
+        if not self.before:
+            return f"{head}: {parts} > ${self.limit_usd:g}; it is refused every time"
+        return (
+            f"{head}: {parts}; together ${self.total_usd:.4f} > ${self.limit_usd:g}; it is "
+            "refused whenever the attempts before it still hold their reservations"
+        )
+
+
+def cap_conflicts(caps: BudgetCaps, attempts: list[PlannedAttempt]) -> list[CapConflict]:
+    """Every cap that refuses an attempt the policy can launch, on an empty ledger.
+
+    ``attempts`` in launch order (primary first). Each cap counts the attempts it applies to
+    (per request, day and ceiling: all; ``providers.P``: P's; ``keys.K``: all of a request
+    with key K) with every earlier admitted one still reserved at its worst case, as in the
+    worst race; a refused attempt holds nothing, so a later one may still fit. Amounts are
+    compared in nano-dollars, rounded up, as the reserve script compares them.
+    """
+    counted: dict[str, tuple[float, list[PlannedAttempt]]] = {}
+    for key in (None, *caps.keys):
+        for a in attempts:
+            for name, usd in _slot_caps(caps, a.provider, key):
+                if usd is None or (key is not None and not name.startswith("keys.")):
+                    continue
+                counted.setdefault(name, (usd, []))[1].append(a)
+    found: list[CapConflict] = []
+    for name, (usd, applies) in counted.items():
+        used, admitted = 0, []
+        for a in applies:
+            amount = to_nano(a.worst_case_usd, round_up=True)
+            if used + amount > to_nano(usd):
+                found.append(CapConflict(name, usd, tuple(admitted), a))
+                continue
+            used += amount
+            admitted.append(a)
+    return found
+
+
+@dataclass(frozen=True)
 class Limit:
     """One cap that applies to an attempt: a counter (``scope``) and its limit in nano-dollars.
 
