@@ -1,4 +1,5 @@
-"""``gpuhedge-celery ledger export [--since WHEN] [--output FILE]``: the budget ledger as JSONL.
+"""``gpuhedge-celery ledger export [--since WHEN] [--output FILE]``: the budget ledger as JSONL;
+``ledger repair [--apply]``: the counters recomputed from it.
 
 One JSON object per line, oldest first: every reservation (``reserve``), refusal (``refuse``),
 settlement (``settle``) and reconciliation (``reconcile``), with its ``stream_id``, its UTC time,
@@ -99,3 +100,32 @@ def export(since: str, output: str | None) -> None:
             out.close()
     if output:
         click.echo(f"{count} ledger entries written to {output}", err=True)
+
+
+@command.command(name="repair")
+@click.option("--apply", "apply", is_flag=True,
+              help="Replace the counters by the ledger's figures (else only compare).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
+def repair(apply: bool, as_json: bool) -> None:
+    """Recompute the budget counters from the ledger stream and compare them with Redis's.
+
+    Every counter change is appended to the ledger by the script that makes it, so the stream
+    replayed is the truth; a difference means a write was lost or made by hand. Exit codes: 0
+    the counters agree (or were repaired with --apply), 1 they differ, 3 Redis unreachable.
+    """
+    from ..cli import EXIT_FAILED, cli_redis_client, root_settings
+    from ..store.budget import BudgetStore
+
+    ledger = BudgetStore(cli_redis_client(), root_settings().prefix)
+    diff = ledger.repair(apply=apply)
+    if as_json:
+        click.echo(json.dumps({"differences": diff, "applied": apply and bool(diff)}, indent=2))
+    elif not diff:
+        click.echo("ok: every budget counter agrees with the ledger")
+    else:
+        verb = "repaired" if apply else "differ (run with --apply to repair)"
+        click.echo(f"{len(diff)} budget counter(s) {verb}:")
+        for name, (found, expected) in diff.items():
+            click.echo(f"  {name:<40} redis ${to_usd(found):,.9f}  ledger ${to_usd(expected):,.9f}")
+    if diff and not apply:
+        raise click.exceptions.Exit(EXIT_FAILED)

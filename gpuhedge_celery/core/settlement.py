@@ -15,6 +15,7 @@ An attempt that was never submitted costs nothing (``not_submitted``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ def ready_to_settle(a: Attempt, summary: Mapping[str, Any] | None = None) -> boo
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 

@@ -83,6 +83,10 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
        "Attempts not submitted because the budget refused their reservation, by the kind of "
        "cap that refused (request, ceiling, day, provider, key) and the attempt's role.",
        "cap", "role"),
+    _c("gpuhedge_budget_over_reported",
+       "Settlements whose reported cost was above the attempt's reservation (its worst case): "
+       "settled at the reservation; the figure reported is in the ledger entry.",
+       "provider"),
     # -- timers ------------------------------------------------------------------------------
     _h("gpuhedge_timer_lag_seconds", "From a durable timer's due time to its handler starting.",
        FAST_S, "kind"),

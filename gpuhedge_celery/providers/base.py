@@ -18,6 +18,7 @@ so tests drive it on a :class:`~gpuhedge_celery.core.clock.VirtualClock`.
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..core.clock import Clock, VirtualClock, WallClock
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt
+from ..errors import ProviderProtocolError
 from .account import UNAVAILABLE, UNSUPPORTED, LoginCheck, SpendReport
 from .options import Block
 
@@ -32,6 +34,25 @@ if TYPE_CHECKING:
     from .provider_config import ProviderConfig
 
 Sleep = Callable[[float], None]
+
+MAX_REPORTED_MS = 7 * 24 * 3600 * 1000.0  # longer than any provider lets one job run
+
+
+def reported_ms(provider: str, where: str, field: str, value: Any) -> float | None:
+    """A duration a provider reported, in ms (None when it gave none).
+
+    Anything but a finite number from 0 to :data:`MAX_REPORTED_MS` raises
+    :class:`ProviderProtocolError`: a figure that cannot be true must not reach a receipt or
+    the budget ledger."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProviderProtocolError(provider, f"{where}: field {field!r} is not a number of ms: "
+                                    f"{value!r}"[:200])  # fmt: skip
+    if not math.isfinite(value) or not 0 <= value <= MAX_REPORTED_MS:
+        raise ProviderProtocolError(provider, f"{where}: field {field!r} is {value!r} ms, "
+                                    "outside 0 to 7 days"[:200])  # fmt: skip
+    return float(value)
 
 
 def default_sleep_for(clock: Clock) -> Sleep:

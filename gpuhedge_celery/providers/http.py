@@ -34,7 +34,7 @@ from ..errors import ConfigError, ProviderError, ProviderProtocolError, SubmitEr
 from ..metrics import record as metrics
 from . import account_checks
 from .account import LoginCheck, SpendReport
-from .base import Provider
+from .base import Provider, reported_ms
 from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .httpspec import Endpoint, HttpSpec, MissingField, fill_url, get_path, render, substitute_env
 from .options import Block
@@ -324,6 +324,9 @@ class HttpProvider(Provider):
         ep = self.spec.status
         data = self._call("status", ep, handle=handle, max_wait_s=max_wait_s)
         state = self.spec.map_state(self._field(data, "status", ep, "state", ep.state))
+        execution_ms = self._metrics(data, ep).get("execution_ms") if ep.metrics else None
+        if isinstance(execution_ms, (int, float)):  # checked here: no caller prices a bad figure
+            reported_ms(self.name, f"status {ep.label}", "execution_ms", execution_ms)
         if state is JobState.QUEUED and not self.spec.reports_queue_state:
             state = JobState.IN_PROGRESS
         return state, data
@@ -360,6 +363,12 @@ class HttpProvider(Provider):
             except MissingField:
                 error = None
         if "execution_ms" in metrics and isinstance(metrics["execution_ms"], (int, float)):
+            try:
+                reported_ms(self.name, f"{op} {source_ep.label}", "execution_ms",
+                            metrics["execution_ms"])  # fmt: skip
+            except ProviderError as e:
+                del metrics["execution_ms"]
+                return self._failed(handle, events, str(e), metrics)
             metrics["cost_usd"] = self.cost_usd(metrics["execution_ms"] / 1000.0)
         return AttemptResult(self.name, handle.job_id, state, wall_ms, payload, metrics,
                              events, error)  # fmt: skip

@@ -35,7 +35,7 @@ from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, RateLimited, SubmitError
 from . import runpod_account
 from .account import LoginCheck, SpendReport
-from .base import Provider
+from .base import Provider, reported_ms
 from .httpspec import MissingField, get_path
 from .options import Block
 from .runpod_api import JobUnknown, RunpodApi
@@ -277,11 +277,7 @@ class RunpodProvider(Provider):
         if not state.terminal:
             return None
         for field in ("delayTime", "executionTime"):
-            value = body.get(field)
-            if value is not None and (isinstance(value, bool) or
-                                      not isinstance(value, (int, float))):  # fmt: skip
-                raise ProviderProtocolError(self.name, f"{where}: field {field!r} is not a "
-                                            "number of ms")  # fmt: skip
+            reported_ms(self.name, where, field, body.get(field))
         self._terminal.put(handle.job_id, body)  # a later cancel or poll here needs no call
         event = LifecycleEvent(self.elapsed_ms(handle), state.value.lower(), "webhook")
         return self._terminal_result(handle, state, body, [event])
@@ -367,11 +363,7 @@ class RunpodProvider(Provider):
             raise ProviderProtocolError(self.name, f"{where}: field 'status' is missing or not "
                                         f"a string: {raw!r}")  # fmt: skip
         for field in ("delayTime", "executionTime"):
-            value = data.get(field)
-            if value is not None and (isinstance(value, bool) or
-                                      not isinstance(value, (int, float))):  # fmt: skip
-                raise ProviderProtocolError(self.name, f"{where}: field {field!r} is not a "
-                                            f"number of ms: {value!r}"[:200])  # fmt: skip
+            reported_ms(self.name, where, field, data.get(field))
         state = STATES.get(raw.strip().upper(), JobState.UNKNOWN)
         if state.terminal:
             self._terminal.put(handle.job_id, data)

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.budget import ANY_KEY, BudgetCaps, refusal_text, to_nano, to_usd
+from ..errors import StoreError
 from .race_keys import SaveMark, budget_keys, reservation_id
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
 KEEP_S = 7 * 24 * 3600.0  # settled records and per-request counters are kept this long
+MAX_NANO = 2**53  # the largest figure the budget scripts take (exact in a Lua number)
 
 GRANTED, REPEAT, SETTLED, REFUSED = 1, 2, 3, 0
 
@@ -149,7 +151,10 @@ class BudgetStore:
             args[2] = mark
         for attempt_id, nano, source in items:
             keys.append(k.reservation(reservation_id(race_id, attempt_id)))
-            args += [int(nano), source]
+            args += [
+                min(max(int(nano), 0), MAX_NANO),
+                source,
+            ]  # the script settles at most the reservation
         return keys, args
 
     def queue_settle(
@@ -243,6 +248,35 @@ class BudgetStore:
             if len(batch) < count:
                 return
             cursor, exclusive = as_text(batch[-1][0]), True
+
+    def repair(self, *, apply: bool, attempts: int = 5) -> dict[str, list[int]]:
+        """Compare the counters with the ledger stream replayed; with ``apply``, replace them by
+        the replayed figures. Returns counter -> [in Redis, from the ledger] where they differed.
+
+        The stream is WATCHed from its first read to the write, so an entry appended meanwhile
+        (a race reserving) makes the write fail and the comparison start again."""
+        import redis
+
+        from ..core.ledger import counters_from_ledger, differences
+
+        k = self.keys
+        for _ in range(attempts):
+            with store_errors("repairing the budget counters"), self.client.pipeline() as pipe:
+                try:
+                    pipe.watch(k.ledger)
+                    expected = counters_from_ledger(fields for _, fields in self.entries())
+                    found = {as_text(f): int(v) for f, v in pipe.hgetall(k.totals).items()}
+                    diff = differences(found, expected)
+                    if apply and diff:
+                        pipe.multi()
+                        pipe.delete(k.totals)
+                        if expected:
+                            pipe.hset(k.totals, mapping=expected)
+                        pipe.execute()
+                    return diff
+                except redis.WatchError:
+                    continue
+        raise StoreError(f"the ledger kept changing through {attempts} tries: run repair again")
 
     def add_reconciliation(self, fields: dict[str, Any]) -> str:
         """Append one reconciliation record (``costs``: a provider's figure beside ours)."""

@@ -23,7 +23,20 @@
 --         {0, cap, used, slot}       refused: used + amount would pass the cap of the slot
 --                                    (0 = per request, i = the i-th scope)
 --         {-1, 0, 0, 0}              (with a save mark) that save did not win: nothing done
-local id, amount = ARGV[1], tonumber(ARGV[2])
+-- Every number is checked before the first write (Lua is not rolled back on an error): a bad
+-- one fails the call with "ERR budget_reserve: ..." and changes nothing.
+local MAX_NANO = 9007199254740992  -- 2^53: exact in a Lua number, far inside HINCRBY's range
+local function whole(i, low)
+  local v = tonumber(ARGV[i])
+  if not v or v ~= v or v < low or v > MAX_NANO or v ~= math.floor(v) then
+    error('budget_reserve: ARGV[' .. i .. '] ' .. tostring(ARGV[i]) ..
+      ' is not a whole number from ' .. low .. ' to 2^53')
+  end
+  return v
+end
+local id, amount = ARGV[1], whole(2, 0)
+whole(3, 0)
+whole(4, 1)
 local found = redis.call('HMGET', KEYS[4], 'amount', 'settled')
 if found[1] then
   if found[2] then
@@ -49,6 +62,9 @@ local function refuse(cap, used, slot)
     'attempt', attempt, 'provider', provider, 'key', key, 'role', role, 'day', day,
     'cap_index', slot, 'cap_nano', cap, 'used_nano', used)
   return {0, cap, used, slot}
+end
+for i = 9, 9 + #scopes do
+  whole(i, -1)
 end
 local request_cap = tonumber(ARGV[9])
 if request_cap >= 0 then

@@ -13,7 +13,13 @@
 --         of the race, and a reservation settles once: its figure would stick.
 -- ARGV[4 ..] per reservation, in KEYS order: cost in integer nano-dollars, and its source
 --            (reconciled | estimated | unproven | not_submitted)
+-- A cost above its reservation settles at the reservation (the worst case was the bound the
+-- caps were checked against); the figure asked for stays in the ledger entry as
+-- 'reported_nano' with 'over_reported' 1.
+-- Every argument is checked before the first write (Lua is not rolled back on an error):
+-- a bad one fails the whole call with "ERR budget_settle: ..." and changes nothing.
 -- Returns {settled, nano}: how many reservations settled now, and their cost together
+local MAX_NANO = 9007199254740992  -- 2^53: exact in a Lua number, far inside HINCRBY's range
 local first = 5
 if ARGV[3] ~= '' then
   first = 6
@@ -22,14 +28,31 @@ if ARGV[3] ~= '' then
     return {0, 0}
   end
 end
+if #ARGV ~= 3 + (#KEYS - first + 1) * 2 then
+  return redis.error_reply('budget_settle: expected a cost and a source per reservation')
+end
+local costs = {}
+for k = first, #KEYS do
+  local a = 4 + (k - first) * 2
+  local cost = tonumber(ARGV[a])
+  if not cost or cost ~= cost or cost < 0 or cost > MAX_NANO or cost ~= math.floor(cost) then
+    return redis.error_reply('budget_settle: cost ' .. tostring(ARGV[a]) .. ' of ' .. KEYS[k] ..
+      ' is not a whole number of nano-dollars from 0 to 2^53')
+  end
+  costs[k] = cost
+end
 local settled, total = 0, 0
 for k = first, #KEYS do
   local a = 4 + (k - first) * 2
-  local cost, source = tonumber(ARGV[a]), ARGV[a + 1]
+  local cost, source = costs[k], ARGV[a + 1]
   local r = redis.call('HMGET', KEYS[k], 'amount', 'settled', 'scopes', 'race', 'attempt',
     'provider', 'key', 'role', 'day')
   if r[1] and not r[2] then
     local amount = tonumber(r[1])
+    local reported = cost
+    if cost > amount then
+      cost = amount
+    end
     for scope in string.gmatch(r[3], '[^,]+') do
       redis.call('HINCRBY', KEYS[1], 'r|' .. scope, -amount)
       redis.call('HINCRBY', KEYS[1], 's|' .. scope, cost)
@@ -41,9 +64,15 @@ for k = first, #KEYS do
     redis.call('PEXPIRE', KEYS[k], ARGV[1])
     local id = r[4] .. '/' .. r[5]
     redis.call('ZREM', KEYS[2], id)
-    redis.call('XADD', KEYS[3], '*', 'type', 'settle', 'id', id, 'nano', cost,
-      'reserved_nano', amount, 'source', source, 'race', r[4], 'attempt', r[5],
-      'provider', r[6], 'key', r[7], 'role', r[8], 'day', r[9])
+    local entry = {'type', 'settle', 'id', id, 'nano', cost, 'reserved_nano', amount,
+      'source', source, 'race', r[4], 'attempt', r[5], 'provider', r[6], 'key', r[7],
+      'role', r[8], 'day', r[9]}
+    if reported > cost then
+      for _, v in ipairs({'reported_nano', string.format('%d', reported), 'over_reported', 1}) do
+        entry[#entry + 1] = v
+      end
+    end
+    redis.call('XADD', KEYS[3], '*', unpack(entry))
     settled = settled + 1
     total = total + cost
   end
