@@ -195,7 +195,7 @@ def test_the_example_config_builds_a_runpod_primary_hedged_by_cerebrium():
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "config" / "cerebrium.yaml")
     env = {"RUNPOD_ENDPOINT_ID": "ep", "RUNPOD_API_KEY": "k", "CEREBRIUM_PROJECT_ID": "p-9",
-           "CEREBRIUM_API_KEY": KEY}  # fmt: skip
+           "CEREBRIUM_API_KEY": KEY, "CEREBRIUM_REST_TOKEN": "t"}  # fmt: skip
     p = cfg.build("cerebrium", env=env)
     assert p.adapter == "cerebrium" and p.takes_webhooks and p.app_id == "p-9-tts"
     assert cfg.by_role("primary")[0].adapter == "runpod" and KEY not in repr(p)
@@ -226,3 +226,38 @@ def test_past_its_rate_limit_the_submit_is_refused_with_429_and_not_retried(fake
         p.submit(fate(), context=ctx(hooks, "a3"))
     assert not getattr(e.value, "outcome_unknown", False)  # refused: no run was started
     assert fake.stats()["routes"] == {"submit": 3, "limited_429": 1}
+
+
+REST_TOKEN = "cb-service-account-token-9876-very-secret"
+
+
+def test_the_management_api_takes_its_own_token_when_one_is_set(fake, hooks):
+    fake.configure(rest_token=REST_TOKEN)  # the service account's token differs from the key
+    only_key = provider(fake)
+    h = only_key.submit(fate(queue_s=1), context=ctx(hooks))  # inference: the key is right
+    refused = only_key.cancel(h)
+    assert refused.evidence is Evidence.NO_EVIDENCE and "HTTP 401" in refused.note
+    both = parse_config(
+        {"providers": {"cb": {"adapter": "cerebrium", "billed_rate_per_s": 0.001,
+                              "cerebrium": cerebrium_block(
+                                  fake, rest_token="${CEREBRIUM_TEST_REST_TOKEN}")}},
+         "budget": {"ceiling_usd": 1000}}, source="t.yaml",
+    ).build("cb", env={"CEREBRIUM_TEST_KEY": KEY, "CEREBRIUM_TEST_REST_TOKEN": REST_TOKEN})  # fmt: skip
+    h = both.submit(fate(queue_s=1), context=ctx(hooks))
+    acked = both.cancel(h)
+    assert acked.evidence is Evidence.PROVIDER_ACK and fake.run(h.job_id)["state"] == "CANCELLED"
+    assert both.login_check().status == "ok"
+    for text in (refused.note, acked.note, repr(both)):
+        assert KEY not in text and REST_TOKEN not in text
+
+
+def test_a_literal_rest_token_is_refused_naming_its_key(fake):
+    with pytest.raises(ConfigError) as e:
+        provider(fake, rest_token="literal-token")
+    assert "providers.cb.cerebrium.rest_token: expected a ${VAR}" in str(e.value)
+
+
+def test_the_default_inference_host_is_a_regional_one():
+    from gpuhedge_celery.providers.cerebrium_spec import DEFAULT_API_URL
+
+    assert DEFAULT_API_URL == "https://api.aws.us-east-1.cerebrium.ai"

@@ -79,6 +79,7 @@ class CerebriumProvider(Provider):
         self.api_url = sub(spec.api_url, "api_url").rstrip("/")
         self.rest_url = sub(spec.rest_url, "rest_url").rstrip("/")
         self._key = sub(spec.api_key, "api_key")
+        self._rest_key = sub(spec.rest_token, "rest_token") if spec.rest_token else self._key
         self._transport = transport
         self._client: httpx.Client | None = None
         self._pid: int | None = None
@@ -227,17 +228,31 @@ class CerebriumProvider(Provider):
                                         connect=self.spec.connect_timeout_s)  # fmt: skip
                 self._client = httpx.Client(
                     timeout=timeout, transport=self._transport,
-                    headers={"authorization": f"Bearer {self._key}"},
+                    auth=_BearerByApi(f"{self.rest_url}/v2/", self._rest_key, self._key),
                 )  # fmt: skip
                 self._pid = os.getpid()
             return self._client
 
     def _snippet(self, response: httpx.Response) -> str:
         text = " ".join(response.text[:160].split())
-        return text.replace(self._key, "***") if self._key else text
+        for key in (self._key, self._rest_key):
+            text = text.replace(key, "***") if key else text
+        return text
 
     def _unknown(self, where: str, why: str) -> ProviderError:
         error = SubmitError(self.name, f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the run may "
                             "exist without our knowing its id; not retried")  # fmt: skip
         error.outcome_unknown = True  # type: ignore[attr-defined]
         return error
+
+
+class _BearerByApi(httpx.Auth):
+    """The management API's token on its URLs, the inference key on every other request."""
+
+    def __init__(self, rest_prefix: str, rest_token: str, api_key: str):
+        self.rest_prefix, self.rest_token, self.api_key = rest_prefix, rest_token, api_key
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        rest = str(request.url).startswith(self.rest_prefix)
+        request.headers["authorization"] = f"Bearer {self.rest_token if rest else self.api_key}"
+        yield request

@@ -7,14 +7,20 @@
       app: tts                                 # the app's name
       function: predict                        # the function called
       app_id: null                             # for cancels; default "<project_id>-<app>"
-      api_key: "${CEREBRIUM_API_KEY}"          # a bearer key; must come from the environment
-      api_url: https://api.cortex.cerebrium.ai # inference (submit); tests: the fake
-      rest_url: https://rest.cerebrium.ai      # management (cancel); tests: the fake
+      api_key: "${CEREBRIUM_API_KEY}"          # the inference key (dashboard, API Keys);
+                                               # must come from the environment
+      rest_token: "${CEREBRIUM_REST_TOKEN}"    # the management API's bearer token (a service
+                                               # account's); default: api_key
+      api_url: https://api.aws.us-east-1.cerebrium.ai  # inference host of your app's region
+                                               # (the host `cerebrium deploy` prints)
+      rest_url: https://rest.cerebrium.ai      # management (cancel, login-check)
       payload: result                          # dotted path of the payload in the webhook
                                                # body ("": the whole body)
       timeouts: {connect_s: 5, read_s: 30}
 
-Every key but ``project_id``, ``app``, ``function`` and ``api_key`` is optional.
+Every key but ``project_id``, ``app``, ``function`` and ``api_key`` is optional. Cerebrium's
+management API (``rest_url``) takes a service account's token, which may differ from the
+inference key: set ``rest_token`` then, or every cancel is refused with 401.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 from .options import Block
 
-DEFAULT_API_URL = "https://api.cortex.cerebrium.ai"
+DEFAULT_API_URL = "https://api.aws.us-east-1.cerebrium.ai"
 DEFAULT_REST_URL = "https://rest.cerebrium.ai"
 _ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}$")
 _SEGMENT = re.compile(r"^(\$\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z0-9_.\-]+)$")
@@ -36,6 +42,7 @@ class CerebriumSpec:
     app: str
     function: str
     api_key: str
+    rest_token: str | None = None  # None: the management API takes api_key too
     app_id: str | None = None
     api_url: str = DEFAULT_API_URL
     rest_url: str = DEFAULT_REST_URL
@@ -53,9 +60,13 @@ class CerebriumSpec:
                 raise block.error(key, f"expected letters, digits, '_', '-', '.' or a ${{VAR}}, "
                                   f"got {value!r}")  # fmt: skip
         api_key = block.string("api_key")
-        if not _ENV_ONLY.match(api_key.strip()):
-            raise block.error("api_key", "expected a ${VAR} reference (keep the key out of the "
-                              "file: \"${CEREBRIUM_API_KEY}\"), got a literal value")  # fmt: skip
+        rest_token = block.string("rest_token", None)
+        secrets = (("api_key", api_key, "CEREBRIUM_API_KEY"),
+                   ("rest_token", rest_token, "CEREBRIUM_REST_TOKEN"))  # fmt: skip
+        for key, value, example in secrets:
+            if value is not None and not _ENV_ONLY.match(value.strip()):
+                raise block.error(key, f"expected a ${{VAR}} reference (keep the key out of the "
+                                  f'file: "${{{example}}}"), got a literal value')  # fmt: skip
         urls = {}
         for key, default in (("api_url", DEFAULT_API_URL), ("rest_url", DEFAULT_REST_URL)):
             url = block.string(key, default).rstrip("/")
@@ -69,6 +80,7 @@ class CerebriumSpec:
         spec = cls(
             **names,
             api_key=api_key,
+            rest_token=rest_token,
             app_id=block.string("app_id", None),
             **urls,
             payload=payload,

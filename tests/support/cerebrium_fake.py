@@ -22,6 +22,8 @@
 ``GET /admin/runs/<id>``                                   a run's true state
 =========================================================  ====================================
 
+The inference route takes ``api_key`` as its bearer token; the management routes take
+``rest_token`` when it is set (a service account's token), else ``api_key``.
 Webhooks are tried ``webhook_attempts`` (3) times ``webhook_gap_s`` (5 s) apart and never
 after a 5xx, as Cerebrium does. Fates per request: ``{"cerebrium_fake": {"queue_s", "run_s",
 "outcome": "COMPLETED"|"FAILED", "output", "finish_after_cancel"}}``. Faults:
@@ -126,7 +128,8 @@ class Fake:
         if route == "cancel" and method == "GET":
             route = "app"
         self.counts[route] = self.counts.get(route, 0) + 1
-        if headers.get("authorization") != f"Bearer {self.config['api_key']}":
+        key = self.config.get("rest_token") if route != "submit" else None
+        if headers.get("authorization") != f"Bearer {key or self.config['api_key']}":
             return 401, {"message": "Unauthorized"}
         now = time.monotonic()
         limit = (self.config.get("limits") or {}).get(route)
