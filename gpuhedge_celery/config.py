@@ -249,7 +249,11 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     for name in providers_block.data:
         providers_block.raw(name)
         providers[str(name)] = parse_provider_entry(providers_block, str(name), time_scale)
-    if providers and not any(p.role == "primary" for p in providers.values()):
+    if not providers:  # an empty file (a config map mounted empty) would fail every race
+        raise providers_block.error(
+            None, "empty: expected at least one provider with role: primary"
+        )
+    if not any(p.role == "primary" for p in providers.values()):
         raise providers_block.error(None, "expected at least one provider with role: primary")
 
     policy_block = root.mapping("policy")

@@ -172,9 +172,19 @@ def test_yaml_level_errors_name_the_file(text, fragment):
     assert message.startswith("y.yaml: ") and fragment in message and "\n" not in message
 
 
-def test_empty_file_gives_defaults():
-    cfg = parse_config_text("", source="e.yaml")
-    assert cfg.providers == {} and cfg.policy.name == "fixed" and cfg.validator.name == "nonempty"
+@pytest.mark.parametrize("text", ["", "validator: wav\n", "providers: {}\n", "providers:\n"])
+def test_a_file_without_providers_is_refused(text):
+    # an empty file (a config map mounted empty) would start workers that fail every race
+    with pytest.raises(ConfigError) as info:
+        parse_config_text(text, source="e.yaml")
+    assert str(info.value) == (
+        "e.yaml: providers: empty: expected at least one provider with role: primary"
+    )
+
+
+def test_a_minimal_file_gives_defaults():
+    cfg = parse_config_text("providers: {p: {adapter: sim, role: primary}}\n", source="e.yaml")
+    assert cfg.policy.name == "single" and cfg.validator.name == "nonempty"
 
 
 def test_repr_hides_adapter_secrets():
