@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gpuhedge_celery.core.lease_rules import GpuInfo
-from gpuhedge_celery.store.availability import drain, undrain
+from gpuhedge_celery.store.availability import drain, out_reasons, undrain
 from gpuhedge_celery.store.direct import DirectClaims
 from gpuhedge_celery.store.keys import Keys
 from gpuhedge_celery.store.leases import LeaseStore
@@ -120,11 +120,23 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
 @pytest.fixture(scope="module")
 def cluster(redis_url, tmp_path_factory):
     """One GPU worker (3 s leases) and no coordination worker: a request that reaches its
-    result went straight to the GPU."""
+    result went straight to the GPU.
+
+    The worker's banner and heartbeat do not mean its GPU takes leases: its ``python:`` runner
+    loads in the prefork child, and until then the GPU is out of the pool, so a direct claim
+    declines and, with nobody to wait for a GPU, the request would sit in the queue. Ready here
+    means in the pool."""
     cluster = start_fault_cluster(redis_url, tmp_path_factory.mktemp("direct"), deadline_s=30.0,
                                   coordinators=0, gpus=1, beat=False,
                                   GPUHEDGE_VISIBILITY_TIMEOUT_S="3600")  # fmt: skip
     cluster.pool_workers = []
+    try:
+        wait_for(lambda: not out_reasons(cluster.store, cluster.gpu_id(0)), 60,
+                 "the GPU's runner loaded (the GPU in the pool)")  # fmt: skip
+    except AssertionError as e:
+        reasons = out_reasons(cluster.store, cluster.gpu_id(0))
+        cluster.close()
+        raise AssertionError(f"{e}: out of the pool for {reasons}") from None
     yield cluster
     cluster.close()
 
