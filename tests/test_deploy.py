@@ -328,19 +328,32 @@ def test_kubernetes_selectors_services_commands_and_settings_fit_together():
         assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items(), doc["metadata"]
         pod_labels.append(labels)
         for container in doc["spec"]["template"]["spec"]["containers"]:
-            argv = [a.replace("$(POD_NAME)", "gpuhedge-gpu-7c9d-x2") for a in container["args"]]
-            if argv[0] == "redis-server":
+            if _is_redis(container):
                 continue
+            argv = [a.replace("$(POD_NAME)", "gpuhedge-gpu-7c9d-x2") for a in container["args"]]
             command, params = check_argv(argv)
-            own = {e["name"]: e.get("value", "") for e in container.get("env", [])}
-            own = {k: v.replace("$(POD_NAME)", "gpuhedge-gpu-7c9d-x2") for k, v in own.items()}
-            config = check_env({**env, **own})
+            config = check_env({**env, **_container_env(container)})
             if config.is_gpu_worker:
                 assert command == "worker" and "nvidia.com/gpu" in container["resources"]["limits"]
                 assert run_runner(config.runner)["echo"]["n"] == 1
     for service in (d for d in docs if d["kind"] == "Service"):
         selector = service["spec"]["selector"].items()
         assert any(selector <= labels.items() for labels in pod_labels), service["metadata"]
+
+
+def _is_redis(container: dict[str, Any]) -> bool:
+    return container["image"].startswith("redis:")
+
+
+def _container_env(container: dict[str, Any]) -> dict[str, str]:
+    """A container's own environment as the kubelet builds it: ``$(NAME)`` expanded from the
+    variables before it, a Secret's value standing in as ``secret-<key>``."""
+    own: dict[str, str] = {"POD_NAME": "gpuhedge-gpu-7c9d-x2"}
+    for e in container.get("env", []):
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        value = f"secret-{ref['key']}" if ref else e.get("value", "")
+        own[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: own.get(m.group(1), m.group(0)), value)
+    return own
 
 
 def _pod_templates() -> dict[str, dict[str, Any]]:
@@ -352,7 +365,7 @@ def _serving_port(template: dict[str, Any]) -> int | None:
     """The port a pod of this template serves metrics on, checked against its container port
     named ``metrics`` and its prometheus.io annotations."""
     (container,) = template["spec"]["containers"]
-    if container["args"][0] == "redis-server":
+    if _is_redis(container):
         return None
     own = {e["name"]: e.get("value", "") for e in container.get("env", [])}
     port = metrics_port(container["args"], own)
@@ -507,6 +520,22 @@ def _configmap_redis_conf(tmp_path: Path) -> Path:
     return path
 
 
+AUTH_INCLUDE = "include /etc/redis/gpuhedge-auth.conf"
+PASSWORD = "0123456789abcdef0123456789abcdef"
+
+
+def _with_auth_file(conf: Path, tmp_path: Path) -> Path:
+    """``conf`` with its password file written where this test can: the include moved to it."""
+    auth = tmp_path / "gpuhedge-auth.conf"
+    auth.write_text(f"requirepass {PASSWORD}\n")
+    auth.chmod(0o600)
+    text = conf.read_text()
+    assert text.count(AUTH_INCLUDE) == 1, f"{conf.name} does not include the password file"
+    moved = tmp_path / f"auth-{conf.name}"
+    moved.write_text(text.replace(AUTH_INCLUDE, f"include {auth}"))
+    return moved
+
+
 def _start_redis(conf: Path, workdir: Path, port: int) -> subprocess.Popen:
     import redis
 
@@ -517,12 +546,12 @@ def _start_redis(conf: Path, workdir: Path, port: int) -> subprocess.Popen:
             "--dir", str(workdir), "--daemonize", "no", "--logfile", ""]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
-    while not answers(f"redis://127.0.0.1:{port}/0"):
+    while not answers(f"redis://:{PASSWORD}@127.0.0.1:{port}/0"):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"redis-server did not start on {conf.name}: {process.stdout.read()!r}")
         time.sleep(0.05)
-    redis.Redis(port=port).ping()
+    redis.Redis(port=port, password=PASSWORD).ping()
     return process
 
 
@@ -537,11 +566,12 @@ def test_redis_conf_starts_with_keyspace_events_and_aof_and_keeps_leases(tmp_pat
     conf = (
         DEPLOY / "redis.conf" if which == "deploy/redis.conf" else _configmap_redis_conf(tmp_path)
     )
+    conf = _with_auth_file(conf, tmp_path)
     workdir, port = tmp_path / "data", free_port()
     workdir.mkdir()
     server = _start_redis(conf, workdir, port)
     try:
-        client = redis.Redis(port=port, decode_responses=True)
+        client = redis.Redis(port=port, password=PASSWORD, decode_responses=True)
         names = ("notify-keyspace-events", "appendonly", "appendfsync", "maxmemory-policy")
         got = {k: client.config_get(k)[k] for k in names}
         assert merged_flags(got["notify-keyspace-events"]) is None, got  # E, g and x are on
@@ -561,7 +591,7 @@ def test_redis_conf_starts_with_keyspace_events_and_aof_and_keeps_leases(tmp_pat
         server.send_signal(signal.SIGKILL)
         server.wait(10)
         server = _start_redis(conf, workdir, port)
-        client = redis.Redis(port=port, decode_responses=True)
+        client = redis.Redis(port=port, password=PASSWORD, decode_responses=True)
         store = LeaseStore(client, "deploytest")
         assert store.current("box:0").token == lease.token, "the lease survived the restart"
         store.release(lease)
@@ -570,3 +600,73 @@ def test_redis_conf_starts_with_keyspace_events_and_aof_and_keeps_leases(tmp_pat
     finally:
         server.kill()
         server.wait(10)
+
+
+def _directives(text: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            found.setdefault(words[0].lower(), []).append(" ".join(words[1:]))
+    return found
+
+
+@pytest.mark.parametrize("which", ["deploy/redis.conf", "k8s ConfigMap"])
+def test_redis_ships_closed_and_asks_for_a_password(tmp_path, which):
+    import redis
+
+    from tests.support.redis_server import free_port
+
+    conf = (
+        DEPLOY / "redis.conf" if which == "deploy/redis.conf" else _configmap_redis_conf(tmp_path)
+    )
+    found = _directives(conf.read_text())
+    assert found["bind"] == ["127.0.0.1 -::1"] and found["protected-mode"] == ["yes"], found
+    assert "requirepass" not in found, "the password lives in its own file, not this one"
+    # Without its password file Redis does not start at all: it fails closed.
+    argv = [_tool("redis-server"), str(conf), "--port", str(free_port()), "--dir", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    assert done.returncode != 0 and "gpuhedge-auth.conf" in done.stdout + done.stderr
+    # With it, a client without the password is refused; with it, served.
+    workdir, port = tmp_path / "data", free_port()
+    workdir.mkdir()
+    server = _start_redis(_with_auth_file(conf, tmp_path), workdir, port)
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).set("k", "v")
+        assert redis.Redis(port=port, password=PASSWORD).set("k", "v")
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_compose_publishes_no_redis_port_and_passes_the_password_by_environment():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    redis_service = services["redis"]
+    assert "ports" not in redis_service, "Redis is reachable on the compose network only"
+    assert redis_service["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:?set REDIS_PASSWORD}"
+    script = redis_service["command"][-1]
+    assert "$$REDIS_PASSWORD" in script and "gpuhedge-auth.conf" in script
+    assert "requirepass" not in " ".join(redis_service["command"][:-1])
+    for name, service in services.items():
+        if name != "redis":
+            url = service["environment"]["GPUHEDGE_REDIS_URL"]
+            assert url == "redis://:${REDIS_PASSWORD:?set REDIS_PASSWORD}@redis:6379/0", name
+            assert not any("REDIS_PASSWORD" in str(a) for a in service["command"]), name
+
+
+def test_kubernetes_pods_take_the_redis_password_from_a_secret():
+    docs = _k8s_docs()
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert "GPUHEDGE_REDIS_URL" not in config_map["data"], "a ConfigMap is no place for a password"
+    for template in _pod_templates().values():
+        for container in template["spec"]["containers"]:
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+            assert refs.get("REDIS_PASSWORD") == {"name": "gpuhedge-redis", "key": "password"}
+            words = [*container.get("command", []), *container["args"]]
+            assert not any("$(REDIS_PASSWORD)" in w for w in words), container["name"]
+            if not _is_redis(container):
+                env = _container_env(container)
+                assert env["GPUHEDGE_REDIS_URL"] == "redis://:secret-password@gpuhedge-redis:6379/0"
