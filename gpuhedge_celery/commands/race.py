@@ -70,9 +70,21 @@ def start_race(app: Any, body: dict[str, Any], **kwargs: Any) -> Any:
     """Send one ``hedged_infer`` (kwargs: policy, providers, budget_key, arm); its AsyncResult,
     whose id is the race id."""
     from ..tasks.race_runtime import TASK_HEDGED_INFER
+    from ..tasks.sending import broker_errors
 
     sent = {k: v for k, v in kwargs.items() if v is not None}
-    return app.send_task(TASK_HEDGED_INFER, (body,), sent, queue="gpuhedge.coord")
+    with broker_errors(app):
+        return app.send_task(TASK_HEDGED_INFER, (body,), sent, queue="gpuhedge.coord")
+
+
+def check_redis() -> None:
+    """One quick PING of ``--redis-url``: Redis down is the usual one-line error (exit 3) at
+    once, as every other command gives it, not after a send's own attempt to reach it."""
+    from ..cli import cli_redis_client, root_settings
+    from ..store.connection import translate_errors
+
+    with translate_errors(root_settings().redis_url):
+        cli_redis_client().ping()
 
 
 def send_race(body: dict[str, Any], *, timeout_s: float, app: Any = None,
@@ -122,6 +134,7 @@ def gated_request(request: str, policy: str | None, providers: str | None,
     spec = build_spec(cfg, policy, names, None, budget_key)
     lines, worst = worst_case(spec, cfg.budget)
     gate(go, [f"would race a {len(json.dumps(body))}-byte request", *lines], worst)
+    check_redis()
     return cfg, body, names
 
 

@@ -108,6 +108,8 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         "result_backend_always_retry": True,
         "result_backend_max_retries": 60,
         "result_backend_max_sleep_between_retries_ms": 1000,
+        # a Redis that drops packets fails each connect in seconds, not the OS's two minutes
+        "redis_socket_connect_timeout": 5,
         # A race's result is one of its keys: kept as long as its receipt, not Celery's 1 day
         # (else a short receipt TTL leaves Redis growing by each race's payload).
         "result_expires": max(1, round(receipt_ttl_s(os.environ))),

@@ -34,12 +34,14 @@ from kombu.utils.encoding import bytes_to_str
 from ..race.receipt import PAYLOAD_INLINE, with_payload
 from ..store.connection import same_database
 from ..store.race_keys import ResultWrite
+from .sending import SendingResultConsumer
 
 
 class RaceRedisBackend(RedisBackend):
     """Celery's Redis result backend; reads put a referenced race payload back."""
 
     stores_payload_by_reference = True  # read by the race effects (tasks/race_runtime.py)
+    ResultConsumer = SendingResultConsumer  # a send to an unreachable Redis fails at once
 
     _unread = threading.local()  # the task id whose success is stored without reading first
 
