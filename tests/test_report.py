@@ -263,3 +263,45 @@ def test_bad_input_is_one_line_naming_file_line_and_key(tmp_path):
     assert result.exit_code == 2 and "no requests in" in result.output
     result = CliRunner().invoke(cli, ["report", str(tmp_path / "missing.jsonl")])
     assert result.exit_code == 2 and "cannot read" in result.output
+
+
+def validation_file(tmp_path):
+    """A validation run in GPUHedge's shape: a plan, then per request the engine's record and,
+    within a millisecond, its index row naming the arm. The fixed-hedge arm runs on the
+    live-hedge engine, whose records say ``stage: live_hedge``; the index rows say
+    ``validation``. 20 requests per arm, 15 of the cutover arm's cut over, every hedge arm's
+    hedge launched."""
+    arms = {
+        "single-runpod": ("single_request", "validation", "single:runpod"),
+        "queue-cutover": ("state_aware_request", "validation",
+                          "cutover:runpod->cerebrium@q2.5s+s8.5s"),
+        "fixed-hedge": ("hedged_request", "live_hedge", "runpod->modal@10s"),
+    }  # fmt: skip
+    lines = [{"kind": "validation_plan", "stage": "validation", "order": list(arms)}]
+    t, request_id = 1_752_300_000.0, 0
+    for block in range(1, 21):
+        for arm, (kind, stage, policy) in arms.items():
+            request_id += 1
+            engine = {"kind": kind, "stage": stage, "request_id": request_id, "ts": t,
+                      "policy": policy, "winner": "runpod", "winner_total_ms": 9000.0 + block,
+                      "cancellation": None}  # fmt: skip
+            if arm == "queue-cutover":
+                engine["cutover_fired"] = block <= 15
+                engine["safety_hedge_fired"] = False
+            if arm == "fixed-hedge":
+                engine["hedge_launched"] = True
+            index = {"kind": "validation_index", "stage": "validation", "request_id": request_id,
+                     "ts": t + 0.0004, "block": block, "arm": arm, "policy": policy,
+                     "winner": "runpod", "winner_total_ms": engine["winner_total_ms"],
+                     "cutover_fired": engine.get("cutover_fired"),
+                     "safety_hedge_fired": engine.get("safety_hedge_fired")}  # fmt: skip
+            lines += [engine, index]
+            t += 30.0
+    return write_jsonl(tmp_path / "validation.jsonl", lines)
+
+
+def test_gpuhedge_validation_file_counts_each_request_once_in_its_arm(tmp_path):
+    doc = report_json(validation_file(tmp_path), "--by", "arm")
+    assert doc["requests"] == 60 and doc["sources"] == {"gpuhedge-celery": 0, "gpuhedge": 60}
+    groups = {g["group"]: (g["n"], g["hedged"]) for g in doc["groups"]}
+    assert groups == {"fixed-hedge": (20, 20), "queue-cutover": (20, 15), "single-runpod": (20, 0)}

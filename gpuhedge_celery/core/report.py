@@ -9,10 +9,12 @@ Two formats are read, one JSON object per line:
   once, with its last record.
 * **GPUHedge's live records**: requests are the kinds in :data:`GPUHEDGE_REQUEST_KINDS`.
   Latency is ``winner_total_ms`` (from the request's start), else ``winner_valid_at_ms``; no
-  ``winner`` means the request failed. A ``validation_index`` line is joined with the full
-  request line before it that has the same ``stage`` and ``request_id`` (GPUHedge writes both for
-  one request), so a request counts once. These records carry no cost: their $ are unknown.
-  Every other kind is skipped and counted.
+  ``winner`` means the request failed. A ``validation_index`` line is joined with the latest
+  full request line before it that has the same ``request_id`` (GPUHedge writes the engine's
+  record, then its index row naming the arm; an arm run by the live-hedge engine writes its
+  record with ``stage: live_hedge`` and its index row with ``stage: validation``), so a request
+  counts once, in its arm, with the hedge flags of the engine's record. These records carry no
+  cost: their $ are unknown. Every other kind is skipped and counted.
 
 Statistics follow :mod:`.stats` (GPUHedge's conventions): a failed request has latency ``+inf``
 (sorted last, always a deadline miss); each percentile is given nearest-rank and linear; the
@@ -167,6 +169,16 @@ def from_gpuhedge(obj: Mapping[str, Any], where: str) -> Request:
     )
 
 
+def _joined(full: Mapping[str, Any], index: Mapping[str, Any]) -> dict[str, Any]:
+    """An engine record and its index row as one request: the index row's fields (the arm),
+    the engine's hedge flags wherever the engine recorded them."""
+    merged = {**full, **index}
+    for flag in GPUHEDGE_HEDGE_FLAGS:
+        if full.get(flag) is not None:
+            merged[flag] = full[flag]
+    return merged
+
+
 @dataclass
 class RequestSet:
     """Requests read from any number of files, with what was skipped on the way."""
@@ -178,7 +190,7 @@ class RequestSet:
 
     def add(self, objects: Iterable[tuple[str, Any]]) -> None:
         """Read one file's objects, each with its ``FILE:LINE`` (joins stay within a file)."""
-        pending: dict[tuple[Any, Any], tuple[str, Mapping[str, Any]]] = {}
+        pending: dict[Any, tuple[str, Mapping[str, Any]]] = {}  # request id -> latest full
         for where, obj in objects:
             if not isinstance(obj, Mapping):
                 raise RecordError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -190,9 +202,9 @@ class RequestSet:
                 self.ours.pop(race_id, None)  # re-insert: the dict keeps the latest order
                 self.ours[race_id] = request
             elif kind in GPUHEDGE_REQUEST_KINDS:
-                key = (obj.get("stage"), obj.get("request_id"))
+                key = obj.get("request_id")
                 if kind != "validation_index":
-                    if obj.get("request_id") is None:
+                    if key is None:
                         self.theirs.append(from_gpuhedge(obj, where))
                         continue
                     earlier = pending.pop(key, None)
@@ -201,8 +213,7 @@ class RequestSet:
                     pending[key] = (where, obj)
                     continue
                 full = pending.pop(key, None)
-                merged = {**full[1], **obj} if full is not None else obj
-                self.theirs.append(from_gpuhedge(merged, where))
+                self.theirs.append(from_gpuhedge(_joined(full[1], obj) if full else obj, where))
             else:
                 self.skipped[str(kind)] += 1
         for where, obj in pending.values():
