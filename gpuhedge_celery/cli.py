@@ -95,7 +95,8 @@ class LazyGroup(click.Group):
         if module_path is None:
             return None
         module = importlib.import_module(module_path)
-        return module.command
+        # a package's helper modules (a fake server, a shared row) are no commands
+        return getattr(module, "command", None)
 
 
 def lazy_group(package: str, **kwargs):

@@ -1,1 +1,2 @@
-"""Benchmarks behind ``gpuhedge-celery bench``; each module exposes a click ``command``."""
+"""Benchmarks behind ``gpuhedge-celery bench``: each module with a click ``command`` is one
+sub-command; the others (fake servers, shared rows) are their helpers."""
