@@ -112,6 +112,8 @@ def test_a_cut_over_counts_once_with_its_hedge(setup):
     assert effects.cancelled == [("m7", "a1")] and effects.launched[1:] == [("m7", "a2")]
     driver.step("m7", TimerDue("cutover"))  # a duplicate delivery changes nothing
     assert d.of("gpuhedge_races_cut_over_total", policy="cutover") == 1
+    assert d.of("gpuhedge_races_hedged_total", policy="cutover") == 0  # launched, not yet sent
+    driver.submit_attempt("m7", "a2")
     assert d.of("gpuhedge_races_hedged_total", policy="cutover") == 1
     assert d.of("gpuhedge_races_escalated_total", policy="cutover") == 0
 
@@ -135,6 +137,8 @@ def test_an_escalation_counts_once(setup):
     driver.step("m9", TimerDue("escalate"))  # due now: the fallback is launched
     driver.step("m9", TimerDue("escalate"))
     assert effects.launched == [("m9", "a1"), ("m9", "a2")]
+    assert d.of("gpuhedge_races_escalated_total", policy="cascade") == 0  # not yet sent
+    driver.submit_attempt("m9", "a2")
     assert d.of("gpuhedge_races_escalated_total", policy="cascade") == 1
     assert d.of("gpuhedge_races_cut_over_total", policy="cascade") == 0
 
@@ -217,6 +221,23 @@ def test_a_granted_reservation_counts_no_refusal(setup):
     driver.submit_attempt("m6", "a1")
     assert [r["winner"] for r in effects.results] == ["p"]
     assert d.of("gpuhedge_budget_refusals_total", cap="ceiling", role="primary") == 0
+
+
+def test_a_hedge_the_budget_refused_counts_a_refusal_and_no_hedged_race(setup):
+    driver, effects, cfg, _, _ = setup
+    spec = build_spec(cfg, policy="hedge:p->h@0s")
+    p_worst = attempt_worst_case_usd(spec.to_dict(), "p")
+    h_worst = attempt_worst_case_usd(spec.to_dict(), "h")
+    caps = BudgetCaps(max_usd_per_request=p_worst + h_worst / 2)  # the primary fits, not both
+    driver.budget = RaceBudget(BudgetStore(driver.store.client, driver.store.prefix), caps)
+    d = Delta()
+    driver.create("m11", {"sim": {"p": {"queue_s": 0, "run_s": 100}}}, spec)
+    driver.submit_attempt("m11", "a1")
+    assert effects.launched == [("m11", "a1"), ("m11", "a2")]
+    driver.submit_attempt("m11", "a2")  # refused: not submitted
+    assert d.of("gpuhedge_budget_refusals_total", cap="request", role="hedge") == 1
+    assert d.of("gpuhedge_provider_requests_total", provider="h", route="submit") == 0
+    assert d.of("gpuhedge_races_hedged_total", policy="hedge") == 0
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +51,17 @@ class Attempt:
     cancel_sent_at: float | None = None
     timeline: list[list[Any]] = field(default_factory=list)
     receipt: CancelReceipt | None = None
+    unsent: bool = False  # ended before anything reached its provider (e.g. the budget refused it)
 
     @property
     def live(self) -> bool:
         return self.phase in LIVE_PHASES
+
+    @property
+    def sent(self) -> bool:
+        """Whether the attempt's job reached its provider or may have: anything but an attempt
+        known never sent. One still launching counts (its submit may be under way)."""
+        return not self.unsent
 
     def to_dict(self) -> dict[str, Any]:
         # Field by field (the same dict dataclasses.asdict gave, at a fraction of its cost): this
@@ -79,6 +87,7 @@ class Attempt:
             "cancel_sent_at": self.cancel_sent_at,
             "timeline": copy_data(self.timeline),
             "receipt": receipt.to_dict() if receipt else None,
+            "unsent": self.unsent,
         }
 
     @classmethod
@@ -91,3 +100,14 @@ class Attempt:
 
 
 _PHASES = enum_by_value(Phase)
+
+
+def hedged(attempts: Iterable[Attempt]) -> bool:
+    """THE definition of a hedged race: a second attempt (hedge or fallback) was sent to its
+    provider. One the budget refused, or that ended before its submit, does not count."""
+    return any(a.role != "primary" and a.sent for a in attempts)
+
+
+def escalated(attempts: Iterable[Attempt]) -> bool:
+    """Whether a fallback attempt was sent to its provider (the same rule as :func:`hedged`)."""
+    return any(a.role == "fallback" and a.sent for a in attempts)

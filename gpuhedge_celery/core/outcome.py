@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .attempts import Attempt
-from .race import Race
+from .attempts import Attempt, escalated, hedged
+from .race import BUDGET_REFUSED, Race
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ class Outcome:
     active_usd: float | None = None
     billed_usd: float | None = None
     wasted_usd: float | None = None
+    budget_refused: bool = False  # the budget refused an attempt: it was never sent
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -126,14 +127,15 @@ def race_outcome(race: Race, rates: Mapping[str, ProviderRate] | None = None) ->
         winner=race.winner,
         winner_provider=won.provider if won else None,
         latency_s=race.latency(),
-        hedged=any(a.role != "primary" for a in race.attempts),
+        hedged=hedged(race.attempts),
         cut_over="cut_over" in race.flags,
-        escalated=any(a.role == "fallback" for a in race.attempts),
+        escalated=escalated(race.attempts),
         escalation_waited="escalation_waited" in race.flags,
         finished=race.finished,
         note=race.note,
         attempts=[_attempt_summary(a) for a in race.attempts],
         receipts=[a.receipt.to_dict() for a in race.attempts if a.receipt is not None],
+        budget_refused=BUDGET_REFUSED in race.flags,
     )
     if rates is not None:
         active = billed = wasted = 0.0
@@ -157,6 +159,7 @@ def _attempt_summary(a: Attempt) -> dict[str, Any]:
         "role": a.role,
         "job_id": a.job_id,
         "phase": a.phase.value,
+        "sent": a.sent,
         "state": a.result_state or a.last_state,
         "valid": a.valid,
         "reasons": list(a.reasons),

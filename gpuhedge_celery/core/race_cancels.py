@@ -115,8 +115,23 @@ def unknown_submit_receipt(a: Attempt) -> CancelReceipt | None:
     return receipt  # no evidence, leaked
 
 
+def not_sent_receipt(a: Attempt) -> CancelReceipt:
+    """The receipt of an attempt never sent to its provider (the budget refused it, say): no
+    job, so no cancel, no evidence to weigh, no terminal state to confirm, no cost, no leak."""
+    return CancelReceipt(
+        provider=a.provider,
+        job_id="",
+        was_running=False,
+        estimated_cost_usd=0.0,
+        leaked=False,
+        note="not sent: " + ("; ".join(a.reasons) or "never submitted"),
+    )
+
+
 def ended_on_its_own(a: Attempt, now_ms: float) -> CancelReceipt:
     """The receipt of a loser that needed no cancel: it ended (or never started) by itself."""
+    if a.unsent:
+        return not_sent_receipt(a)
     unknown = unknown_submit_receipt(a)
     if unknown is not None:
         return unknown

@@ -62,17 +62,18 @@ def build_record(
     for a in race.attempts:
         rate = rates.get(a.provider)
         cost = attempt_cost(a, rate) if rate is not None else None
-        attempts.append(
-            {
-                "provider": a.provider,
-                "role": a.role,
-                "state": a.result_state or a.last_state,
-                "usd": None if cost is None else round(cost.active_usd, 6),
-                "billed_usd": None if cost is None else round(cost.billed_usd, 6),
-            }
-        )
+        entry = {
+            "provider": a.provider,
+            "role": a.role,
+            "state": a.result_state or a.last_state,
+            "usd": None if cost is None else round(cost.active_usd, 6),
+            "billed_usd": None if cost is None else round(cost.billed_usd, 6),
+        }
+        if not a.sent:  # only then: a record stays as small as it can
+            entry["sent"] = False
+        attempts.append(entry)
         c = a.receipt
-        if c is not None and a.id != race.winner:
+        if c is not None and a.id != race.winner and a.sent:  # no job, nothing was cancelled
             ack = None
             if c.cancel_ack_ms is not None and c.cancel_sent_ms is not None:
                 ack = round(c.cancel_ack_ms - c.cancel_sent_ms, 1)
@@ -100,6 +101,7 @@ def build_record(
         "hedged": bool(receipt.get("hedged")),
         "cut_over": bool(receipt.get("cut_over")),
         "escalated": bool(receipt.get("escalated")),
+        "budget_refused": bool(receipt.get("budget_refused")),
         "attempts": attempts,
         "cancels": cancels,
         "leaked": bool(receipt.get("leaked")),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .attempts import hedged
 from .jobs import JobState
 from .outcome import PUBLISHED_RATES, ProviderRate, attempt_cost
 from .policies import Policy, parse_policy
@@ -142,7 +143,7 @@ def replay_round(
         latency_s=INF if latency is None else latency,
         active_usd=active,
         billed_usd=billed,
-        hedged=any(a.role != "primary" for a in race.attempts),
+        hedged=hedged(race.attempts),
         race=race,
     )
 

@@ -363,13 +363,10 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
         ordered = sorted(actions, key=lambda a: not isinstance(a, Cancel))
+        self._announce_sent(race_id, race, phases)  # before a win it may have brought
         for action in ordered:
             if isinstance(action, Launch):
                 self._launch(race_id, action.attempt_id, action.provider, armed)
-                if action.role == "hedge":
-                    self._event(race_id, "hedge_launched", race, action.attempt_id)
-                elif action.role == "fallback":
-                    self._event(race_id, "escalated", race, action.attempt_id)
             elif isinstance(action, PollStatus):
                 follow.append(self._poll(race, action.attempt_id))
             elif isinstance(action, Cancel):

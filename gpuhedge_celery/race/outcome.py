@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..core.attempts import Phase
 from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import RaceFinished
@@ -65,6 +66,17 @@ class OutcomeWork:
             self.effects.event(race_id, name, fields)
         except Exception:  # events are for watching; they never break a race
             log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
+
+    def _announce_sent(self, race_id: str, race: Race, phases: dict[str, Phase]) -> None:
+        """``hedge_launched`` / ``escalated`` once a hedge or fallback has left its launch
+        sent to its provider (``phases``: before the step): one the budget refused, or that
+        the race no longer needed, was never sent and is no hedge."""
+        for a in race.attempts:
+            if a.role == "primary" or phases.get(a.id) is not Phase.LAUNCHING:
+                continue
+            if a.phase is not Phase.LAUNCHING and a.sent:
+                self._event(race_id, "escalated" if a.role == "fallback" else "hedge_launched",
+                            race, a.id)  # fmt: skip
 
     def _result_write(self, race_id: str, race: Race, riding: RidingClaim) -> ResultWrite | None:
         """The caller's result, to ride with the winner claim in the declaring save, where the
