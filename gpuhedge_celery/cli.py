@@ -123,7 +123,8 @@ def lazy_group(package: str, **kwargs):
     envvar="GPUHEDGE_CONFIG",
     default=None,
     help="YAML config file (env GPUHEDGE_CONFIG; default ./config/gpuhedge.yaml, then packaged); "
-    "a missing file is an error. `config check` validates it; the demo runs its own.",
+    "a missing file is an error. `config check` validates it; `demo` runs its own unless "
+    "--config is on the command line (then that file's policy and caps, simulated).",
 )
 @click.version_option(package_name="gpuhedge-celery")
 @click.pass_context

@@ -5,13 +5,14 @@ case and a ``warnings`` list), and absent from every config shipped in config/ a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from gpuhedge_celery.cli import EXIT_FAILED, EXIT_OK, cli
-from gpuhedge_celery.config import load_config, packaged_path
+from gpuhedge_celery.config import load_config, packaged_path, parse_config_text
 from gpuhedge_celery.config_budget import cap_warnings, planned_attempts
 from gpuhedge_celery.core.budget import BudgetCaps, PlannedAttempt, ScopeCap, cap_conflicts
 
@@ -144,3 +145,12 @@ def test_plan_shows_the_unclamped_worst_case_and_the_warning(tmp_path):
     preset = str(ROOT / "config" / "cerebrium.yaml")
     fixed = CliRunner().invoke(cli, ["--config", preset, "plan", "--json"])
     assert json.loads(fixed.output)["warnings"] == []
+
+
+def test_the_readme_configs_fit_their_caps():
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    configs = [b for b in blocks if "providers:" in b and "budget" in b]
+    assert len(configs) >= 2  # the http example and the RunPod + Cerebrium hedge
+    for text in configs:
+        cfg = parse_config_text(text, source="README.md")
+        assert [w.text() for w in cap_warnings(cfg)] == []
