@@ -192,6 +192,9 @@ def load_tasks() -> Celery:
     """Import every task module, so the default app knows every task and control command;
     returns the app. ``gpuhedge_celery.app`` (what ``celery -A gpuhedge_celery`` loads) does
     this; a worker or beat of any app built here imports them itself, from ``include``."""
+    from .flower_auth import refuse_bad_basic_auth
+
+    refuse_bad_basic_auth()  # `celery -A gpuhedge_celery flower` with an empty password
     for module in task_modules():
         importlib.import_module(module)
     return app
