@@ -41,9 +41,10 @@ def _epoch(day: date) -> float:
     return datetime(day.year, day.month, day.day, tzinfo=timezone.utc).timestamp()
 
 
-def days_between(start: float, until: float | None) -> list[str]:
-    """The UTC days from ``start``'s day up to ``until``'s (exclusive), or up to today."""
-    end = until if until is not None else time.time() + DAY_S
+def days_between(start: float, until: float | None, now: float | None = None) -> list[str]:
+    """The UTC days from ``start``'s day up to ``until`` (exclusive), or through today (a report
+    with no end covers up to now: today so far, never tomorrow)."""
+    end = until if until is not None else (time.time() if now is None else now)
     days, t = [], float(int(start // DAY_S) * DAY_S)
     while t < end - 1e-6:
         days.append(utc_day(t))

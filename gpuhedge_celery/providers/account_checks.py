@@ -31,7 +31,17 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from .account import AVAILABLE, FAILED, OK, UNAVAILABLE, UNSUPPORTED, LoginCheck, SpendReport, scrub
+from .account import (
+    AVAILABLE,
+    FAILED,
+    OK,
+    UNAVAILABLE,
+    UNSUPPORTED,
+    LoginCheck,
+    SpendReport,
+    no_answer,
+    scrub,
+)
 
 PROBE_JOB_ID = "gpuhedge-login-check"
 CEREBRIUM_NO_SPEND = "Cerebrium has no account-spend API: unavailable"
@@ -74,14 +84,13 @@ def http_login_check(provider: Any) -> LoginCheck:
     status call. 401/403 means the key was refused; 2xx/400/404 that the API accepted it."""
     ep = provider.spec.status
     host = _host(provider)
-    what = f"status {ep.method} {ep.label} probe"
+    what = f"status {ep.label} probe"  # the label starts with the method
     try:
         response = provider._client_for_pid().request(
             ep.method, provider._url("status", PROBE_JOB_ID)
         )
     except Exception as e:
-        detail = scrub(f"{what}: {type(e).__name__}: {e}", provider._secrets)
-        return LoginCheck(provider.name, FAILED, host, detail)
+        return LoginCheck(provider.name, FAILED, host, no_answer(what, e, provider._secrets))
     code = response.status_code
     if code in (401, 403):
         return LoginCheck(provider.name, FAILED, host, f"{what}: HTTP {code}: key refused")
@@ -173,7 +182,7 @@ def cerebrium_login_check(provider: Any) -> LoginCheck:
     try:
         response = provider._http().get(f"{provider.rest_url}{path}")
     except Exception as e:
-        return check(FAILED, f"{what}: {type(e).__name__}")
+        return check(FAILED, no_answer(what, e))
     code = response.status_code
     if code in (401, 403):
         return check(FAILED, f"{what}: HTTP {code}: key refused")

@@ -39,7 +39,7 @@ from ..core.receipts import SUBMIT_OUTCOME_UNKNOWN, CancelReceipt, CancelScope, 
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, SubmitError
 from ..metrics import record as metrics
 from . import account_checks
-from .account import LoginCheck, SpendReport
+from .account import LoginCheck, SpendReport, no_answer_reason
 from .base import Provider
 from .bounded_read import failure_kind
 from .cerebrium_spec import CerebriumSpec
@@ -123,7 +123,7 @@ class CerebriumProvider(Provider):
                                          headers={"content-type": "application/json"})  # fmt: skip
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             metrics.provider_call(self.name, "submit", failure_kind(e))
-            raise SubmitError(self.name, f"{where}: not sent: {type(e).__name__}") from None
+            raise SubmitError(self.name, f"{where}: not sent: {no_answer_reason(e)}") from None
         except httpx.HTTPError as e:
             metrics.provider_call(self.name, "submit", failure_kind(e))
             raise self._unknown(where, f"{type(e).__name__} after sending") from None
@@ -196,7 +196,7 @@ class CerebriumProvider(Provider):
             response = self._http().delete(target)
         except httpx.HTTPError as e:
             metrics.provider_call(self.name, "cancel", failure_kind(e))
-            receipt.note = f"cancel call failed: {type(e).__name__}"
+            receipt.note = f"cancel call failed: {no_answer_reason(e)}"
             return receipt
         code = response.status_code
         # a 3xx is no acknowledgement either: an error of kind http

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .account import AVAILABLE, FAILED, OK, UNAVAILABLE, LoginCheck, SpendReport, scrub
+from .account import AVAILABLE, FAILED, OK, UNAVAILABLE, LoginCheck, SpendReport, no_answer, scrub
 
 WHO = "query { myself { id } }"
 BALANCE = "query { myself { id clientBalance currentSpendPerHr } }"
@@ -53,7 +53,7 @@ def query(provider: Any, text: str) -> dict[str, Any]:
             response = client.post(url, json={"query": text},
                                    headers={"authorization": f"Bearer {key}"})  # fmt: skip
     except httpx.HTTPError as e:
-        raise AccountError(scrub(f"{what}: {type(e).__name__}", [key])) from None
+        raise AccountError(no_answer(what, e, [key])) from None
     code = response.status_code
     if code in (401, 403):
         raise AccountError(f"{what}: HTTP {code}: key refused", refused=True)

@@ -40,6 +40,7 @@ import orjson
 from ..core.receipts import SUBMIT_OUTCOME_UNKNOWN
 from ..errors import ProviderError, ProviderProtocolError, RateLimited, SubmitError
 from ..metrics import record as metrics
+from .account import no_answer_reason
 from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .httpspec import substitute_env
 from .ratelimit import Limiter, LocalLimiter, RouteLimit, default_limiter
@@ -182,7 +183,7 @@ class RunpodApi:
         try:
             code, content, _ = self._request("GET", self.root + "/health", None, timeout)
         except httpx.HTTPError as e:
-            raise ProviderError(self.provider, f"{where}: {type(e).__name__}") from None
+            raise ProviderError(self.provider, f"{where}: {no_answer_reason(e)}") from None
         except BodyRefused as e:
             raise ProviderError(self.provider, f"{where}: {e}") from None
         if code >= 400:
@@ -198,7 +199,7 @@ class RunpodApi:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             # Never connected: the request provably did not reach RunPod.
             cls = SubmitError if submit else ProviderError
-            return _Sent(error=cls(self.provider, f"{where}: not sent: {type(e).__name__}"),
+            return _Sent(error=cls(self.provider, f"{where}: not sent: {no_answer_reason(e)}"),
                          retryable=not submit, kind=failure_kind(e))  # fmt: skip
         except httpx.HTTPError as e:
             if submit:
