@@ -52,7 +52,9 @@ def test_a_report_above_the_reservation_settles_at_the_reservation_and_is_kept(l
     totals = ledger.totals()
     assert totals["r|all"] == 0 and totals["s|all"] == WORST_NANO
     settle = [e for _, e in ledger.entries() if e["type"] == "settle"][0]
-    assert settle["over_reported"] == "1" and int(settle["reported_nano"]) == to_nano(1e6 + 0.02)  # with the idle window
+    assert settle["over_reported"] == "1" and int(settle["reported_nano"]) == to_nano(
+        1e6 + 0.02
+    )  # with the idle window
     assert int(settle["nano"]) == WORST_NANO
 
 

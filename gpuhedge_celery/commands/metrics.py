@@ -25,7 +25,8 @@ def command() -> None:
 @command.command(name="serve")
 @click.option("--port", type=click.IntRange(0, 65535), default=9540, show_default=True,
               help="TCP port (0: any free port, printed at start).")  # fmt: skip
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--addr", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")  # fmt: skip
 @click.option("--stale-s", type=click.FloatRange(0, min_open=True), default=30.0,
               show_default=True,
               help="A race whose heartbeat is older counts as stale (the janitor's threshold, "

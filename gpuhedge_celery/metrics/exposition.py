@@ -13,7 +13,12 @@ shutdown; a killed worker's is reused by the next one on that port). The worker 
 ``celeryd_init``, after binding its port and before any metric exists or the pool forks.
 
 Settings: ``GPUHEDGE_METRICS_PORT`` (no default: no endpoint), ``GPUHEDGE_METRICS_ADDR``
-(``0.0.0.0``). Every worker on a host needs its own port.
+(``127.0.0.1``: set the address Prometheus reaches, such as ``0.0.0.0`` in a container). Every
+worker on a host needs its own port.
+
+Both serve from a few threads with a bounded queue: a client that sends nothing for
+:data:`CLIENT_TIMEOUT_S` is dropped, and a connection beyond the queue's room is closed at once,
+so slow or idle sockets cannot pile up threads in a worker.
 
 **``metrics serve``** serves the gauges Redis holds (:mod:`.redis_gauges`), read per scrape.
 """
@@ -29,7 +34,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Mapping
-from socketserver import ThreadingMixIn
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -42,14 +47,46 @@ log = logging.getLogger(__name__)
 PORT_VAR, ADDR_VAR = "GPUHEDGE_METRICS_PORT", "GPUHEDGE_METRICS_ADDR"
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
 INSTALL_HINT = "pip install 'gpuhedge-celery[metrics]'"
+DEFAULT_ADDR = "127.0.0.1"
+CLIENT_TIMEOUT_S = 5.0  # a scrape's request arrives at once; a silent client is dropped
+SERVE_THREADS, QUEUED = 4, 32
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(WSGIServer):
+    """A WSGI server that answers on :data:`SERVE_THREADS` threads, with at most
+    :data:`QUEUED` connections waiting for one; beyond that a connection is closed at once."""
+
     allow_reuse_address = True
+    request_queue_size = 128  # listen backlog: a burst is answered, not SYN-dropped
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._pool = ThreadPoolExecutor(SERVE_THREADS, thread_name_prefix="gpuhedge-metrics")
+        self._room = threading.BoundedSemaphore(SERVE_THREADS + QUEUED)
+        super().__init__(*args, **kwargs)  # a failed bind calls server_close: the pool exists
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._room.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._answer, request, client_address)
+
+    def _answer(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._room.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CLIENT_TIMEOUT_S
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         """Scrapes are not worth a log line each."""
 
@@ -142,7 +179,7 @@ def start_worker_endpoint(
         return None
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError(f"metrics need prometheus_client: {INSTALL_HINT}", key=PORT_VAR)
-    addr = (env.get(ADDR_VAR) or "0.0.0.0").strip()
+    addr = (env.get(ADDR_VAR) or DEFAULT_ADDR).strip()
     try:  # bound first: a worker whose port is taken must not touch another's files
         server = make_http_server(None, addr, port)
     except OSError as e:
