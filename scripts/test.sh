@@ -4,7 +4,7 @@
 #   redis-server and a real RabbitMQ are reachable (starting or apt-installing them), apt-installs
 #   the checkers that are missing (systemd-analyze, espeak-ng), unpacks Prometheus and promtool
 #   into a private directory (scripts/ensure-prometheus.sh: never installed, no service), lints
-#   with ruff, then runs pytest. Extra args go to pytest (one module: tests/test_x.py).
+#   with ruff, then runs pytest. Extra args go to pytest (one module: tests/test_readme.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
