@@ -220,6 +220,8 @@ def test_a_caller_that_dies_after_its_claim_leaves_a_request_the_sweep_sends_aga
 def test_a_publish_that_fails_gives_the_gpu_back_and_leaves_no_record(cluster, monkeypatch):
     from kombu.exceptions import OperationalError
 
+    from gpuhedge_celery.errors import StoreUnavailable
+
     wait_for(lambda: cluster.store.current(cluster.gpu_id(0)) is None, 30, "a free GPU")
     calls = []
 
@@ -228,8 +230,9 @@ def test_a_publish_that_fails_gives_the_gpu_back_and_leaves_no_record(cluster, m
         raise OperationalError("broker unreachable")
 
     monkeypatch.setattr(cluster.app, "send_task", refuse)
-    with pytest.raises(OperationalError):
+    with pytest.raises(StoreUnavailable) as info:  # the broker's error, as the package's
         send_pooled(cluster.app, {"id": "unsent"}, task_id="unsent-direct")
+    assert isinstance(info.value.__cause__, OperationalError)
     assert calls == ["gpuhedge.gpu_run"]  # it had claimed the GPU and tried it directly
     records = PooledRecords(cluster.client, cluster.store.keys)
     assert not records.known("unsent-direct")

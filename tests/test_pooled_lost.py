@@ -273,16 +273,17 @@ def test_a_send_that_fails_leaves_no_record_to_send_again(cluster, monkeypatch):
     from celery.app.task import Task
     from kombu.exceptions import OperationalError
 
+    from gpuhedge_celery.errors import StoreUnavailable
     from gpuhedge_celery.tasks.pool import pooled_infer
 
     def refuse(*args, **kwargs):
         raise OperationalError("broker unreachable")
 
     monkeypatch.setattr(cluster.app, "send_task", refuse)
-    with pytest.raises(OperationalError):
+    with pytest.raises(StoreUnavailable):  # the broker's error, as the package's
         send_pooled(cluster.app, {"text": "x"}, task_id="unsent-by-name")
     monkeypatch.setattr(Task, "apply_async", refuse)  # what pooled_infer.delay calls underneath
-    with pytest.raises(OperationalError):
+    with pytest.raises(StoreUnavailable):
         cluster.app.tasks[pooled_infer.name].apply_async(({"text": "x"},), task_id="unsent-delay")
     for request_id in ("unsent-by-name", "unsent-delay"):
         assert not records(cluster).known(request_id)

@@ -121,3 +121,19 @@ def test_a_send_fails_fast_and_the_next_one_works_once_redis_is_back():
         assert got.get("value") == {"ok": 1}, got
     finally:
         redis.close()
+
+
+@pytest.mark.parametrize("name, extra", [("hedged_infer", ""), ("pooled_infer", ", pool='p'")])
+def test_a_broker_that_is_down_is_store_unavailable_naming_it(name, extra, redis_url, tmp_path):
+    broker = closed_url()
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    env = {**client_env(redis_url), "GPUHEDGE_BROKER_URL": broker, "GPUHEDGE_PREFIX": prefix,
+           "GPUHEDGE_BROKER_PREFIX": f"{prefix}:", "GPUHEDGE_POOL_DIRECT": "off"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(name=name, extra=extra)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    kind, took, message = done.stdout.strip().split("|")
+    assert kind == "StoreUnavailable", done.stdout + done.stderr
+    assert float(took) < FAST_S
+    assert message.startswith(f"the broker at {broker} is unreachable") and "\n" not in message

@@ -38,7 +38,7 @@ from ..store.pooled import DUPLICATE, HANDED, SUPERSEDED
 from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
-from .pooled_args import check_arguments
+from .pooled_args import check_arguments, check_request_size
 from .pooled_result import PooledTask, records_for
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ def _acquire_through_outages(
     acks_late=True,
     reject_on_worker_lost=True,
     acks_on_failure_or_timeout=True,
+    throws=(ConfigError, UnknownPool),  # a caller's bad arguments: one WARNING line, no traceback
 )
 def pooled_infer(
     self: Task,
@@ -108,6 +109,7 @@ def pooled_infer(
         return result
     try:
         check_arguments(pool, labels, timeout_s)
+        check_request_size(request)  # the caller's .delay() checked it too; not every caller
         store = lease_store()
         stopped = through_outage(
             store.client,

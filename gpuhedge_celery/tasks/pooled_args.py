@@ -2,13 +2,45 @@
 
 The coordination worker's ``pooled_infer`` refuses bad ones with this one-line error; a caller
 sending directly to a free GPU (``tasks/pooled_direct.py``) leaves such a request to it.
+
+The request's size is checked twice against the one limit races have too
+(``GPUHEDGE_REQUEST_MAX_BYTES``): by the caller before anything is stored or sent
+(``pooled_infer.delay()``, ``send_pooled``), and by ``pooled_infer`` on the worker (a request
+sent by name from another app).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from ..errors import ConfigError
+from ..store import codec
+
+
+@lru_cache(maxsize=1)
+def request_max_bytes() -> int:
+    """``GPUHEDGE_REQUEST_MAX_BYTES`` of this process, read as the race settings read it."""
+    from ..race.settings import RaceSettings
+
+    return RaceSettings.from_env().request_max_bytes
+
+
+def check_request_size(request: Any, max_bytes: int | None = None) -> None:
+    """A one-line ConfigError when ``request`` is larger, as compact JSON, than ``max_bytes``
+    (default: :func:`request_max_bytes`)."""
+    limit = request_max_bytes() if max_bytes is None else max_bytes
+    try:
+        size = codec.size(request)
+    except (TypeError, ValueError, RecursionError):
+        return  # what this encoder cannot measure, Celery's JSON serializer judges
+    if size > limit:
+        raise ConfigError(
+            f"{size:,} bytes as JSON, over the {limit:,}-byte limit "
+            "(GPUHEDGE_REQUEST_MAX_BYTES): send a reference to large data (a URL, an object "
+            "key) instead of the data",
+            key="request",
+        )
 
 
 def check_arguments(pool: Any, labels: Any, timeout_s: Any) -> None:

@@ -31,7 +31,9 @@ from celery.utils import uuid
 from ..errors import GpuHedgeError, RequestLost
 from ..store.keys import Keys
 from ..store.pooled import PooledRecords
+from .pooled_args import check_request_size
 from .pooled_direct import send_direct
+from .sending import broker_errors
 
 RECHECK_S = 2.0  # how often a waiting caller re-reads the stored result and the record
 LOST_AFTER_S = 3.0  # a record gone this long, with no result, is a lost request
@@ -88,13 +90,15 @@ class PooledTask(Task):
                     **options: Any) -> Any:  # fmt: skip
         if self.app.conf.task_always_eager or options.get("producer") is not None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
+        _check_size(args, kwargs)
         task_id = task_id or uuid()
         records = records_for(self.app)
-        if send_direct(self.app, records, task_id, args, kwargs, options):  # a free GPU
-            return self.AsyncResult(task_id, recorded=True)
+        with broker_errors(self.app):
+            if send_direct(self.app, records, task_id, args, kwargs, options):  # a free GPU
+                return self.AsyncResult(task_id, recorded=True)
         records.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
                      options.get("queue"))  # fmt: skip
-        with _unsent_forgotten(records, task_id):
+        with _unsent_forgotten(records, task_id), broker_errors(self.app):
             result = super().apply_async(args, kwargs, task_id=task_id, **options)
         if isinstance(result, PooledResult):
             result.recorded = True
@@ -131,16 +135,27 @@ def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: b
 
     task_kwargs = {k: kwargs.pop(k) for k in ("pool", "labels", "timeout_s") if k in kwargs}
     kwargs.setdefault("queue", QUEUE_POOL)
+    check_request_size(request)
     task_id = task_id or uuid()
     records = records_for(app)
-    if direct and send_direct(app, records, task_id, (request,), task_kwargs, kwargs):
-        return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
+    with broker_errors(app):
+        if direct and send_direct(app, records, task_id, (request,), task_kwargs, kwargs):
+            return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
     records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
                  kwargs["queue"])  # fmt: skip
-    with _unsent_forgotten(records, task_id):
+    with _unsent_forgotten(records, task_id), broker_errors(app):
         app.send_task(TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id,
                       **kwargs)  # fmt: skip
     return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
+
+
+def _check_size(args: Any, kwargs: Any) -> None:
+    """The caller's request within ``GPUHEDGE_REQUEST_MAX_BYTES`` before anything is stored or
+    sent (a request given neither way is left to the worker's own error)."""
+    if args:
+        check_request_size(tuple(args)[0])
+    elif kwargs and "request" in kwargs:
+        check_request_size(kwargs["request"])
 
 
 @contextlib.contextmanager

@@ -30,6 +30,11 @@
   model server and the health sampler.
 * ``worker_shutting_down`` (SIGTERM: a warm shutdown begins): wake the worker's event loop so
   it stops at once instead of at kombu's next timer (up to 10 s on RabbitMQ).
+* ``task_failure``: a task of ours that failed with an error it declares expected
+  (``throws``: a caller's bad arguments to ``hedged_infer`` or ``pooled_infer``) is logged as
+  one WARNING line naming the task and the error; Celery's own line for it (INFO, "raised
+  expected") is dropped, and nothing logs a traceback for what the caller got as a one-line
+  error.
 """
 
 from __future__ import annotations
@@ -271,3 +276,32 @@ def _wake_event_loop(**_: Any) -> None:
 
 def _nothing() -> None:
     return None
+
+
+# -- a caller's bad arguments: one WARNING line, no traceback ---------------------------------
+TASK_PREFIX = "gpuhedge."
+
+
+def _ours(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith(TASK_PREFIX)
+
+
+class ExpectedFailureFilter(logging.Filter):
+    """Drops Celery's "raised expected" line for our tasks: :func:`_log_refused` says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        if not isinstance(data, dict):
+            return True
+        return not (data.get("description") == "raised expected" and _ours(data.get("name")))
+
+
+logging.getLogger("celery.app.trace").addFilter(ExpectedFailureFilter())
+
+
+@signals.task_failure.connect
+def _log_refused(sender: Any = None, task_id: Any = None, exception: Any = None,
+                 **_: Any) -> None:  # fmt: skip
+    throws = getattr(sender, "throws", None) or ()
+    if _ours(getattr(sender, "name", None)) and isinstance(exception, throws):
+        log.warning("%s[%s] refused: %s", sender.name, task_id, exception)
