@@ -179,3 +179,19 @@ def test_pooled_requests_that_stop_waiting_are_counted(free_gpu):
         pc.store.release(hold)
     assert pc.grew("coord", before, GAVE_UP, pool="default") == 2
     assert pc.grew("coord", before, "gpuhedge_pool_wait_seconds_count", pool="default") == 0
+
+
+def test_a_request_sent_straight_to_a_free_gpu_counts_a_wait_of_zero(free_gpu):
+    """Direct dispatch (``tasks/pooled_direct.py``) skips the coordinator's wait: the GPU
+    worker counts the request's wait as 0, once, so the histogram counts every request and
+    not only those that queued."""
+    from gpuhedge_celery.tasks.pooled_result import send_pooled
+
+    pc = free_gpu
+    wait = "gpuhedge_pool_wait_seconds"
+    before = {worker: scrape(port) for worker, port in pc.ports.items()}
+    res = send_pooled(pc.app, {"id": "direct", "duration_s": 0.1}, pool="default")
+    assert res.get(timeout=30)["gpu_id"] == pc.gpu
+    assert pc.grew("coord", before["coord"], f"{wait}_count", pool="default") == 0  # no wait ran
+    assert pc.grew("gpu0", before["gpu0"], f"{wait}_count", pool="default") == 1
+    assert pc.grew("gpu0", before["gpu0"], f"{wait}_bucket", pool="default", le="0.001") == 1

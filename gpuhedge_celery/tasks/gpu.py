@@ -35,6 +35,7 @@ from .app import TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
 from .cancel import StopWatch
 from .gpu_steps import STOPPED, RunningRecord, begin, clear_running, finish
 from .model_host import wait_ready
+from .pooled_direct import DIRECT_HEADER
 from .pooled_result import PooledEndTask
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,8 @@ def gpu_run(
     started = time.time()
     if leased_at is not None:
         metrics.pool_handoff(pool, started - leased_at)
+    if self.request.get(DIRECT_HEADER):  # sent straight to this free GPU: it never queued
+        metrics.pool_waited(pool, 0.0)
     try:
         runner = runner_for(pool)
         wait_ready(runner, ctx.stop, config.runner_wait_s)

@@ -11,7 +11,9 @@ free, Celery options other than ``queue``, ``GPUHEDGE_POOL_DIRECT=off``) sends `
 to wait as usual.
 
 In Flower a direct request shows as ``gpuhedge.gpu_run`` only, without a ``pooled_infer``
-before it.
+before it. Its message carries the header :data:`DIRECT_HEADER`, so the GPU worker counts its
+wait for a GPU (``gpuhedge_pool_wait_seconds``) as 0: it waited in no queue, and without that
+the histogram would count only the requests that did.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from ..store.pooled import PooledRecords
 from .pooled_args import check_arguments
 
 DIRECT_OPTIONS = frozenset({"queue"})  # Celery options a direct send can honour
+# message header of a direct send: gpu_run counts the request's pool wait as 0 (it never queued)
+DIRECT_HEADER = "gpuhedge_direct"
 DIRECT_KWARGS = frozenset({"pool", "labels", "timeout_s"})  # pooled_infer's, as a caller sends them
 
 
@@ -72,7 +76,8 @@ def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwarg
     job_kwargs = {"attempt": 0, "labels": kwargs.get("labels"), "leased_at": time.time()}
     try:
         app.send_task(TASK_GPU_RUN, args=(args[0], lease.to_dict()), kwargs=job_kwargs,
-                      task_id=task_id, queue=gpu_queue(lease.gpu_id))  # fmt: skip
+                      task_id=task_id, queue=gpu_queue(lease.gpu_id),
+                      headers={DIRECT_HEADER: 1})  # fmt: skip
     except BaseException:
         claims.undo(lease)
         raise
