@@ -7,7 +7,8 @@ webhooks``).
 - a token that is not the attempt's (:mod:`.token`): 401, before the body is read, nothing
   changed;
 - a body over ``GPUHEDGE_WEBHOOK_MAX_BYTES`` (by its ``content-length`` or as it streams in):
-  413; an empty or non-JSON body: 400 (any ``content-type`` is accepted: platforms differ);
+  413; a body not complete :data:`BODY_TIMEOUT_S` after the headers: 408; an empty or non-JSON
+  body: 400 (any ``content-type`` is accepted: platforms differ);
 - otherwise :func:`~.apply.apply_delivery` on a worker thread, answered once it saved.
 
 Every error is a one-line ``{"error": ...}``; nothing of the body is echoed back. Every answer
@@ -33,6 +34,7 @@ from .settings import WebhookSettings
 log = logging.getLogger(__name__)
 
 Apply = Callable[[str, str, Any], tuple[int, dict[str, Any]]]
+BODY_TIMEOUT_S = 30.0  # a delivery's body follows its headers at once (the headers: guard.py)
 
 
 class WebhookApp:
@@ -86,8 +88,13 @@ class WebhookApp:
             return (413, {"error": f"body over {limit} bytes"}) if ok else (
                 400, {"error": "malformed content-length"})  # fmt: skip
         body = bytearray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_TIMEOUT_S
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return 408, {"error": f"body not complete within {BODY_TIMEOUT_S:g} s"}
             if message["type"] == "http.disconnect":
                 return 400, {"error": "client went away mid-body"}
             body += message.get("body", b"")
@@ -101,7 +108,6 @@ class WebhookApp:
             data = orjson.loads(bytes(body))
         except orjson.JSONDecodeError as e:
             return 400, {"error": f"body is not JSON: {_line(str(e))}"}
-        loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.pool, self.apply, race_id, attempt_id, data)
         except Exception as e:  # the store is down, or an adapter bug: the provider may retry

@@ -39,12 +39,18 @@ RESTART_DELAY_S = 1.0
 def uvicorn_config(app: Any, **kw: Any) -> Any:
     """The receiver's uvicorn settings: no access log, lifespan or proxy-header rewriting
     (the app reads neither the client address nor the scheme), no ``server``/``date`` headers
-    (a delivery's answer is read by a provider's HTTP client only)."""
+    (a delivery's answer is read by a provider's HTTP client only), and the header deadline
+    and connection cap of :mod:`.guard` under this process's descriptor limit (raised to its
+    hard limit first)."""
     import uvicorn
 
+    from .guard import connection_cap, guarded_protocol, raise_fd_limit
+
+    cap = connection_cap(raise_fd_limit())
     return uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
-        server_header=False, date_header=False, timeout_keep_alive=30, **kw,
+        server_header=False, date_header=False, timeout_keep_alive=30,
+        http=guarded_protocol(cap), backlog=cap, **kw,
     )  # fmt: skip
 
 
