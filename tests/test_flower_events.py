@@ -171,3 +171,35 @@ def test_a_cancel_that_fails_shows_leaked(events_cluster):
     assert "LEAKED" in seen and seen.index("LEAKED") < seen.index("WON"), seen
     leaked = next(e for e in mine if e["type"] == "task-leaked")
     assert leaked["provider"] == "leaky" and leaked["job_id"].startswith("sim-leaky-")
+
+
+FAILS = {"sim": {"p": {"queue_s": 0, "run_s": 1, "outcome": "failed"},
+                 "h": {"queue_s": 0, "run_s": 1, "outcome": "failed"}}}  # fmt: skip
+
+
+def test_flower_runtime_is_the_races_duration(events_cluster):
+    """``hedged_infer`` returns at once, so Celery's own runtime would be about 0 for every
+    race: the race's task-succeeded carries the race's duration (its ``e2e_ms``), and its
+    task-failed the time from its start to its failure, which Flower shows as Runtime."""
+    from gpuhedge_celery.errors import RaceFailed
+
+    rc = events_cluster
+    with EventLog(rc.app) as log:
+        sent = time.monotonic()
+        won = rc.send(HEDGE_RESCUE)
+        result = won.get(timeout=20)
+        won_wall = time.monotonic() - sent
+        sent = time.monotonic()
+        lost = rc.send(FAILS)
+        with pytest.raises(RaceFailed):
+            lost.get(timeout=20)
+        lost_wall = time.monotonic() - sent
+        mine = log.wait_for(won.id, {"task-succeeded"}) + log.wait_for(lost.id, {"task-failed"})
+    succeeded = next(e for e in mine if e["type"] == "task-succeeded")
+    assert succeeded["runtime"] == pytest.approx(result["e2e_ms"] / 1000.0)
+    assert 0 < succeeded["runtime"] < won_wall
+    failed = next(e for e in mine if e["type"] == "task-failed")
+    assert 0 < failed["runtime"] < lost_wall
+    state, _ = states_of(mine, won.id)
+    assert state.tasks[won.id].runtime == succeeded["runtime"]  # what Flower's list shows
+    assert state.tasks[lost.id].runtime == failed["runtime"]
