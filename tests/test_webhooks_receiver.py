@@ -115,9 +115,45 @@ def test_a_failure_to_save_is_503_so_the_provider_may_retry():
     served = Served(WebhookApp(WebhookSettings("http://x", SECRET), stub))
     try:
         r = httpx.post(url(served), json={"status": "COMPLETED"})
-        assert r.status_code == 503 and "\n" not in r.json()["error"]
+        assert r.status_code == 503 and r.json() == {"error": "not saved; try again"}
     finally:
         served.close()
+
+
+@pytest.mark.parametrize(
+    "base, ok",
+    [("https://hooks.example.com/h", True), ("http://127.0.0.1:8088/h", True),
+     ("http://localhost:8088/h", True), ("http://[::1]:8088/h", True),
+     ("http://hooks.example.com/h", False), ("http://10.0.0.5:8088/h", False)],
+)  # fmt: skip
+def test_a_plain_http_webhook_url_is_refused_off_loopback(base, ok):
+    env = {"GPUHEDGE_WEBHOOK_URL": base, "GPUHEDGE_WEBHOOK_SECRET": SECRET}
+    if ok:
+        assert WebhookSettings.from_env(env).on
+    else:
+        with pytest.raises(ConfigError, match="GPUHEDGE_WEBHOOK_URL: expected https://"):
+            WebhookSettings.from_env(env)
+
+
+def test_while_a_secret_is_rotated_out_the_receiver_accepts_tokens_under_both():
+    new, old = "n3w-secret-0123456789abcdef", SECRET
+    env = {"GPUHEDGE_WEBHOOK_URL": "https://h.example/h", "GPUHEDGE_WEBHOOK_SECRET": new,
+           "GPUHEDGE_WEBHOOK_SECRET_PREVIOUS": old}  # fmt: skip
+    settings = WebhookSettings.from_env(env)
+    assert old not in repr(settings) and new not in repr(settings)
+    stub = Stub()
+    served = Served(WebhookApp(settings, stub))
+    try:
+        for secret, code in ((new, 200), (old, 200), ("an0ther-secret-0123456789", 401)):
+            tok = tokens.token(secret, "r1", "a1")
+            r = httpx.post(f"{served.url}/hooks/r1/a1/{tok}", json={"status": "COMPLETED"})
+            assert r.status_code == code, secret
+        # workers mint with the current secret only
+        assert tokens.context(settings, "r1", "a1")["token"] == tokens.token(new, "r1", "a1")
+    finally:
+        served.close()
+    with pytest.raises(ConfigError, match="GPUHEDGE_WEBHOOK_SECRET_PREVIOUS"):
+        WebhookSettings.from_env({**env, "GPUHEDGE_WEBHOOK_SECRET_PREVIOUS": "short"})
 
 
 def test_settings_refuse_a_url_without_a_secret():

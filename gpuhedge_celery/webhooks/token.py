@@ -29,6 +29,12 @@ def valid(secret: str, race_id: str, attempt_id: str, given: str) -> bool:
     return hmac.compare_digest(token(secret, race_id, attempt_id), given)
 
 
+def accepted(settings: WebhookSettings, race_id: str, attempt_id: str, given: str) -> bool:
+    """Whether ``given`` is the attempt's token under the current secret or, while one is
+    being rotated out, the previous one."""
+    return any(valid(secret, race_id, attempt_id, given) for secret in settings.secrets)
+
+
 def context(settings: WebhookSettings, race_id: str, attempt_id: str) -> dict[str, str] | None:
     """What a provider's ``submit(request, context=...)`` needs for this attempt's webhook
     (``race_id``, ``attempt_id``, ``token``, and the full ``url``); None with webhooks off."""
