@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -29,6 +30,17 @@ def redact_url(url: str) -> str:
     port = f":{parts.port}" if parts.port else ""
     netloc = f"{user}:***@{host}{port}"
     return parts._replace(netloc=netloc).geturl()
+
+
+def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
+    """The prefix of Celery's own keys (queues, results, remote control): ``GPUHEDGE_BROKER_PREFIX``
+    when it is set (to anything, "" included), else ``<GPUHEDGE_PREFIX>:`` for a prefix other
+    than the default, so two deployments with their own prefixes never share queues; the
+    default prefix keeps Celery's plain layout (what other Celery apps calling our tasks by
+    name, and every deployment that never set a prefix, use)."""
+    if "GPUHEDGE_BROKER_PREFIX" in env:
+        return env["GPUHEDGE_BROKER_PREFIX"]
+    return "" if prefix == DEFAULT_PREFIX else f"{prefix}:"
 
 
 def validate_redis_url(url: str, *, source: str = "GPUHEDGE_REDIS_URL") -> str:

@@ -10,9 +10,11 @@ GPUHEDGE_REDIS_URL, _PREFIX        (Settings)  results and leases (and the broke
                                                GPUHEDGE_BROKER_URL is set); lease key prefix
 GPUHEDGE_BROKER_URL                none        the Celery broker when it is not that Redis:
                                                amqp:// (RabbitMQ) or another redis:// URL
-GPUHEDGE_BROKER_PREFIX             ""          prefix of Celery's own keys (broker, results,
-                                               remote control); "" keeps Celery's layout so
-                                               other Celery apps can call our tasks by name
+GPUHEDGE_BROKER_PREFIX             (derived)   prefix of Celery's own keys (broker, results,
+                                               remote control); unset: "<GPUHEDGE_PREFIX>:"
+                                               for a prefix other than the default, else "";
+                                               "" keeps Celery's layout so other Celery apps
+                                               can call our tasks by name
 GPUHEDGE_VISIBILITY_TIMEOUT_S      3600        Redis-broker redelivery of a message whose whole
                                                worker died (see docs/gpu-workers.md); RabbitMQ
                                                redelivers when the connection drops instead
@@ -74,7 +76,7 @@ from ..envvars import env_flag
 from ..errors import ConfigError
 from ..gpus import default_host, parse_labels
 from ..runners import runner_from_spec
-from ..settings import Settings, redact_url
+from ..settings import Settings, broker_prefix, redact_url
 
 BROKER_SCHEMES = {"redis": "redis", "rediss": "redis", "amqp": "amqp", "amqps": "amqp",
                   "pyamqp": "amqp"}  # fmt: skip
@@ -262,7 +264,7 @@ class GlueConfig:
         per_child_mb = _number(env, "GPUHEDGE_MAX_MEMORY_PER_CHILD_MB", None, integer=True)
         return cls(
             settings=settings,
-            broker_prefix=env.get("GPUHEDGE_BROKER_PREFIX", ""),
+            broker_prefix=broker_prefix(env, settings.prefix),
             broker_url=broker_url,
             visibility_timeout_s=_number(env, "GPUHEDGE_VISIBILITY_TIMEOUT_S", 3600.0),
             restore_interval_s=_number(env, "GPUHEDGE_RESTORE_INTERVAL_S", 10.0),
