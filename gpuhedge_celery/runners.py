@@ -33,7 +33,6 @@ import importlib.util
 import inspect
 import json
 import math
-import os
 import random
 import shlex
 import subprocess
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import ConfigError
-from .run_context import RunContext, RunnerFailed, RunnerStopped, RunnerUnavailable
+from .run_context import RunContext, RunnerFailed, RunnerStopped, RunnerUnavailable, child_env
 
 DEFAULT_RUNNER = "cpu"
 
@@ -276,7 +275,7 @@ class CommandRunner:
         self.spec = spec or "cmd:" + shlex.join(argv)
 
     def run(self, request: Any, ctx: RunContext) -> Any:
-        env = {**os.environ, **ctx.env}
+        env = child_env(ctx.env)
         try:
             proc = subprocess.Popen(
                 self.argv,

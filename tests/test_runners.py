@@ -189,3 +189,28 @@ def test_command_runner_is_terminated_when_the_lease_is_lost():
 def test_command_runner_missing_binary():
     with pytest.raises(RunnerFailed, match="cannot start"):
         CommandRunner(["/nonexistent/model-server"]).run({}, RunContext())
+
+
+def test_a_command_inherits_what_it_needs_and_none_of_the_workers_credentials(monkeypatch):
+    secrets = {
+        "GPUHEDGE_REDIS_URL": "redis://:redis-pw-123@redis:6379/0",
+        "GPUHEDGE_WEBHOOK_SECRET": "webhook-secret-0123456789",
+        "RUNPOD_API_KEY": "rp_key_456", "AWS_SECRET_ACCESS_KEY": "aws-789",
+        "HF_TOKEN": "hf_abc",
+    }  # fmt: skip
+    wanted = {"CUDA_VISIBLE_DEVICES": "3", "HF_HOME": "/models", "LC_ALL": "C.UTF-8",
+              "MY_MODEL_DIR": "/srv/m"}  # fmt: skip
+    for name, value in {**secrets, **wanted}.items():
+        monkeypatch.setenv(name, value)
+    code = "import json, os, sys; sys.stdin.read(); print(json.dumps(dict(os.environ)))"
+    ctx = RunContext(gpu_id="box:0", token=7, env={"GPUHEDGE_LEASE_TOKEN": "7"})
+    seen = CommandRunner([sys.executable, "-c", code]).run({}, ctx)
+    assert not set(secrets) & set(seen), set(secrets) & set(seen)
+    assert seen["GPUHEDGE_LEASE_TOKEN"] == "7" and seen["PATH"]
+    assert {k: seen.get(k) for k in ("CUDA_VISIBLE_DEVICES", "HF_HOME", "LC_ALL")} == {
+        "CUDA_VISIBLE_DEVICES": "3", "HF_HOME": "/models", "LC_ALL": "C.UTF-8"}  # fmt: skip
+    assert "MY_MODEL_DIR" not in seen
+    monkeypatch.setenv("GPUHEDGE_RUNNER_ENV", "MY_MODEL_DIR, HF_TOKEN")  # passed on purpose
+    seen = CommandRunner([sys.executable, "-c", code]).run({}, ctx)
+    assert seen["MY_MODEL_DIR"] == "/srv/m" and seen["HF_TOKEN"] == "hf_abc"
+    assert "RUNPOD_API_KEY" not in seen and "GPUHEDGE_REDIS_URL" not in seen

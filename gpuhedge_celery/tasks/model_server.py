@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 
+from ..run_context import child_env
 from ..server_runner import ServerRunner
 from ..store.leases import LeaseStore
 from .model_host import Backoff, mark_in, mark_out
@@ -109,8 +110,9 @@ class ServerSupervisor:
         if self.argv is not None:
             try:
                 self.process = subprocess.Popen(
-                    self.argv, start_new_session=True, preexec_fn=_die_with_parent
-                )
+                    self.argv, start_new_session=True, preexec_fn=_die_with_parent,
+                    env=child_env(),
+                )  # fmt: skip
             except OSError as e:
                 return f"cannot start the model server {self.argv[0]!r}: {e}"
             self.starts += 1
