@@ -104,3 +104,22 @@ def test_a_request_at_the_limit_still_goes(cluster):
     task = cluster.app.tasks[TASK_POOLED_INFER]
     with pytest.raises(UnknownPool):
         task.delay(body, pool="no-such-pool").get(timeout=60)
+
+
+@pytest.mark.parametrize("command", ["race", "infer"])
+def test_race_and_infer_refuse_a_request_over_the_limit_before_anything_else(
+    command, tmp_path, capsys, monkeypatch
+):
+    import json
+
+    from gpuhedge_celery.cli import EXIT_USAGE, main
+    from tests.support.redis_server import free_port
+
+    monkeypatch.chdir(tmp_path)  # the packaged config
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"text": "x" * LIMIT}))
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # refused before Redis is even asked
+    assert main(["--redis-url", nowhere, command, f"@{big}", "--go"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: request: ") and "\n" not in err
+    assert f"over the {LIMIT:,}-byte limit (GPUHEDGE_REQUEST_MAX_BYTES)" in err

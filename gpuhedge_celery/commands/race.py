@@ -126,9 +126,12 @@ def gated_request(request: str, policy: str | None, providers: str | None,
     """The config, the request and the providers asked for, once the --go gate let them
     through (a dry run prints the race's worst case and exits 2)."""
     from ..cli import root_config
-    from ..race.spec import build_spec
+    from ..race.settings import RaceSettings
+    from ..race.spec import build_spec, check_request
 
     body = _request(request)
+    # refused here, as hedged_infer.delay() refuses it, rather than by the worker after a send
+    check_request(body, RaceSettings.from_env().request_max_bytes)
     cfg = root_config()
     names = [n.strip() for n in providers.split(",")] if providers else None
     spec = build_spec(cfg, policy, names, None, budget_key)
