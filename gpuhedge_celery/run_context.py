@@ -8,12 +8,12 @@ import cycle.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import GpuHedgeError
+from .secrets import SECRET_NAME
 
 # What a model command or model server inherits from the worker: what a program needs to run
 # and find its GPU, libraries and caches, never the worker's own credentials (the Redis URL,
@@ -27,7 +27,6 @@ CHILD_ENV_NAMES = frozenset({
 })  # fmt: skip
 CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
                       "NCCL_", "XLA_")  # fmt: skip
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 RUNNER_ENV_VAR = "GPUHEDGE_RUNNER_ENV"
 
 

@@ -90,7 +90,7 @@ def http_login_check(provider: Any) -> LoginCheck:
             ep.method, provider._url("status", PROBE_JOB_ID)
         )
     except Exception as e:
-        return LoginCheck(provider.name, FAILED, host, no_answer(what, e, provider._secrets))
+        return LoginCheck(provider.name, FAILED, host, no_answer(what, e, provider.secrets()))
     code = response.status_code
     if code in (401, 403):
         return LoginCheck(provider.name, FAILED, host, f"{what}: HTTP {code}: key refused")
@@ -121,7 +121,7 @@ def modal_login_check(provider: Any) -> LoginCheck:
             lambda: lookup(provider.target), provider.spec.spawn_timeout_s, "lookup"
         )
     except Exception as e:
-        return LoginCheck(provider.name, FAILED, label, provider._scrub(scrub(str(e), [])))
+        return LoginCheck(provider.name, FAILED, label, scrub(str(e), provider.secrets()))
     return LoginCheck(provider.name, OK, label, f"function found ({object_id})")
 
 
@@ -148,7 +148,7 @@ def modal_spend(provider: Any, since: float, now: float | None = None) -> SpendR
             lambda: billing(begin, end), provider.spec.spawn_timeout_s, "billing"
         )
     except Exception as e:
-        detail = provider._scrub(scrub(f"billing report: {e}", []))
+        detail = scrub(f"billing report: {e}", provider.secrets())
         return SpendReport(name, UNAVAILABLE, None, start, until, detail)
     env = provider.target.environment
     mine = [
@@ -176,7 +176,7 @@ def cerebrium_login_check(provider: Any) -> LoginCheck:
 
     def check(status: str, detail: str) -> LoginCheck:
         return LoginCheck(
-            provider.name, status, f"{project}/{app_id}", scrub(detail, [provider._key])
+            provider.name, status, f"{project}/{app_id}", scrub(detail, provider.secrets())
         )
 
     try:

@@ -27,6 +27,7 @@ from ..core.clock import Clock, VirtualClock, WallClock
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt
 from ..errors import ProviderProtocolError
+from ..secrets import scrub_secrets
 from .account import UNAVAILABLE, UNSUPPORTED, LoginCheck, SpendReport
 from .options import Block
 
@@ -170,6 +171,16 @@ class Provider(abc.ABC):
         return SpendReport(self.name, UNAVAILABLE, None, since, detail=detail)
 
     # --- helpers for subclasses and callers -------------------------------------------------
+
+    def secrets(self) -> tuple[str, ...]:
+        """The credentials this provider holds (keys, tokens, secret header values): never
+        in any text it returns. Adapters that hold one override this."""
+        return ()
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every one of :meth:`secrets` masked: every error, note and echoed
+        job message an adapter keeps passes here."""
+        return scrub_secrets(text, self.secrets())
 
     def now_ms(self) -> float:
         """The provider clock in milliseconds (receipt times)."""

@@ -172,7 +172,7 @@ class CerebriumProvider(Provider):
         except MissingField:
             payload = _MISSING
         if isinstance(body, dict) and body.get("error") and (payload is _MISSING or not payload):
-            error = " ".join(str(body["error"]).split())[:300]
+            error = self.scrub(" ".join(str(body["error"]).split()))[:300]
             events = [LifecycleEvent(wall_ms, "failed", "webhook")]
             return AttemptResult(self.name, handle.job_id, JobState.FAILED, wall_ms, None,
                                  metrics, events, f"run failed: {error}")  # fmt: skip
@@ -233,11 +233,11 @@ class CerebriumProvider(Provider):
                 self._pid = os.getpid()
             return self._client
 
+    def secrets(self) -> tuple[str, ...]:
+        return (self._key, self._rest_key)
+
     def _snippet(self, response: httpx.Response) -> str:
-        text = " ".join(response.text[:160].split())
-        for key in (self._key, self._rest_key):
-            text = text.replace(key, "***") if key else text
-        return text
+        return self.scrub(" ".join(response.text[:160].split()))
 
     def _unknown(self, where: str, why: str) -> ProviderError:
         error = SubmitError(self.name, f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the run may "

@@ -32,11 +32,21 @@ from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import SUBMIT_OUTCOME_UNKNOWN, CancelReceipt, CancelScope, Evidence
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, SubmitError
 from ..metrics import record as metrics
+from ..secrets import SECRET_NAME
 from . import account_checks
 from .account import LoginCheck, SpendReport
 from .base import Provider, reported_ms
 from .bounded_read import BodyRefused, failure_kind, read_bounded
-from .httpspec import Endpoint, HttpSpec, MissingField, fill_url, get_path, render, substitute_env
+from .httpspec import (
+    Endpoint,
+    HttpSpec,
+    MissingField,
+    env_names,
+    fill_url,
+    get_path,
+    render,
+    substitute_env,
+)
 from .options import Block
 
 if TYPE_CHECKING:
@@ -70,7 +80,10 @@ class HttpProvider(Provider):
             op: substitute_env(ep.url, env, file=spec.file, key=f"{where}.{op}.url")
             for op, ep in self._endpoints().items()
         }
-        self._secrets = [v for v in self._headers.values() if len(v) >= 4]
+        # header values, and any ${VAR} in a URL whose name says it is a credential
+        urls = (spec.base_url, *(ep.url for ep in self._endpoints().values()))
+        in_urls = [env.get(n, "") for u in urls for n in env_names(u) if SECRET_NAME.search(n)]
+        self._secrets = (*self._headers.values(), *in_urls)
         self._transport = transport
         self._client: httpx.Client | None = None
         self._client_pid: int | None = None
@@ -230,10 +243,8 @@ class HttpProvider(Provider):
         url = fill_url(self._urls[op], job_id)
         return url if url.startswith(("http://", "https://")) else self._base_url + url
 
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    def secrets(self) -> tuple[str, ...]:
+        return self._secrets
 
     def _call(
         self,
@@ -275,12 +286,12 @@ class HttpProvider(Provider):
             raise error_cls(self.name, f"{where}: timed out ({type(e).__name__}){hint}") from None
         except httpx.HTTPError as e:
             metrics.provider_call(self.name, op, "connection")
-            detail = self._scrub(str(e))[:200]
+            detail = self.scrub(str(e))[:200]
             raise error_cls(self.name, f"{where}: {type(e).__name__}: {detail}") from None
         if response.status_code >= 400:
             metrics.provider_call(self.name, op, metrics.http_error_kind(response.status_code))
             text = content[:200].decode("utf-8", "replace")
-            snippet = self._scrub(text).replace("\n", " ")
+            snippet = self.scrub(text).replace("\n", " ")
             raise error_cls(self.name, f"{where}: HTTP {response.status_code}: {snippet}")
         if not content and op == "cancel":
             metrics.provider_call(self.name, op)
@@ -290,7 +301,7 @@ class HttpProvider(Provider):
         except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
             metrics.provider_call(self.name, op, "protocol")
             text = content[:80].decode("utf-8", "replace")
-            snippet = self._scrub(text).replace("\n", " ")
+            snippet = self.scrub(text).replace("\n", " ")
             why = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
             raise ProviderProtocolError(
                 self.name, f"{where}: response is not JSON ({why}): {snippet!r}"
@@ -359,7 +370,7 @@ class HttpProvider(Provider):
             return self._failed(handle, events, str(e), metrics)
         if state is not JobState.COMPLETED and source_ep.error:
             try:
-                error = str(get_path(source, source_ep.error))
+                error = self.scrub(str(get_path(source, source_ep.error)))
             except MissingField:
                 error = None
         if "execution_ms" in metrics and isinstance(metrics["execution_ms"], (int, float)):

@@ -143,7 +143,7 @@ class ModalProvider(Provider):
         except ConfigError:
             raise
         except Exception as e:  # ModalSdkError, or a seam that raised something else
-            raise SubmitError(self.name, self._scrub(_text(e))) from None
+            raise SubmitError(self.name, self.scrub(_text(e))) from None
         if not isinstance(call_id, str) or not call_id:
             metrics.provider_call(self.name, "submit", "protocol")
             raise ProviderProtocolError(self.name, f"spawn of {label} gave no call id: {call_id!r}")
@@ -202,7 +202,7 @@ class ModalProvider(Provider):
         except ConfigError:
             raise
         except Exception as e:
-            notes.append(f"cancel call failed: {self._scrub(_text(e))}")
+            notes.append(f"cancel call failed: {self.scrub(_text(e))}")
         window_end = self.clock.now() + self.spec.cancel_confirm_s
         while True:
             bound = max(MIN_POLL_S, min(self.spec.poll_timeout_s, window_end - self.clock.now()))
@@ -259,7 +259,7 @@ class ModalProvider(Provider):
         except ConfigError:
             raise
         except Exception as e:  # SdkCallTimeout, ModalSdkError, a seam bug
-            text = self._scrub(_text(e))
+            text = self.scrub(_text(e))
             raise ProviderError(self.name, f"poll of call {call_id!r}: {text}") from None
 
     def _reap_late(self, future: Future[Any]) -> None:
@@ -277,7 +277,7 @@ class ModalProvider(Provider):
         except Exception as e:
             metrics.provider_call(self.name, "cancel", "rejected")
             log.error("provider %r: cancel of late call %s failed: %s",
-                      self.name, call_id, self._scrub(_text(e)))  # fmt: skip
+                      self.name, call_id, self.scrub(_text(e)))  # fmt: skip
 
     def _finished(
         self, handle: JobHandle, outcome: Outcome, events: list[LifecycleEvent]
@@ -292,7 +292,7 @@ class ModalProvider(Provider):
         if outcome.state == FAILED:
             state = _state(outcome)
             said = {"user_exception": "the function raised ", "cancelled": "cancelled: "}
-            error = self._scrub(f"{said.get(outcome.kind or '', '')}{outcome.error}")
+            error = self.scrub(f"{said.get(outcome.kind or '', '')}{outcome.error}")
             events = [*events, LifecycleEvent(at, state.value.lower(), outcome.kind or "")]
             return AttemptResult(self.name, handle.job_id, state, at, events=events, error=error)
         try:
@@ -311,7 +311,7 @@ class ModalProvider(Provider):
         at = self.elapsed_ms(handle)
         events = [*events, LifecycleEvent(at, "failed", "provider error")]
         return AttemptResult(self.name, handle.job_id, JobState.FAILED, at, events=events,
-                             error=self._scrub(error))  # fmt: skip
+                             error=self.scrub(error))  # fmt: skip
 
     def _input_ended(
         self, receipt: CancelReceipt, handle: JobHandle, outcome: Outcome, notes: list[str]
@@ -325,13 +325,11 @@ class ModalProvider(Provider):
         else:
             receipt.confirm_terminal(JobState.CANCELLED, at_ms)
             seen = "its output expired" if outcome.state == EXPIRED else outcome.error
-            notes.append(f"the input ended after the cancel ({self._scrub(str(seen))})")
+            notes.append(f"the input ended after the cancel ({self.scrub(str(seen))})")
         receipt.estimated_cost_usd = self.cost_usd(at_ms / 1000.0 - handle.submitted_at)
 
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    def secrets(self) -> tuple[str, ...]:
+        return tuple(self._secrets)
 
 
 def _state(outcome: Outcome) -> JobState:

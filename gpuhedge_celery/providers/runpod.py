@@ -136,6 +136,9 @@ class RunpodProvider(Provider):
     def __repr__(self) -> str:
         return f"RunpodProvider(name={self.name!r}, endpoint={self.api.endpoint_id!r})"
 
+    def secrets(self) -> tuple[str, ...]:
+        return (self.api._key,)  # noqa: SLF001 - the adapter and its API client are one
+
     @classmethod
     def parse_options(cls, block: Block, *, time_scale: float | None = None) -> RunpodSpec:
         return RunpodSpec.from_block(block)  # RunPod runs in real time: nothing is scaled
@@ -391,8 +394,10 @@ class RunpodProvider(Provider):
             except MissingField:
                 return self._failed(handle, events, f"status GET /status/{{id}}: COMPLETED "
                                     f"without field {self.spec.payload!r}", metrics)  # fmt: skip
-        else:
-            error = f"{data.get('status')}: {data.get('error') or 'no error given'}"[:500]
+        else:  # a job's error may echo what it was given: never a key
+            error = self.scrub(f"{data.get('status')}: {data.get('error') or 'no error given'}")[
+                :500
+            ]
         metrics["runpod_status"] = data.get("status")
         return AttemptResult(self.name, handle.job_id, state, self.elapsed_ms(handle), payload,
                              metrics, events, error)  # fmt: skip

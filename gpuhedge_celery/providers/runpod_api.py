@@ -40,6 +40,7 @@ import orjson
 from ..core.receipts import SUBMIT_OUTCOME_UNKNOWN
 from ..errors import ProviderError, ProviderProtocolError, RateLimited, SubmitError
 from ..metrics import record as metrics
+from ..secrets import scrub_secrets
 from .account import no_answer_reason
 from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .httpspec import substitute_env
@@ -286,7 +287,7 @@ class RunpodApi:
         return self._client
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._key, "***") if len(self._key) >= 4 else text
+        return scrub_secrets(text, (self._key,))
 
 
 _JSON = {"content-type": "application/json"}

@@ -43,6 +43,7 @@ class Knobs:
     queue_s: float = 0.05
     run_s: float = 0.1
     final_state: str = "COMPLETED"
+    job_error: str = "worker crashed"  # a FAILED job's error text
     output: Any = field(default_factory=lambda: {"audio_base64": GOOD_AUDIO})
     job_id_template: str = "job-{n}"
     submit_errors: int = 0  # the next N submits answer HTTP 500
@@ -193,7 +194,7 @@ class HttpProviderServer:
         if status == "COMPLETED":
             data["output"] = k.output
         elif status == "FAILED":
-            data["error"] = "worker crashed"
+            data["error"] = k.job_error
         return self._answer("status", data)
 
     def _result(self, job_id: str) -> tuple[int, str]:
