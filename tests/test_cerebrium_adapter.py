@@ -242,7 +242,8 @@ def test_the_management_api_takes_its_own_token_when_one_is_set(fake, hooks):
                               "cerebrium": cerebrium_block(
                                   fake, rest_token="${CEREBRIUM_TEST_REST_TOKEN}")}},
          "budget": {"ceiling_usd": 1000}}, source="t.yaml",
-    ).build("cb", env={"CEREBRIUM_TEST_KEY": KEY, "CEREBRIUM_TEST_REST_TOKEN": REST_TOKEN})  # fmt: skip
+    ).build("cb", env={"CEREBRIUM_TEST_KEY": KEY,
+                       "CEREBRIUM_TEST_REST_TOKEN": REST_TOKEN})  # fmt: skip
     h = both.submit(fate(queue_s=1), context=ctx(hooks))
     acked = both.cancel(h)
     assert acked.evidence is Evidence.PROVIDER_ACK and fake.run(h.job_id)["state"] == "CANCELLED"

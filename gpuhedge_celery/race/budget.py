@@ -121,9 +121,10 @@ class RaceBudget:
                 continue
             found = settle_attempt(a, rate, cap_s, reserved, summary)
             if found.usd > reserved:  # the script settles at the reservation; say so loudly
+                race_id = getattr(race, "race_id", "?")
                 log.warning("budget: attempt %s/%s (%s) reported $%.6f, above its reservation "
-                            "$%.6f: settled at the reservation", getattr(race, "race_id", "?"), a.id,
-                            a.provider, found.usd, reserved)  # fmt: skip
+                            "$%.6f: settled at the reservation", race_id, a.id, a.provider,
+                            found.usd, reserved)  # fmt: skip
                 metrics.budget_over_reported(a.provider)
             items.append((a.id, to_nano(min(found.usd, MAX_USD)), found.source))
         return items
