@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .config_budget import parse_budget
-from .core.budget import BudgetCaps
+from .core.budget import BudgetCaps, CapConflict, PlannedAttempt, cap_conflicts
 from .errors import ConfigError
 from .providers.options import Block
 from .providers.provider_config import ROLES, ProviderConfig
@@ -374,3 +374,29 @@ def _parse_validator(root: Block) -> ValidatorConfig:
     except TypeError as e:
         raise root.error("validator", f"bad options for validator {name!r}: {e}") from None
     return ValidatorConfig(name=name, options=options)
+
+
+def planned_attempts(cfg: GpuHedgeConfig, policy: Policy | None = None) -> list[PlannedAttempt]:
+    """The attempts ``policy`` (the configured one by default) can launch, in launch order,
+    each with its role, the config's cap for its provider, its rate and idle window."""
+    policy = policy or cfg.make_policy()
+    names = list(policy.providers())
+    params = policy.params()
+    named = [(role, params[role]) for role in ROLES if isinstance(params.get(role), str)]
+    if [name for _, name in named] != names:  # a custom policy: the providers' own roles
+        named = [(cfg.provider(name).role, name) for name in names]
+    found = []
+    for role, name in named:
+        p = cfg.provider(name)
+        found.append(
+            PlannedAttempt(name, role, cfg.cap_s(name), p.billed_rate_per_s, p.idle_billed_seconds)
+        )
+    return found
+
+
+def cap_warnings(cfg: GpuHedgeConfig, policy: Policy | None = None) -> list[CapConflict]:
+    """Every budget cap that refuses an attempt the configured policy can launch (see
+    :func:`~gpuhedge_celery.core.budget.cap_conflicts`); empty when budgets are off."""
+    if not cfg.budget.enabled:
+        return []
+    return cap_conflicts(cfg.budget, planned_attempts(cfg, policy))

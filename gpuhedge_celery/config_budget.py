@@ -19,25 +19,12 @@ A config naming any provider whose adapter spends money (every adapter but ``sim
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from .core.budget import (
-    ANY_KEY,
-    KEY_RE,
-    BudgetCaps,
-    CapConflict,
-    PlannedAttempt,
-    ScopeCap,
-    cap_conflicts,
-)
+from .core.budget import ANY_KEY, KEY_RE, BudgetCaps, ScopeCap
 from .errors import ConfigError
 from .providers.options import Block
-from .providers.provider_config import ROLES, ProviderConfig
+from .providers.provider_config import ProviderConfig
 from .providers.registry import adapter_class
-
-if TYPE_CHECKING:
-    from .config import GpuHedgeConfig
-    from .core.policy_base import Policy
 
 
 def _scope(parent: Block, name: str) -> ScopeCap:
@@ -96,29 +83,3 @@ def spends_money(provider: ProviderConfig) -> bool:
     except ConfigError:
         return True
     return bool(getattr(cls, "spends_money", True))
-
-
-def planned_attempts(cfg: GpuHedgeConfig, policy: Policy | None = None) -> list[PlannedAttempt]:
-    """The attempts ``policy`` (the configured one by default) can launch, in launch order,
-    each with its role, the config's cap for its provider, its rate and idle window."""
-    policy = policy or cfg.make_policy()
-    names = list(policy.providers())
-    params = policy.params()
-    named = [(role, params[role]) for role in ROLES if isinstance(params.get(role), str)]
-    if [name for _, name in named] != names:  # a custom policy: the providers' own roles
-        named = [(cfg.provider(name).role, name) for name in names]
-    found = []
-    for role, name in named:
-        p = cfg.provider(name)
-        found.append(
-            PlannedAttempt(name, role, cfg.cap_s(name), p.billed_rate_per_s, p.idle_billed_seconds)
-        )
-    return found
-
-
-def cap_warnings(cfg: GpuHedgeConfig, policy: Policy | None = None) -> list[CapConflict]:
-    """Every budget cap that refuses an attempt the configured policy can launch (see
-    :func:`~gpuhedge_celery.core.budget.cap_conflicts`); empty when budgets are off."""
-    if not cfg.budget.enabled:
-        return []
-    return cap_conflicts(cfg.budget, planned_attempts(cfg, policy))

@@ -12,8 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 from gpuhedge_celery.cli import EXIT_FAILED, EXIT_OK, cli
-from gpuhedge_celery.config import load_config, packaged_path, parse_config_text
-from gpuhedge_celery.config_budget import cap_warnings, planned_attempts
+from gpuhedge_celery.config import (
+    cap_warnings,
+    load_config,
+    packaged_path,
+    parse_config_text,
+    planned_attempts,
+)
 from gpuhedge_celery.core.budget import BudgetCaps, PlannedAttempt, ScopeCap, cap_conflicts
 
 ROOT = Path(__file__).resolve().parent.parent

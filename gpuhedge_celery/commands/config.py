@@ -38,7 +38,7 @@ def check(file: str | None, strict: bool) -> None:
     when a worker builds a provider, so unset variables are not reported here.
     """
     from ..cli import EXIT_FAILED, root_config
-    from ..config_budget import cap_warnings
+    from ..config import cap_warnings
 
     if file is not None and not Path(file).is_file():
         raise ConfigError("config file not found", file=file)

@@ -149,7 +149,7 @@ def render(plan: dict[str, Any]) -> str:
 def command(traces: str | None, subset: str, mapping: tuple[str, ...], as_json: bool) -> None:
     """Providers, budget and the policy's worst case; with TRACES, its expected cost."""
     from ..cli import root_config
-    from ..config_budget import cap_warnings, planned_attempts
+    from ..config import cap_warnings, planned_attempts
 
     cfg = root_config()
     pairs = {}

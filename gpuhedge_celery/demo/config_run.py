@@ -209,8 +209,7 @@ def run_config_demo(
 ) -> ConfigDemoReport:
     """Start a coordination worker on the simulated copy of ``config_path``, run ``races``
     races with its policy and caps, and report each one's hedge, winner and loser."""
-    from ..config import load_config
-    from ..config_budget import cap_warnings, planned_attempts
+    from ..config import cap_warnings, load_config, planned_attempts
     from ..settings import redact_url
     from .cleanup import clean_up
     from .run import demo_env, final_receipt
