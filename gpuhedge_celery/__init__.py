@@ -22,6 +22,7 @@ _LAZY = {
     "PooledResult": ("gpuhedge_celery.tasks.pooled_result", "PooledResult"),
     "send_pooled": ("gpuhedge_celery.tasks.pooled_result", "send_pooled"),
     "receipt": ("gpuhedge_celery.race", "receipt"),
+    "cancel_race": ("gpuhedge_celery.tasks.stop", "cancel_race"),
     "load_payload": ("gpuhedge_celery.race", "load_payload"),
 }
 

@@ -7,14 +7,20 @@ but not both, so a hedge is refused; key ``tiny`` cannot afford even a primary.
 
 from __future__ import annotations
 
-import pytest
+import json
+import time
 
+import pytest
+from click.testing import CliRunner
+
+from gpuhedge_celery.cli import cli
 from gpuhedge_celery.core.budget import to_nano
 from gpuhedge_celery.errors import BudgetExceeded, ConfigError, RaceFailed
 from gpuhedge_celery.store.budget import BudgetStore
 from tests.support.budget_config import HEDGED_SIM_CONFIG
 from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from tests.test_flower_events import EventLog
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.brokers]
 
@@ -51,7 +57,7 @@ def test_a_refused_hedge_leaves_the_primary_racing_alone(budget_cluster):
     request = {"sim": {"p": {"queue_s": 1, "run_s": 60}}}
     res = rc.send(request, policy="hedge:p->h@0.1s", budget_key="tenant-a")
     out = res.get(timeout=30)
-    assert out["winner"] == "p" and out["hedged"] is True
+    assert out["winner"] == "p" and out["hedged"] is False and out["budget_refused"] is True
     receipt = rc.receipt(res.id)
     hedge = attempts_by_role(receipt)["hedge"]
     assert hedge["reasons"][0].startswith("budget: refused by max_usd_per_request")
@@ -64,6 +70,62 @@ def test_a_refused_hedge_leaves_the_primary_racing_alone(budget_cluster):
     assert rc.budget.reservation(res.id, "a2") is None
     refusals = [e for _, e in rc.budget.entries() if e["type"] == "refuse" and e["race"] == res.id]
     assert [e["attempt"] for e in refusals] == ["a2"]
+
+
+def test_a_refused_hedge_is_no_hedge_in_the_result_receipt_record_events_and_report(
+    budget_cluster, tmp_path
+):
+    rc = budget_cluster
+    since = time.time()
+    request = {"sim": {"p": {"queue_s": 1, "run_s": 60}}}
+    with EventLog(rc.app) as log:
+        res = rc.send(request, policy="hedge:p->h@0.1s", budget_key="tenant-a")
+        out = res.get(timeout=30)
+        receipt = rc.receipt(res.id)
+        log.wait_for(res.id, {"task-won", "task-succeeded"})
+        time.sleep(0.5)  # a late event would have been gathered and published by now
+        names = [e["type"] for e in log.events if e.get("uuid") == res.id]
+    # the caller's result: primary alone, no hedge, the refusal said
+    assert (out["winner"], out["hedged"], out["budget_refused"]) == ("p", False, True)
+    assert "task-hedge_launched" not in names, names  # nor counted in races_hedged
+    # the receipt: the hedge was never sent, so nothing was cancelled, confirmed or paid
+    assert receipt["hedged"] is False and receipt["budget_refused"] is True
+    assert receipt["leaked"] is False and receipt["wasted_usd"] == 0.0
+    hedge = attempts_by_role(receipt)["hedge"]
+    assert hedge["sent"] is False and hedge["state"] is None
+    assert attempts_by_role(receipt)["primary"]["sent"] is True
+    cancel = hedge["cancel_receipt"]
+    assert cancel["evidence"] == "no_evidence" and cancel["confirmed_terminal"] is False
+    assert cancel["terminal_status"] is None and cancel["cancel_sent_ms"] is None
+    assert cancel["leaked"] is False and cancel["estimated_cost_usd"] == 0.0
+    assert cancel["note"].startswith("not sent: budget: refused by max_usd_per_request: $0.1 cap")
+    # the receipt command: JSON as stored, and its text
+    base = ["--redis-url", rc.redis_url, "--prefix", rc.prefix]
+    shown = CliRunner().invoke(cli, [*base, "receipt", res.id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["attempts"] == receipt["attempts"]
+    text = CliRunner().invoke(cli, [*base, "receipt", res.id]).output
+    flags = next(line for line in text.splitlines() if line.startswith("flags"))
+    assert "budget_refused" in flags and "hedged" not in flags
+    (hedge_line,) = [line for line in text.splitlines() if " hedge " in line]
+    assert "not sent" in hedge_line and "FAILED" not in hedge_line
+    assert "     not sent: budget: refused by max_usd_per_request: $0.1 cap" in text
+    assert "confirmed_terminal" not in text  # the primary won; the hedge had nothing to cancel
+    # the record, in the stream and exported; report's hedge rate over it
+    (record,) = [r for _, r in rc.store.records.read(int(since * 1000)) if r["race_id"] == res.id]
+    assert record["hedged"] is False and record["budget_refused"] is True
+    roles = {a["role"]: a for a in record["attempts"]}
+    assert roles["hedge"]["sent"] is False and roles["hedge"]["usd"] == 0.0
+    assert "sent" not in roles["primary"] and record["cancels"] == []
+    exported = tmp_path / "records.jsonl"
+    dump = CliRunner().invoke(cli, [*base, "records", "export", "--since", str(since)])
+    assert dump.exit_code == 0, dump.output
+    exported.write_text("".join(line + "\n" for line in dump.stdout.splitlines()
+                                if json.loads(line)["race_id"] == res.id))  # fmt: skip
+    report = CliRunner().invoke(cli, ["report", str(exported), "--json"])
+    assert report.exit_code == 0, report.output
+    (group,) = json.loads(report.output)["groups"]
+    assert (group["n"], group["hedged"], group["hedge_rate"]) == (1, 0, 0.0)
 
 
 def test_a_refused_primary_fails_the_race_with_reason_budget(budget_cluster):

@@ -55,7 +55,8 @@ def render(receipt: dict[str, Any]) -> str:
     times as simulated provider seconds, as the demo narrates them, and says so.
     """
     scale = float(receipt.get("time_scale") or 1.0)
-    flags = [f for f in ("hedged", "cut_over", "escalated", "leaked") if receipt.get(f)]
+    names = ("hedged", "cut_over", "escalated", "budget_refused", "leaked")
+    flags = [f for f in names if receipt.get(f)]
     lines = [
         f"race      {receipt['race_id']}" + ("" if receipt.get("finished") else "  (in flight)"),
         f"policy    {receipt.get('policy')}"
@@ -68,13 +69,16 @@ def render(receipt: dict[str, Any]) -> str:
         f"{_usd(receipt.get('billed_usd'))}, wasted {_usd(receipt.get('wasted_usd'))}",
         f"created   {_when(receipt.get('created_at'))}",
         f"finished  {_when(receipt.get('finished_at'))}",
-        "",
-        "attempts:",
     ]
+    if receipt.get("stopped_by"):
+        lines.append(f"stopped   {_when(receipt.get('stopped_at'))} by {receipt['stopped_by']}")
+    lines += ["", "attempts:"]
     for a in receipt.get("attempts", []):
-        valid = {True: "valid", False: "invalid", None: "-"}[a.get("valid")]
+        unsent = a.get("sent") is False  # never reached its provider: no job, no cancel
+        valid = "-" if unsent else {True: "valid", False: "invalid", None: "-"}[a.get("valid")]
+        state = "not sent" if unsent else a.get("state") or "-"
         lines.append(
-            f"  {a['id']} {a['role']:<8} {a['provider']:<14} {a.get('state') or '-':<11} "
+            f"  {a['id']} {a['role']:<8} {a['provider']:<14} {state:<11} "
             f"{valid:<7} job {a.get('job_id') or '-'}"
         )
         if scale == 1.0:
@@ -83,6 +87,9 @@ def render(receipt: dict[str, Any]) -> str:
         else:
             steps = ", ".join(f"{t / scale:.1f}s {label}" for t, label in a.get("timeline", []))
             lines.append(f"     timeline (simulated s): {steps}")
+        if unsent:
+            lines.append(f"     not sent: {'; '.join(a.get('reasons') or []) or '-'}")
+            continue
         if a.get("reasons") and a.get("valid") is False:
             lines.append(f"     reasons: {'; '.join(a['reasons'])}")
         c = a.get("cancel_receipt")

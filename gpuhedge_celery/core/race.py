@@ -19,6 +19,8 @@ Rules enforced here for every policy:
 * with a ``deadline_s``, a race still without a winner that long after its start gives up: the
   caller is failed at once (:class:`GiveUp`), every live job is cancelled, and no result can win
   any more (the race finishes, without a winner, once its attempts are settled).
+* a stop (``StopRequested``) gives up the same way at once, and records who stopped the race
+  and when; a stop of a race already won, given up or stopped changes nothing.
 * an attempt the budget refused (``SubmitFailed(refused=True)``) was never submitted: a refused
   primary stops the race from launching anything more, a refused hedge or fallback leaves the
   other attempts racing.
@@ -49,6 +51,7 @@ from .race_events import (
     ScheduleTimer,
     Start,
     StatusObserved,
+    StopRequested,
     SubmitFailed,
     TimerDue,
 )
@@ -79,6 +82,8 @@ class Race(CancelRules):
         self.policy = policy
         self.deadline_s = deadline_s
         self.gave_up = False  # the deadline passed without a winner: nothing can win now
+        self.stopped_by: str | None = None  # who stopped the race (then gave_up is set too)
+        self.stopped_at: float | None = None  # clock reading when it was stopped
         self.clock = clock
         self.race_id = race_id
         self.max_live = max_live
@@ -111,6 +116,8 @@ class Race(CancelRules):
             raise ValueError(f"race {self.race_id!r} got {event.kind} before start")
         elif isinstance(event, TimerDue):
             self._on_timer(event)
+        elif isinstance(event, StopRequested):
+            self._on_stop(event)
         else:
             attempt = self._attempt(getattr(event, "attempt_id", ""))
             if attempt is None:
@@ -214,6 +221,13 @@ class Race(CancelRules):
         elif self.winner is None and not self.gave_up:
             self.policy.on_timer(self, event.key)
 
+    def _on_stop(self, event: StopRequested) -> None:
+        if self.winner is not None or self.gave_up:
+            return  # won, past its deadline or stopped already: nothing left to stop
+        self.stopped_by = event.by or "unknown"
+        self.stopped_at = self._now
+        self._give_up(f"stopped by {self.stopped_by}", "stopped", "stopped")
+
     def _on_submitted(self, a: Attempt, event: AttemptSubmitted) -> None:
         if a.phase is not Phase.LAUNCHING:
             return
@@ -230,8 +244,14 @@ class Race(CancelRules):
     def _on_submit_failed(self, a: Attempt, event: SubmitFailed) -> None:
         if a.phase is not Phase.LAUNCHING:
             return
-        label = "refused by the budget" if event.refused else "submit_failed"
+        unsent = event.refused or event.unsent
+        label = "submit_failed"
+        if unsent:
+            label = "refused by the budget" if event.refused else "not sent"
         self._end(a, JobState.FAILED, False, [event.error or "submit failed"], label)
+        if unsent:  # no job ever existed: no job state, no cost, not a hedge
+            a.unsent = True
+            a.result_state = a.last_state = None
         if event.refused:
             self.flag(BUDGET_REFUSED)
             if a.role == PRIMARY:  # the race fails: nothing more is launched
@@ -302,20 +322,24 @@ class Race(CancelRules):
         a.result_at = self._rel()
         a.timeline.append([a.result_at, label])
 
-    def _give_up(self) -> None:
-        """The deadline passed without a winner: fail the caller now, stop every job."""
+    def _give_up(
+        self, note: str | None = None, flag: str = "deadline_passed", reason: str = "deadline"
+    ) -> None:
+        """The deadline passed (or a stop came) without a winner: fail the caller now, stop
+        every job with ``reason``."""
         if self.winner is not None or self.gave_up:
             return
         self.gave_up = True
-        self.flag("deadline_passed")
+        self.flag(flag)
         self.timers.clear()
         self.waiting.clear()
-        note = f"no valid result within the race's deadline ({self.deadline_s:g} s)"
+        if note is None:
+            note = f"no valid result within the race's deadline ({self.deadline_s:g} s)"
         self.note = note
         self._out.append(GiveUp(note))
         for a in self.attempts:
             if a.phase in (Phase.LAUNCHING, Phase.RUNNING):
-                self._send_cancel(a, "deadline")
+                self._send_cancel(a, reason)
 
     def _declare(self, a: Attempt) -> None:
         self.winner = a.id
@@ -374,6 +398,10 @@ class Race(CancelRules):
         if self.deadline_s is not None:  # only races with a deadline carry its fields
             data["deadline_s"] = self.deadline_s
             data["gave_up"] = self.gave_up
+        if self.stopped_by is not None:  # only stopped races carry who stopped them
+            data["gave_up"] = self.gave_up
+            data["stopped_by"] = self.stopped_by
+            data["stopped_at"] = self.stopped_at
         return data
 
     @classmethod
@@ -387,6 +415,8 @@ class Race(CancelRules):
             deadline_s=data.get("deadline_s"),
         )
         race.gave_up = bool(data.get("gave_up"))
+        race.stopped_by = data.get("stopped_by")
+        race.stopped_at = data.get("stopped_at")
         race.started_at = data.get("started_at")
         race.attempts = [Attempt.from_dict(a) for a in data.get("attempts", [])]
         race.timers = {k: float(v) for k, v in (data.get("timers") or {}).items()}

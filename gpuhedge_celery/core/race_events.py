@@ -85,6 +85,8 @@ class SubmitFailed(Event):
     ``refused``: the budget refused the attempt's reservation; nothing was submitted. A
     refused primary ends the race (nothing more is launched); a refused hedge or fallback
     leaves the race going without it.
+    ``unsent``: nothing reached the provider for another reason (the race no longer needed
+    the attempt); like a refused one, the attempt is not counted as sent (not a hedge).
     """
 
     kind: ClassVar[str] = "submit_failed"
@@ -92,6 +94,7 @@ class SubmitFailed(Event):
     error: str = ""
     outcome_unknown: bool = False
     refused: bool = False
+    unsent: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,16 @@ class CancelFailed(Event):
     error: str = ""
 
 
+@dataclass(frozen=True)
+class StopRequested(Event):
+    """Someone stopped the race (``by``: ``cli``, ``revoke`` or a caller's own word): like a
+    passed deadline, the caller is failed, every live job is cancelled and nothing can win.
+    A stop of a race already won, given up or stopped changes nothing."""
+
+    kind: ClassVar[str] = "stop_requested"
+    by: str = ""
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -154,6 +167,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         CancelAcknowledged,
         CancelConfirmed,
         CancelFailed,
+        StopRequested,
     )
 }
 
@@ -237,7 +251,8 @@ class DeclareWinner(Action):
 
 @dataclass(frozen=True)
 class GiveUp(Action):
-    """The race's deadline passed without a winner: fail the caller now (jobs are cancelled)."""
+    """The race's deadline passed (or it was stopped) without a winner: fail the caller now
+    (jobs are cancelled)."""
 
     kind: ClassVar[str] = "give_up"
     note: str
@@ -284,6 +299,7 @@ __all__ = [
     "ScheduleTimer",
     "Start",
     "StatusObserved",
+    "StopRequested",
     "SubmitFailed",
     "TimerDue",
     "action_from_dict",

@@ -147,7 +147,7 @@ class AttemptWork(CancelWork, WatchWork):
             return
         record, race, a, known = found
         if known is None and (race.finished or race.has_winner or a.cancel_requested):
-            self._submit_failed(race_id, attempt_id, NOT_NEEDED, drop)
+            self._submit_failed(race_id, attempt_id, NOT_NEEDED, drop, unsent=True)
             return
         intent, request = (claimed.intent, claimed.request) if claimed else (None, None)
         if claimed is not None and claimed.budget is not None and not claimed.budget.result.granted:
@@ -237,7 +237,7 @@ class AttemptWork(CancelWork, WatchWork):
         # (a race created before the request had its own key still carries it inline)
         request = request if request is not None else state.get("request")
         if request is None:  # never submit a request we no longer have as something else
-            self._submit_failed(race_id, a.id, NO_REQUEST, drop)
+            self._submit_failed(race_id, a.id, NO_REQUEST, drop, unsent=True)
             return None
         provider = self.providers(a.provider)
         try:
@@ -271,11 +271,12 @@ class AttemptWork(CancelWork, WatchWork):
 
     def _submit_failed(
         self, race_id: str, attempt_id: str, reason: str, drop: BackstopDrop,
-        unknown: bool = False,
+        unknown: bool = False, unsent: bool = False,
     ) -> None:  # fmt: skip
-        """Report that the attempt was not submitted (``unknown``: a job may exist), dropping
-        the launch's backstop in the same round trip."""
-        self.step(race_id, SubmitFailed(attempt_id, reason, unknown), None, drop.queue)
+        """Report that the attempt was not submitted (``unknown``: a job may exist; ``unsent``:
+        nothing reached the provider), dropping the launch's backstop in the same round trip."""
+        failed = SubmitFailed(attempt_id, reason, unknown, unsent=unsent)
+        self.step(race_id, failed, None, drop.queue)
         drop.now()
 
     def _first_submit(

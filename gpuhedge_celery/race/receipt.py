@@ -2,7 +2,7 @@
 
 * :func:`winner_result` is the Celery result of ``hedged_infer``, built the moment a winner is
   declared: winner provider, payload (or ``payload_ref`` for payloads over the inline limit),
-  end-to-end ms, whether it hedged, and the race id.
+  end-to-end ms, whether it hedged (and whether the budget refused an attempt), and the race id.
 * :func:`assemble_receipt` is the full audit written once every attempt is settled: every
   attempt with its state timeline, provider metrics and job handle, every loser's cancel
   receipt, cost ($ active, billed, wasted) and leaks.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..core.attempts import hedged
 from ..core.outcome import race_outcome
 from ..core.race import BUDGET_REFUSED, Race
 from ..core.records import build_record, record_tags
@@ -76,7 +77,8 @@ def winner_result(
         "attempt": won.id,
         "role": won.role,
         "policy": race.policy.name,
-        "hedged": any(a.role != "primary" for a in race.attempts),
+        "hedged": hedged(race.attempts),  # a second job was sent, not merely launched
+        "budget_refused": BUDGET_REFUSED in race.flags,
         # from the race's start to its winning result being known (the same on every re-mark)
         "e2e_ms": None if won.result_at is None else round(won.result_at * 1000.0, 3),
         "latency_ms": None if latency is None else round(latency * 1000.0, 3),
@@ -166,6 +168,9 @@ def assemble_receipt(
             "time_scale": spec.time_scale,
             "budget_key": spec.budget_key,
             "failure_reason": _failure_reason(race),
+            # who stopped the race (``cli``, ``revoke`` or a caller's word) and when (epoch s)
+            "stopped_by": race.stopped_by,
+            "stopped_at": race.stopped_at,
             "latency_ms": None if outcome["latency_s"] is None else outcome["latency_s"] * 1000.0,
         }
     )
@@ -190,7 +195,10 @@ def race_record(
 
 
 def _failure_reason(race: Race) -> str | None:
-    """Why a finished race has no winner: ``budget`` when the budget refused an attempt."""
+    """Why a finished race has no winner: ``budget`` when the budget refused an attempt;
+    ``stopped`` for a stopped race, from the stop on (its caller is failed then)."""
+    if race.winner is None and race.stopped_by is not None:
+        return "stopped"
     if race.winner is not None or not race.finished:
         return None
     return "budget" if BUDGET_REFUSED in race.flags else "no_valid_result"

@@ -160,7 +160,10 @@ class CeleryEffects:
 
     def _succeeded(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         """After the result is stored: Flower's task-succeeded, then links and the chain."""
-        self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": 0.0})
+        # Flower's "Runtime": the race's, from its start to the winning result (hedged_infer
+        # itself returns at once, so Celery's own runtime would be about 0)
+        runtime_s = (result.get("e2e_ms") or 0.0) / 1000.0
+        self.send(race_id, "task-succeeded", {"result": _short(result), "runtime": runtime_s})
         _continue(race_id, result, caller)
 
     def _to_store(self, backend: Any, race_id: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -176,15 +179,22 @@ class CeleryEffects:
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
     ) -> None:
         backend = _app().backend
-        if backend.get_task_meta(race_id).get("status") == "FAILURE":
+        status = backend.get_task_meta(race_id).get("status")
+        if status == "FAILURE":
             return  # a resumed race re-finishes: error links must not run twice
+        if status == "REVOKED":
+            return  # AsyncResult.revoke() stopped it: the caller already has Celery's answer
         reason = receipt.get("failure_reason") or "no_valid_result"
         # its args rebuild it (Celery does cls(*args)): the full message, receipt and reason
         error = (BudgetExceeded if reason == "budget" else RaceFailed)(message, receipt, reason)
         # Given the caller's request, Celery's backend does what its tracer does for any failed
         # task: the rest of a chain is marked failed and the error links (link_error) run.
         backend.mark_as_failure(race_id, error, request=_request(race_id, caller))
-        self.send(race_id, "task-failed", {"exception": str(error), "traceback": ""})
+        # Celery's task-failed has no runtime; Flower shows this one: the race's, to its end
+        created = receipt.get("created_at")
+        runtime_s = None if created is None else max(0.0, time.time() - float(created))
+        self.send(race_id, "task-failed",
+                  {"exception": str(error), "traceback": "", "runtime": runtime_s})  # fmt: skip
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
         self.send(race_id, f"task-{name}", fields)
@@ -354,6 +364,7 @@ class RaceRuntime:
         )  # fmt: skip
         self.service: TimerService | None = None
         self.watch_batch: WatchBatch | None = None  # GPUHEDGE_COORD_LOOP=batched
+        self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started
 
     def provider(self, name: str) -> Provider:
         """The provider called ``name`` in this process's config (built once)."""
@@ -378,6 +389,16 @@ class RaceRuntime:
                     batch_handler=self._batch_handler(),
                 ).start()
             return self.service
+
+    def start_revoke_watch(self) -> Any:
+        """Start this process's watch of Celery's revoked ids, which stops revoked races
+        (once)."""
+        from .revokes import RevokeWatch, stop_revoked
+
+        with self._lock:
+            if self.revokes is None:
+                self.revokes = RevokeWatch(lambda ids: stop_revoked(self.driver, ids)).start()
+            return self.revokes
 
     def _batch_handler(self) -> Any:
         """The batched watch loop's handler (``GPUHEDGE_COORD_LOOP=batched``), else None."""

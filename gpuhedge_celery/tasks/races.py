@@ -18,7 +18,10 @@ worker.
   redelivery), or cancel it through the provider's native API (races cancel their losers on the
   deciding process's cancel threads, with a durable backstop timer; the task is for operators).
   Arguments name race, attempt and provider, so Flower's task list shows who is doing what.
-* ``gpuhedge.race_step`` (queue ``gpuhedge.coord``): apply one serialised engine event.
+* ``gpuhedge.race_step`` (queue ``gpuhedge.coord``): apply one serialised engine event; a stop
+  (``StopRequested``, sent by ``cancel_race`` / ``RaceResult.stop()`` / ``gpuhedge-celery
+  cancel``: ``tasks/stop.py``) enters a race this way. ``revoke()`` on a ``hedged_infer``
+  result stops its race too (``tasks/revokes.py``).
 
 All tasks are ``acks_late`` + ``reject_on_worker_lost``: a killed worker's message is
 redelivered, and every task is idempotent.
@@ -33,8 +36,9 @@ from typing import Any
 
 from celery import Task, signals
 from celery.utils.saferepr import saferepr
+from celery.worker import state as worker_state
 
-from ..core.race_events import event_from_dict
+from ..core.race_events import StopRequested, event_from_dict
 from ..errors import ConfigError, StoreError
 from ..race.spec import build_spec, check_request
 from ..store.outage import through_outage
@@ -52,6 +56,8 @@ from .race_runtime import (  # the runtime's names are re-exported: see __all__
     runtime,
 )
 from .result import RaceResult
+from .revokes import BY as REVOKED_BY
+from .sending import broker_errors
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +132,18 @@ class RaceTask(Task):
         kwargs.setdefault("backend", self.app.backend)
         return RaceResult(task_id, task_name=self.name, app=self.app, **kwargs)
 
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    **options: Any) -> Any:  # fmt: skip
+        """Celery's, after the request's own check (a JSON object within
+        ``GPUHEDGE_REQUEST_MAX_BYTES``: refused here, before it crosses the broker; the worker
+        checks again), with an unreachable broker as ``StoreUnavailable``."""
+        if args:
+            check_request(tuple(args)[0], race_settings().request_max_bytes)
+        elif kwargs and "request" in kwargs:
+            check_request(kwargs["request"], race_settings().request_max_bytes)
+        with broker_errors(self.app):
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+
     @property
     def backend(self) -> Any:  # type: ignore[override]
         return _DeferringBackend(self.app.backend)
@@ -161,7 +179,9 @@ _RETRY_STORE: dict[str, Any] = {
 }
 
 
-@app.task(bind=True, base=RaceTask, name=TASK_HEDGED_INFER, **_TASK_OPTIONS)
+# a caller's bad arguments: one WARNING line on the worker, no traceback (tasks/signals.py)
+@app.task(bind=True, base=RaceTask, name=TASK_HEDGED_INFER, throws=(ConfigError,),
+          **_TASK_OPTIONS)  # fmt: skip
 def hedged_infer(
     self: Task,
     request: Any,
@@ -204,6 +224,8 @@ def hedged_infer(
             race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline
         ),
     )  # fmt: skip
+    if race_id in worker_state.revoked:  # revoked while it was being created: stop it now
+        rt.driver.step(race_id, StopRequested(REVOKED_BY))
     # The race runs the links and the rest of the chain with the winner's result, or the
     # error links and the chain's failure when it has none (see CeleryEffects.won/failed);
     # Celery's tracer must not run them now with the marker. (If create raised, it still does
@@ -271,6 +293,7 @@ def _start_race_timers(sender: Any = None, **_: Any) -> None:
         # keep it out of the collector's full passes, which otherwise pause every thread.
         gc.freeze()
         runtime().start_timers()
+        runtime().start_revoke_watch()  # AsyncResult.revoke() stops a race (tasks/revokes.py)
     except Exception as e:  # a worker without timers still serves tasks; say why loudly
         log.error("race timers not started in this worker: %s", e)
 
@@ -280,5 +303,7 @@ def _stop_race_timers(**_: Any) -> None:
     rt = current_runtime()
     if rt is not None and rt.service is not None:
         rt.service.stop()
+    if rt is not None and rt.revokes is not None:
+        rt.revokes.stop()
     if rt is not None:
         rt.effects.close()

@@ -71,6 +71,22 @@ class RaceResult(AsyncResult):
 
         return self._inline(get_in_slices(fetch, timeout, RECHECK_S, self._check_deadline))
 
+    def stop(self, by: str = "caller", wait_s: float = 10.0) -> Any:
+        """Stop this race (see :func:`gpuhedge_celery.cancel_race`): ``.get()`` raises
+        ``RaceFailed`` (reason ``stopped``), its jobs are cancelled, nothing launches any more.
+        A race not created yet (its task still queued) is revoked instead, so it never starts
+        (outcome ``revoked``). Returns the :class:`~gpuhedge_celery.race.stop.StopAnswer`."""
+        from ..race.stop import REVOKED, UNKNOWN, StopAnswer
+        from .stop import cancel_race
+
+        answer = cancel_race(self.id, by, wait_s=wait_s, app=self.app)
+        if answer.outcome != UNKNOWN:
+            return answer
+        # Queued still: a revoked message never runs, and a worker creating the race right
+        # now stops it once created (tasks/revokes.py).
+        self.revoke()
+        return StopAnswer(self.id, REVOKED, "revoke")
+
     def _inline(self, result: Any) -> Any:
         """The payload inline, whatever result backend this app has: workers store a race's
         payload once and put a reference in the Celery result, which gpuhedge's own backend
