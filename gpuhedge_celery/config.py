@@ -12,7 +12,6 @@ this process does not need still loads. See docs/configuration.md for every key.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,9 @@ import yaml
 from .config_budget import parse_budget
 from .core.budget import BudgetCaps, CapConflict, PlannedAttempt, cap_conflicts
 from .errors import ConfigError
+from .plugins import dry as plugins_dry
+from .plugins import load as load_plugins
+from .plugins import loaded as plugin_loaded
 from .providers.options import Block
 from .providers.provider_config import ROLES, ProviderConfig
 from .providers.registry import build_provider, parse_provider, parse_provider_entry
@@ -89,6 +91,7 @@ class GpuHedgeConfig:
     budget: BudgetCaps = BudgetCaps()
     validator: ValidatorConfig = ValidatorConfig()
     time_scale: float = 1.0
+    plugins: tuple[str, ...] = ()  # modules the file lists under plugins: (gpuhedge_celery.plugins)
 
     @property
     def budget_usd_per_request(self) -> float | None:
@@ -145,6 +148,9 @@ class GpuHedgeConfig:
         if spec.split(":", 1)[0] in registered_policies() and ":" in spec:
             return parse_policy(spec)
         cls = _policy_class(spec, None)
+        if cls is None:
+            raise ConfigError(f"policy {spec!r} is a plugin's, not imported by config check",
+                              key="policy")  # fmt: skip
         params = self.policy.params if spec == self.policy.name else {}
         args: dict[str, Any] = {}
         for arg, parameter in _policy_args(cls).items():
@@ -244,6 +250,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     """Validate an already-parsed mapping (the YAML document) into a :class:`GpuHedgeConfig`."""
     root = Block(data, "", source)
     time_scale = root.number("time_scale", 1.0, positive=True)
+    _load_plugins(root)
     providers_block = root.mapping("providers")
     providers: dict[str, ProviderConfig] = {}
     for name in providers_block.data:
@@ -286,6 +293,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
         source=source,
         providers=providers,
         policy=policy,
+        plugins=tuple(root.raw("plugins", None) or ()),
         slo_deadlines_s=tuple(float(d) for d in deadlines),
         attempt_cap_s=attempt_cap_s,
         race_deadline_s=race_deadline_s,
@@ -295,18 +303,39 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     )
 
 
-def _policy_class(name: str, block: Block | None) -> type[Policy]:
-    """The registered policy class for ``name`` (``kind`` or ``package.module:kind``)."""
+def _load_plugins(root: Block) -> None:
+    """Import the modules the file names (``plugins:``, and the module of a ``module:Name``
+    policy or adapter) before anything resolves: the file is trusted, a message is not."""
+    listed = root.raw("plugins", None)
+    if listed is not None and not (
+        isinstance(listed, list) and all(isinstance(m, str) for m in listed)
+    ):
+        raise root.error("plugins", f"expected a list of module paths, got {listed!r}")
+    load_plugins(listed or [], key="plugins", file=root.file)
+    policy = root.data.get("policy") if isinstance(root.data, Mapping) else None
+    name = policy.get("name") if isinstance(policy, Mapping) else None
+    if isinstance(name, str) and ":" in name:
+        load_plugins([name.partition(":")[0]], key="policy.name", file=root.file,
+                     what="policy module")  # fmt: skip
+
+
+def _policy_class(name: str, block: Block | None) -> type[Policy] | None:
+    """The registered policy class for ``name`` (``kind`` or ``package.module:kind``).
+
+    Nothing is imported here: a ``module:kind`` resolves only when a trusted source had the
+    module imported (:mod:`.plugins`), so a policy name in a task message runs no code. None
+    under ``config check`` for a plugin's kind, which is listed there but not imported."""
     from .core.policies import registered_policies
 
     kind = name
-    if ":" in name:  # a module that registers the kind when imported
+    if ":" in name:
         module, _, kind = name.partition(":")
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            message = f"cannot import policy module {module!r}: {e}"
-            raise (block.error("name", message) if block else ConfigError(message)) from None
+        if not plugin_loaded(module):
+            if plugins_dry():
+                return None
+            message = (f"policy module {module!r} is not a plugin of this deployment (list it "
+                       "under plugins: in the config or in GPUHEDGE_PLUGINS)")  # fmt: skip
+            raise block.error("name", message) if block else ConfigError(message, key="policy")
     cls = registered_policies().get(kind)
     if cls is None:
         known = ", ".join(sorted(registered_policies()))
@@ -324,6 +353,9 @@ def _parse_policy(block: Block, providers: Mapping[str, ProviderConfig]) -> Poli
     has_hedge = any(p.role == "hedge" and p.deployed for p in providers.values())
     name = block.string("name", "fixed" if has_hedge or not providers else "single")
     cls = _policy_class(name, block)
+    if cls is None:  # a plugin's kind under config check: its parameters are not checked
+        params_block = block.mapping("params")
+        return PolicyConfig(name=name, params=dict(params_block.data))
     allowed = _policy_args(cls)
     params_block = block.mapping("params")
     params: dict[str, Any] = {}

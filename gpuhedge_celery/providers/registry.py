@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import plugins
 from ..errors import ConfigError
 from .base import Provider
 from .options import Block
@@ -50,8 +51,12 @@ def known_adapters() -> list[str]:
     return sorted(_ADAPTERS)
 
 
-def _import(path: str, key: str | None, file: str | None) -> type[Provider]:
+def _import(path: str, key: str | None, file: str | None) -> type[Provider] | None:
+    """The class a ``module:Class`` path names; None under ``config check`` for a module that
+    is not the package's own (plugin code is not run there: :mod:`..plugins`)."""
     module_name, _, attr = path.partition(":")
+    if plugins.dry() and not module_name.startswith("gpuhedge_celery."):
+        return None
     try:
         target = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -61,8 +66,11 @@ def _import(path: str, key: str | None, file: str | None) -> type[Provider]:
     return target
 
 
-def adapter_class(name: str, *, key: str | None = None, file: str | None = None) -> type[Provider]:
-    """The Provider class for adapter ``name`` (a registered name or ``"module:Class"``)."""
+def adapter_class(
+    name: str, *, key: str | None = None, file: str | None = None
+) -> type[Provider] | None:
+    """The Provider class for adapter ``name`` (a registered name or ``"module:Class"``; None
+    for a plugin's class under ``config check``)."""
     target = _ADAPTERS.get(name)
     if target is None:
         if ":" in name:
@@ -74,8 +82,10 @@ def adapter_class(name: str, *, key: str | None = None, file: str | None = None)
             key=key,
         )
     if isinstance(target, str):
-        target = _import(target, key, file)
-        _ADAPTERS[name] = target
+        found = _import(target, key, file)
+        if found is None:
+            return None
+        _ADAPTERS[name] = target = found
     return target
 
 
@@ -99,7 +109,8 @@ def parse_provider_entry(parent: Block, name: str, time_scale: float) -> Provide
     # the adapter's own block sits under its type name (or `options` for a module:Class)
     block_key = adapter if block.has(adapter) or ":" not in adapter else "options"
     adapter_block = block.mapping(block_key)
-    spec = cls.parse_options(adapter_block, time_scale=time_scale)
+    # a plugin's adapter under config check: its own block is not checked (no plugin code runs)
+    spec = cls.parse_options(adapter_block, time_scale=time_scale) if cls is not None else None
     timeout_s = block.number("timeout_s", None, positive=True)
     config = ProviderConfig(
         name=name,
@@ -128,4 +139,7 @@ def build_provider(name: str, cfg: ProviderConfig | Mapping[str, Any], **kwargs:
     elif cfg.name != name:
         cfg = cfg.renamed(name)
     cls = adapter_class(cfg.adapter, key=f"providers.{name}.adapter", file=cfg.source)
+    if cls is None:
+        raise ConfigError(f"adapter {cfg.adapter!r} is a plugin's, not imported by config check",
+                          file=cfg.source, key=f"providers.{name}.adapter")  # fmt: skip
     return cls.from_config(cfg, **kwargs)

@@ -89,7 +89,6 @@ Values are mirrored into the Celery configuration as ``gpuhedge_race_<name>``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Mapping
@@ -170,13 +169,9 @@ class RaceSettings:
 
     def import_plugins(self) -> None:
         """Import every plugin module (each registers its policies/validators on import)."""
-        for module in self.plugins:
-            try:
-                importlib.import_module(module)
-            except ImportError as e:
-                raise ConfigError(
-                    f"cannot import plugin {module!r}: {e}", key="GPUHEDGE_PLUGINS"
-                ) from None
+        from ..plugins import load
+
+        load(self.plugins, key="GPUHEDGE_PLUGINS")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RaceSettings:
