@@ -203,3 +203,39 @@ def test_flower_runtime_is_the_races_duration(events_cluster):
     state, _ = states_of(mine, won.id)
     assert state.tasks[won.id].runtime == succeeded["runtime"]  # what Flower's list shows
     assert state.tasks[lost.id].runtime == failed["runtime"]
+
+
+def test_task_events_show_a_requests_size_and_digest_not_its_content(events_cluster):
+    rc = events_cluster
+    private = {**HEDGE_RESCUE, "patient": {"ssn": "123-45-6789", "name": "Ada Example"}}
+    with EventLog(rc.app) as log:
+        res = rc.send(private)
+        assert res.get(timeout=20)["winner"] == "h"
+        log.wait_for(res.id, {"task-received", "task-succeeded"})
+        everything = list(log.events)
+    text = repr(everything)
+    assert "123-45-6789" not in text and "Ada Example" not in text
+    received = next(e for e in everything if e.get("uuid") == res.id
+                    and e["type"] == "task-received")  # fmt: skip
+    assert received["args"].startswith("(<request: ") and "sha256" in received["args"]
+
+
+def test_published_and_received_reprs_of_a_request_carrying_task_are_summaries():
+    from types import SimpleNamespace
+
+    from gpuhedge_celery.tasks import redaction
+    from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
+
+    request = {"ssn": "123-45-6789"}
+    headers = {"argsrepr": repr((request,)), "kwargsrepr": repr({"pool": "p"})}
+    redaction._redact_published(  # noqa: SLF001
+        sender=TASK_POOLED_INFER, body=((request,), {"pool": "p"}, {}), headers=headers
+    )
+    assert "123-45-6789" not in repr(headers) and "'pool': 'p'" in headers["kwargsrepr"]
+    received = SimpleNamespace(name=TASK_POOLED_INFER, args=(), kwargs={"request": request},
+                               _argsrepr="", _kwargsrepr=repr({"request": request}))  # fmt: skip
+    redaction._redact_received(request=received)  # noqa: SLF001
+    assert "123-45-6789" not in received._kwargsrepr and "sha256" in received._kwargsrepr  # noqa: SLF001
+    other = {"argsrepr": "('r1', 'a1')"}
+    redaction._redact_published(sender="gpuhedge.race_step", body=(("r1",), {}, {}), headers=other)  # noqa: SLF001
+    assert other == {"argsrepr": "('r1', 'a1')"}  # tasks without a request keep their reprs

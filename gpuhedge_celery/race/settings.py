@@ -78,6 +78,10 @@ GPUHEDGE_SWITCH_INTERVAL_MS        1           the coordination worker's thread 
 GPUHEDGE_PLUGINS                   ""          comma-separated modules every worker imports
                                                at start (custom policies, validators,
                                                provider adapters register themselves there)
+GPUHEDGE_EVENTS_SHOW_REQUEST       0           1: task events and message headers show a
+                                               caller's request as Celery would (its repr);
+                                               0: only its size and digest (Flower shows
+                                               events to whoever reaches it)
 GPUHEDGE_RECORDS_MAXLEN            100000      finished races' records kept in the record
                                                stream (``XADD MAXLEN ~``: about this many,
                                                oldest dropped first; docs/records.md); 0:
@@ -162,6 +166,7 @@ class RaceSettings:
     switch_interval_ms: float = 1.0
     plugins: tuple[str, ...] = field(default_factory=tuple)
     records_maxlen: int = 100_000
+    events_show_request: bool = False
 
     def as_celery_conf(self) -> dict[str, object]:
         """The values as ``gpuhedge_race_*`` Celery settings (visible in ``inspect conf``)."""
@@ -212,4 +217,5 @@ class RaceSettings:
             switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),
             plugins=plugins,
             records_maxlen=_maxlen(env, "GPUHEDGE_RECORDS_MAXLEN", 100_000),
+            events_show_request=env_flag(env, "GPUHEDGE_EVENTS_SHOW_REQUEST", False),
         )

@@ -19,6 +19,7 @@ Every problem is a one-line :class:`~gpuhedge_celery.errors.ConfigError` naming 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Mapping
@@ -88,6 +89,16 @@ def check_request(request: Any, max_bytes: int | None = None) -> dict[str, Any]:
             key="request",
         )
     return request
+
+
+def request_summary(request: Any) -> str:
+    """What task events and logs show of a caller's request: its size and digest as compact
+    JSON, never its content."""
+    try:
+        data = codec.dumps(request).encode()
+    except (TypeError, ValueError, RecursionError):
+        return f"<request: {type(request).__name__}, not JSON>"
+    return f"<request: {len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}>"
 
 
 def _check_providers(cfg: GpuHedgeConfig, names: Any) -> list[str]:

@@ -58,6 +58,7 @@ TASK_MODULES = [
     "gpuhedge_celery.tasks.reconcile",
     "gpuhedge_celery.tasks.control",
     "gpuhedge_celery.tasks.signals",
+    "gpuhedge_celery.tasks.redaction",
     "gpuhedge_celery.tasks.cancel",
     "gpuhedge_celery.tasks.metrics",
 ]

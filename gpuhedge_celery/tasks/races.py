@@ -55,6 +55,7 @@ from .race_runtime import (  # the runtime's names are re-exported: see __all__
     race_settings,
     runtime,
 )
+from .redaction import summarised_args
 from .result import RaceResult
 from .revokes import BY as REVOKED_BY
 from .sending import broker_errors
@@ -240,9 +241,10 @@ def _announce(rt: RaceRuntime, task: Task, *args: Any) -> None:
     """Celery's ``task-received``/``task-started`` for Flower (the worker's are off here)."""
     request = task.request
     rt.effects.hostname = rt.effects.hostname or request.hostname
+    shown = saferepr(args[:1]) if rt.settings.events_show_request else summarised_args(args[:1])
     fields = {
         "name": TASK_HEDGED_INFER,
-        "args": saferepr(args[:1]),
+        "args": shown,
         "kwargs": saferepr(dict(zip(("policy", "providers", "validator"), args[1:], strict=True))),
         "root_id": request.root_id,
         "parent_id": request.parent_id,

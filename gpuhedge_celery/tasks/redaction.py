@@ -1,0 +1,64 @@
+"""A caller's request stays out of task events and message headers: its size and digest go in.
+
+Celery puts a ``repr`` of every task's arguments in the message headers (``argsrepr``) and in
+the ``task-received`` event a worker sends (Flower shows it, to anyone who reaches Flower). A
+request may hold anything a user sent (a name, a document, an ID number), so for the tasks that
+carry one (``hedged_infer``, ``pooled_infer``, ``gpu_run``) both show ``<request: N bytes,
+sha256 …>`` instead:
+
+* ``before_task_publish`` (the sending process: a client, a worker dispatching to a GPU)
+  rewrites the headers before the message leaves;
+* ``task_received`` (the worker, before its ``task-received`` event) does the same for a
+  message a foreign app sent by name with Celery's default ``argsrepr``.
+
+``GPUHEDGE_EVENTS_SHOW_REQUEST=1`` keeps Celery's own reprs (a trusted, private Flower).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals
+
+from ..race.spec import request_summary
+from .app import TASK_GPU_RUN, TASK_POOLED_INFER
+from .race_runtime import TASK_HEDGED_INFER, race_settings
+
+REQUEST_TASKS = frozenset({TASK_HEDGED_INFER, TASK_POOLED_INFER, TASK_GPU_RUN})
+
+
+def summarised_args(args: Any) -> str:
+    """``argsrepr`` for a task whose first argument is the request."""
+    args = tuple(args or ())
+    if not args:
+        return "()"
+    rest = "".join(f", {a!r}"[:200] for a in args[1:])
+    return f"({request_summary(args[0])}{rest})"
+
+
+def summarised_kwargs(kwargs: Any) -> str:
+    """``kwargsrepr`` with a ``request`` keyword argument summarised, the rest shown."""
+    shown = {k: (request_summary(v) if k == "request" else v) for k, v in (kwargs or {}).items()}
+    return repr(shown)[:1000]
+
+
+def _redacting() -> bool:
+    return not race_settings().events_show_request
+
+
+@signals.before_task_publish.connect
+def _redact_published(sender: Any = None, body: Any = None, headers: Any = None,
+                      **_: Any) -> None:  # fmt: skip
+    if sender not in REQUEST_TASKS or not isinstance(headers, dict) or not _redacting():
+        return
+    if isinstance(body, (tuple, list)) and len(body) >= 2:  # task protocol 2: (args, kwargs, ..)
+        headers["argsrepr"] = summarised_args(body[0])
+        headers["kwargsrepr"] = summarised_kwargs(body[1])
+
+
+@signals.task_received.connect
+def _redact_received(request: Any = None, **_: Any) -> None:
+    if getattr(request, "name", None) not in REQUEST_TASKS or not _redacting():
+        return
+    request._argsrepr = summarised_args(request.args)  # noqa: SLF001 - read by its event next
+    request._kwargsrepr = summarised_kwargs(request.kwargs)  # noqa: SLF001
