@@ -277,3 +277,13 @@ def test_ledger_repair_rebuilds_the_counters_from_the_ledger(env, capsys, redis_
     assert ledger.totals() == good
     code, out, _ = run(env, capsys, "ledger", "repair")
     assert code == EXIT_OK and out.startswith("ok:")
+
+
+def test_ledger_repair_refuses_a_trimmed_ledger(env, capsys, redis_client):
+    spend_yesterday(env, redis_client, 0.42)
+    ledger = BudgetStore(redis_client, env["prefix"])
+    redis_client.xtrim(ledger.keys.ledger, maxlen=1, approximate=False)  # the reserve is gone
+    before = ledger.totals()
+    code, _, err = run(env, capsys, "ledger", "repair", "--apply")
+    assert code == EXIT_FAILED and "the ledger was trimmed (1 of 2 entries left)" in err
+    assert ledger.totals() == before

@@ -264,6 +264,7 @@ class BudgetStore:
             with store_errors("repairing the budget counters"), self.client.pipeline() as pipe:
                 try:
                     pipe.watch(k.ledger)
+                    self._refuse_if_trimmed()
                     expected = counters_from_ledger(fields for _, fields in self.entries())
                     found = {as_text(f): int(v) for f, v in pipe.hgetall(k.totals).items()}
                     diff = differences(found, expected)
@@ -277,6 +278,23 @@ class BudgetStore:
                 except redis.WatchError:
                     continue
         raise StoreError(f"the ledger kept changing through {attempts} tries: run repair again")
+
+    def _refuse_if_trimmed(self) -> None:
+        """A ledger that lost its oldest entries (``XTRIM``) no longer adds up to the counters:
+        replaying what is left would undercount what was spent and loosen every lifetime cap."""
+        try:
+            info = self.client.xinfo_stream(self.keys.ledger)
+        except Exception as e:  # no stream yet: nothing was ever reserved
+            if "no such key" in str(e).lower():
+                return
+            raise
+        added, length = info.get("entries-added"), info.get("length")
+        if added is None:
+            raise StoreError("this Redis does not say whether the ledger was trimmed (Redis 7 "
+                             "does): the counters cannot be rebuilt from it safely")  # fmt: skip
+        if int(added) != int(length):
+            raise StoreError(f"the ledger was trimmed ({length} of {added} entries left): the "
+                             "counters cannot be rebuilt from it")  # fmt: skip
 
     def add_reconciliation(self, fields: dict[str, Any]) -> str:
         """Append one reconciliation record (``costs``: a provider's figure beside ours)."""
