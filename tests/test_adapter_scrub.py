@@ -27,9 +27,9 @@ def test_the_scrubber_masks_every_secret_longest_first():
 
 def test_runpod_job_error_echoing_the_key_is_scrubbed(runpod):
     p = runpod_provider(runpod)
-    h = JobHandle(provider="rp", job_id="job-1", submitted_at=0.0, extra={"endpoint": "ep1"})
-    body = {"id": "job-1", "status": "FAILED", "error": f"401 from upstream: bad key {RP_KEY}"}
-    result = p.webhook_result(h, body)
+    fate = {"queue_s": 0.0, "run_s": 0.05, "outcome": "FAILED",
+            "error": f"401 from upstream: bad key {RP_KEY}"}  # fmt: skip
+    result = p.result(p.submit({"runpod_fake": {"*": fate}}), cap_s=10)
     assert result.state is JobState.FAILED and RP_KEY not in result.error and MASK in result.error
 
 

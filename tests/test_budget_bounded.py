@@ -12,12 +12,15 @@ import redis
 from gpuhedge_celery.core.attempts import Attempt, Phase
 from gpuhedge_celery.core.budget import BudgetCaps, to_nano
 from gpuhedge_celery.core.clock import VirtualClock
-from gpuhedge_celery.core.jobs import JobHandle
+from gpuhedge_celery.core.jobs import JobHandle, JobState
 from gpuhedge_celery.errors import ProviderProtocolError, StoreError
 from gpuhedge_celery.providers.base import MAX_REPORTED_MS, reported_ms
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.store.scripts import lua_script
+from tests.support.http_provider_server import HttpProviderServer
+from tests.test_http import KEY as HTTP_KEY
+from tests.test_http import make as make_http
 
 # one attempt of provider "p": cap 100 s at $0.001/s plus 20 s idle = $0.12 worst case
 SPEC = {"caps_s": {"p": 100.0}, "rates": {"p": {"rate_per_s": 0.001, "idle_s": 20.0}}}
@@ -125,3 +128,14 @@ def test_a_runpod_webhook_with_an_absurd_execution_time_is_a_protocol_error(runp
     body = {"id": "job-1", "status": "COMPLETED", "executionTime": execution, "output": {}}
     with pytest.raises(ProviderProtocolError, match="executionTime"):
         p.webhook_result(h, body)
+
+
+@pytest.mark.parametrize("reported", [1e12, -5.0])
+def test_an_unbelievable_execution_time_is_never_priced_and_the_result_is_kept(reported):
+    with HttpProviderServer() as server:
+        server.knobs.api_key = HTTP_KEY
+        server.knobs.execution_ms = reported
+        p = make_http(server)
+        result = p.result(p.submit({}), cap_s=10)
+    assert result.state is JobState.COMPLETED and result.payload
+    assert "execution_ms" not in result.metrics and "cost_usd" not in result.metrics

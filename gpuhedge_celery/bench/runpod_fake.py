@@ -19,7 +19,7 @@ and prints ``READY <port>``; :class:`FakeRunpod` starts and drives one. Any endp
 Jobs go ``IN_QUEUE`` -> ``IN_PROGRESS`` -> ``COMPLETED`` (or the ``outcome``) on the server's
 clock, each phase's length drawn from a distribution (a number, ``[low, high]`` uniform, or
 ``{"lognormal": {"median", "sigma"}}``) or forced by the request:
-``{"runpod_fake": {"<ep>" or "*": {"queue_s", "run_s", "outcome", "output"}}}``. A cancel
+``{"runpod_fake": {"<ep>" or "*": {"queue_s", "run_s", "outcome", "output", "error"}}}``. A cancel
 removes a queued job at once (0 ms execution) and stops a running one after ``cancel_stop_s``.
 A terminal job's result expires after ``result_ttl_s`` (404 afterwards, as RunPod's 30 min).
 Requests over ``limits`` per ``window_s`` (sliding, per endpoint and route) get 429 with
@@ -266,6 +266,8 @@ class Fake:
             forced.get("outcome", c["outcome"]), forced.get("output", c["output"]),
         )  # fmt: skip
         job.options = {k: v for k, v in request.items() if k != "input"}
+        if "error" in forced:  # the text a FAILED job reports (a job may echo its input)
+            job.options["_error"] = str(forced["error"])
         self.jobs[job.id] = job
         if isinstance(job.options.get("webhook"), str):
             self.deliverer.schedule(job.submitted + job.queue_s + job.run_s, self._hook(job))
@@ -314,7 +316,7 @@ class Fake:
         if status == "COMPLETED":
             out["output"] = job.output
         elif status in ("FAILED", "TIMED_OUT"):
-            out["error"] = f"job {status.lower()}"
+            out["error"] = job.options.get("_error", f"job {status.lower()}")
         return out
 
     def health(self, ep: str, now: float) -> tuple[int, Any, dict]:

@@ -39,6 +39,15 @@ Sleep = Callable[[float], None]
 MAX_REPORTED_MS = 7 * 24 * 3600 * 1000.0  # longer than any provider lets one job run
 
 
+def believable_ms(value: Any) -> bool:
+    """Whether ``value`` is a duration a provider could have measured: a finite number of ms
+    from 0 to :data:`MAX_REPORTED_MS` (not a bool)."""
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value) and 0 <= value <= MAX_REPORTED_MS
+    )  # fmt: skip
+
+
 def reported_ms(provider: str, where: str, field: str, value: Any) -> float | None:
     """A duration a provider reported, in ms (None when it gave none).
 

@@ -22,6 +22,7 @@ cap, a leaked receipt when the cancel cannot be confirmed).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from ..metrics import record as metrics
 from ..secrets import SECRET_NAME
 from . import account_checks
 from .account import LoginCheck, SpendReport
-from .base import Provider, reported_ms
+from .base import Provider, believable_ms
 from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .httpspec import (
     Endpoint,
@@ -51,6 +52,9 @@ from .options import Block
 
 if TYPE_CHECKING:
     from .provider_config import ProviderConfig
+
+
+log = logging.getLogger(__name__)
 
 
 class HttpProvider(Provider):
@@ -335,9 +339,6 @@ class HttpProvider(Provider):
         ep = self.spec.status
         data = self._call("status", ep, handle=handle, max_wait_s=max_wait_s)
         state = self.spec.map_state(self._field(data, "status", ep, "state", ep.state))
-        execution_ms = self._metrics(data, ep).get("execution_ms") if ep.metrics else None
-        if isinstance(execution_ms, (int, float)):  # checked here: no caller prices a bad figure
-            reported_ms(self.name, f"status {ep.label}", "execution_ms", execution_ms)
         if state is JobState.QUEUED and not self.spec.reports_queue_state:
             state = JobState.IN_PROGRESS
         return state, data
@@ -373,13 +374,12 @@ class HttpProvider(Provider):
                 error = self.scrub(str(get_path(source, source_ep.error)))
             except MissingField:
                 error = None
-        if "execution_ms" in metrics and isinstance(metrics["execution_ms"], (int, float)):
-            try:
-                reported_ms(self.name, f"{op} {source_ep.label}", "execution_ms",
-                            metrics["execution_ms"])  # fmt: skip
-            except ProviderError as e:
-                del metrics["execution_ms"]
-                return self._failed(handle, events, str(e), metrics)
+        if "execution_ms" in metrics and not believable_ms(metrics["execution_ms"]):
+            if isinstance(metrics["execution_ms"], (int, float)):  # a number no job ran: dropped
+                log.warning("provider %r: %s %s: execution_ms %r is not believable; ignored",
+                            self.name, op, source_ep.label, metrics["execution_ms"])  # fmt: skip
+            del metrics["execution_ms"]
+        if "execution_ms" in metrics:
             metrics["cost_usd"] = self.cost_usd(metrics["execution_ms"] / 1000.0)
         return AttemptResult(self.name, handle.job_id, state, wall_ms, payload, metrics,
                              events, error)  # fmt: skip
@@ -402,6 +402,8 @@ class HttpProvider(Provider):
         receipt.confirm_terminal(state, self.now_ms())
         metrics = self._metrics(data, self.spec.status)
         execution_ms = metrics.get("execution_ms")
+        if execution_ms is not None and not believable_ms(execution_ms):
+            execution_ms = None  # a figure no job could have run is never priced
         if isinstance(execution_ms, (int, float)) and not isinstance(execution_ms, bool):
             receipt.execution_ms_before_cancel = float(execution_ms)
             receipt.reconciled_cost_usd = self.cost_usd(execution_ms / 1000.0)

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, RateLimited, SubmitError
 from . import runpod_account
 from .account import LoginCheck, SpendReport
-from .base import Provider, reported_ms
+from .base import Provider, believable_ms, reported_ms
 from .httpspec import MissingField, get_path
 from .options import Block
 from .runpod_api import JobUnknown, RunpodApi
@@ -43,6 +44,8 @@ from .runpod_spec import RunpodSpec
 
 if TYPE_CHECKING:
     from ..config import ProviderConfig
+
+log = logging.getLogger(__name__)
 
 STATES = {
     "IN_QUEUE": JobState.QUEUED,
@@ -107,6 +110,9 @@ class _Health:
                 cls._seen[api.root] = (time.monotonic(), value)
                 cls._busy.discard(api.root)
         return value
+
+
+WEBHOOK_READ_S = 5.0  # how long a delivery's verifying /status read may wait for a token
 
 
 class RunpodProvider(Provider):
@@ -265,25 +271,27 @@ class RunpodProvider(Provider):
             self.sleep(max(0.0, min(wait_until, deadline) - now))
 
     def webhook_result(self, handle: JobHandle, body: Any) -> AttemptResult | None:
-        """A webhook delivery (the ``/status`` body) as the result a poll would have built;
-        None while it shows the job unfinished. Raises ``ProviderProtocolError`` on a body
-        that is not a status."""
+        """A webhook delivery, verified: RunPod does not sign deliveries, so the body only says
+        the job may have ended, and RunPod's own ``/status`` answer (an authenticated read)
+        decides, as a poll would. None while that answer shows the job unfinished (a forged
+        COMPLETED, FAILED or CANCELLED changes nothing). Raises ``ProviderProtocolError`` on a
+        body that is not a status of this job (``id`` must be there and be the job's), and the
+        read's own ``ProviderError`` when RunPod cannot be asked now (the delivery is retried)."""
         self.check_handle(handle)
         where = f"webhook (job {handle.job_id!r})"
         if not isinstance(body, dict) or not isinstance(body.get("status"), str):
             raise ProviderProtocolError(self.name, f"{where}: expected an object with a string "
                                         "'status'")  # fmt: skip
-        if body.get("id") not in (None, handle.job_id):
+        if body.get("id") != handle.job_id:
             other = repr(body.get("id"))[:80]
-            raise ProviderProtocolError(self.name, f"{where}: it names job {other}")
-        state = _state(body)
-        if not state.terminal:
-            return None
+            raise ProviderProtocolError(self.name, f"{where}: it names job {other}, not this one")
         for field in ("delayTime", "executionTime"):
             reported_ms(self.name, where, field, body.get(field))
-        self._terminal.put(handle.job_id, body)  # a later cancel or poll here needs no call
+        state, data = self._status(handle, max_block_s=WEBHOOK_READ_S)
+        if not state.terminal:
+            return None
         event = LifecycleEvent(self.elapsed_ms(handle), state.value.lower(), "webhook")
-        return self._terminal_result(handle, state, body, [event])
+        return self._terminal_result(handle, state, data, [event])
 
     def cancel(self, handle: JobHandle) -> CancelReceipt:
         """``POST /cancel``, then ``/status`` until terminal within ``cancel_confirm_s``."""
@@ -366,7 +374,15 @@ class RunpodProvider(Provider):
             raise ProviderProtocolError(self.name, f"{where}: field 'status' is missing or not "
                                         f"a string: {raw!r}")  # fmt: skip
         for field in ("delayTime", "executionTime"):
-            reported_ms(self.name, where, field, data.get(field))
+            value = data.get(field)
+            if value is None or believable_ms(value):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                reported_ms(self.name, where, field, value)  # not a number: a protocol error
+            # a number no job could have run: never priced, the answer is still read
+            log.warning("provider %r: %s: %s %r ms is not believable; ignored", self.name,
+                        where, field, value)  # fmt: skip
+            data = {k: v for k, v in data.items() if k != field}
         state = STATES.get(raw.strip().upper(), JobState.UNKNOWN)
         if state.terminal:
             self._terminal.put(handle.job_id, data)

@@ -44,6 +44,7 @@ class Knobs:
     run_s: float = 0.1
     final_state: str = "COMPLETED"
     job_error: str = "worker crashed"  # a FAILED job's error text
+    execution_ms: float | None = None  # report this executionTime instead of the real one
     output: Any = field(default_factory=lambda: {"audio_base64": GOOD_AUDIO})
     job_id_template: str = "job-{n}"
     submit_errors: int = 0  # the next N submits answer HTTP 500
@@ -189,7 +190,7 @@ class HttpProviderServer:
             "id": job_id,
             "status": k.state_override or status,
             "delayTime": round(delay),
-            "executionTime": round(execution),
+            "executionTime": round(execution) if k.execution_ms is None else k.execution_ms,
         }
         if status == "COMPLETED":
             data["output"] = k.output
