@@ -250,7 +250,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     """Validate an already-parsed mapping (the YAML document) into a :class:`GpuHedgeConfig`."""
     root = Block(data, "", source)
     time_scale = root.number("time_scale", 1.0, positive=True)
-    _load_plugins(root)
+    unchecked = _load_plugins(root)
     providers_block = root.mapping("providers")
     providers: dict[str, ProviderConfig] = {}
     for name in providers_block.data:
@@ -264,7 +264,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
         raise providers_block.error(None, "expected at least one provider with role: primary")
 
     policy_block = root.mapping("policy")
-    policy = _parse_policy(policy_block, providers)
+    policy = _parse_policy(policy_block, providers, unchecked)
 
     slo = root.mapping("slo")
     deadlines = slo.raw("deadlines_s", [60.0])
@@ -287,7 +287,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
 
     budget = parse_budget(root, providers)
 
-    validator = _parse_validator(root)
+    validator = _parse_validator(root, unchecked)
     root.finish()
     return GpuHedgeConfig(
         source=source,
@@ -303,9 +303,11 @@ def parse_config(data: Any, source: str = "<dict>") -> GpuHedgeConfig:
     )
 
 
-def _load_plugins(root: Block) -> None:
+def _load_plugins(root: Block) -> bool:
     """Import the modules the file names (``plugins:``, and the module of a ``module:Name``
-    policy or adapter) before anything resolves: the file is trusted, a message is not."""
+    policy or adapter) before anything resolves: the file is trusted, a message is not.
+    True under ``config check`` when the file lists plugins: then a policy kind or validator
+    none of the package's own registers may be theirs, and is not checked."""
     listed = root.raw("plugins", None)
     if listed is not None and not (
         isinstance(listed, list) and all(isinstance(m, str) for m in listed)
@@ -317,9 +319,12 @@ def _load_plugins(root: Block) -> None:
     if isinstance(name, str) and ":" in name:
         load_plugins([name.partition(":")[0]], key="policy.name", file=root.file,
                      what="policy module")  # fmt: skip
+    return plugins_dry() and bool(listed)
 
 
-def _policy_class(name: str, block: Block | None) -> type[Policy] | None:
+def _policy_class(
+    name: str, block: Block | None, *, unchecked: bool = False
+) -> type[Policy] | None:
     """The registered policy class for ``name`` (``kind`` or ``package.module:kind``).
 
     Nothing is imported here: a ``module:kind`` resolves only when a trusted source had the
@@ -337,6 +342,8 @@ def _policy_class(name: str, block: Block | None) -> type[Policy] | None:
                        "under plugins: in the config or in GPUHEDGE_PLUGINS)")  # fmt: skip
             raise block.error("name", message) if block else ConfigError(message, key="policy")
     cls = registered_policies().get(kind)
+    if cls is None and unchecked:
+        return None
     if cls is None:
         known = ", ".join(sorted(registered_policies()))
         message = f"expected one of {known}, or 'package.module:kind', got {name!r}"
@@ -349,10 +356,12 @@ def _policy_args(cls: type[Policy]) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in params.items() if k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD}
 
 
-def _parse_policy(block: Block, providers: Mapping[str, ProviderConfig]) -> PolicyConfig:
+def _parse_policy(
+    block: Block, providers: Mapping[str, ProviderConfig], unchecked: bool = False
+) -> PolicyConfig:
     has_hedge = any(p.role == "hedge" and p.deployed for p in providers.values())
     name = block.string("name", "fixed" if has_hedge or not providers else "single")
-    cls = _policy_class(name, block)
+    cls = _policy_class(name, block, unchecked=unchecked)
     if cls is None:  # a plugin's kind under config check: its parameters are not checked
         params_block = block.mapping("params")
         return PolicyConfig(name=name, params=dict(params_block.data))
@@ -383,7 +392,7 @@ def _parse_policy(block: Block, providers: Mapping[str, ProviderConfig]) -> Poli
     return PolicyConfig(name=name, params=params)
 
 
-def _parse_validator(root: Block) -> ValidatorConfig:
+def _parse_validator(root: Block, unchecked: bool = False) -> ValidatorConfig:
     from .core.validators import available_validators, get_validator
 
     value = root.raw("validator", "nonempty")
@@ -395,6 +404,8 @@ def _parse_validator(root: Block) -> ValidatorConfig:
         options = {k: v for k, v in value.items() if k != "name"}
     else:
         raise root.error("validator", f"expected a name or {{name: ..., options}}, got {value!r}")
+    if name not in available_validators() and unchecked:  # a plugin's, under config check
+        return ValidatorConfig(name=name, options=options)
     if name not in available_validators():
         known = ", ".join(available_validators())
         raise root.error(

@@ -120,3 +120,21 @@ def test_a_plugin_list_that_is_not_module_paths_is_one_line_naming_the_key(plugi
     with pytest.raises(ConfigError) as e:
         parse_config_text(text, source="t.yaml")
     assert "t.yaml: plugins" in str(e.value) and fragment in str(e.value)
+
+
+def test_config_check_leaves_a_plugins_own_kind_and_validator_to_the_workers(tmp_path):
+    (tmp_path / "acme_plugin.py").write_text(PLUGIN)  # would register "acme" and "acme_wav"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG.format(plugins="acme_plugin", policy="acme") + "validator: acme_wav\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "gpuhedge_celery", "config", "check", str(cfg)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "note: not imported here" in done.stdout and not (tmp_path / "IMPORTED").exists()
+    # without plugins listed, an unknown kind is still the one-line error it always was
+    cfg.write_text(CONFIG.format(plugins="", policy="acme"))
+    done = subprocess.run([sys.executable, "-m", "gpuhedge_celery", "config", "check", str(cfg)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert done.returncode == 2 and "policy.name" in done.stderr
