@@ -16,7 +16,7 @@ from gpuhedge_celery.core.jobs import JobHandle, JobState
 from gpuhedge_celery.errors import ProviderProtocolError, StoreError
 from gpuhedge_celery.providers.base import MAX_REPORTED_MS, reported_ms
 from gpuhedge_celery.race.budget import RaceBudget
-from gpuhedge_celery.store.budget import BudgetStore
+from gpuhedge_celery.store.budget import BudgetStore, budget_report
 from gpuhedge_celery.store.scripts import lua_script
 from tests.support.http_provider_server import HttpProviderServer
 from tests.test_http import KEY as HTTP_KEY
@@ -59,6 +59,14 @@ def test_a_report_above_the_reservation_settles_at_the_reservation_and_is_kept(l
         1e6 + 0.02
     )  # with the idle window
     assert int(settle["nano"]) == WORST_NANO
+    # counted once, however often the settlement is sent again (a retried save, the janitor)
+    for _ in range(2):
+        assert ledger.settle("r1", items, 2) == (0, 0)
+    assert ledger.totals()["o|p"] == 1
+    report = budget_report(ledger, BudgetCaps(ceiling_usd=1000), ["p"], "2030-03-17")
+    assert report["over_reported"] == {"p": 1}
+    # and the ledger alone rebuilds that count
+    assert ledger.repair(apply=False) == {}
 
 
 def test_a_report_within_the_reservation_settles_as_reported_with_no_flag(ledger):

@@ -15,8 +15,9 @@ from .budget import scopes
 def counters_from_ledger(entries: Iterable[Mapping[str, str]]) -> dict[str, int]:
     """``r|<scope>`` (reserved) and ``s|<scope>`` (spent) nano-dollars, replayed from ledger
     entries oldest first: a ``reserve`` adds its amount to every scope's reserved counter, a
-    ``settle`` moves its reservation out of reserved and its cost into spent. Refusals and
-    reconciliations change no counter."""
+    ``settle`` moves its reservation out of reserved and its cost into spent (and one capped at
+    its reservation counts in ``o|<provider>``). Refusals and reconciliations change no
+    counter."""
     totals: dict[str, int] = {}
 
     def add(field: str, nano: int) -> None:
@@ -33,6 +34,8 @@ def counters_from_ledger(entries: Iterable[Mapping[str, str]]) -> dict[str, int]
             else:
                 add(f"r|{scope}", -int(entry["reserved_nano"]))
                 add(f"s|{scope}", int(entry["nano"]))
+        if kind == "settle" and entry.get("over_reported") == "1":
+            add(f"o|{entry.get('provider', '')}", 1)
     return totals
 
 

@@ -83,10 +83,6 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
        "Attempts not submitted because the budget refused their reservation, by the kind of "
        "cap that refused (request, ceiling, day, provider, key) and the attempt's role.",
        "cap", "role"),
-    _c("gpuhedge_budget_over_reported",
-       "Settlements whose reported cost was above the attempt's reservation (its worst case): "
-       "settled at the reservation; the figure reported is in the ledger entry.",
-       "provider"),
     # -- timers ------------------------------------------------------------------------------
     _h("gpuhedge_timer_lag_seconds", "From a durable timer's due time to its handler starting.",
        FAST_S, "kind"),
@@ -134,6 +130,10 @@ REDIS_METRICS: tuple[MetricSpec, ...] = (
        "scope", "name"),
     _g("gpuhedge_budget_headroom_usd", "A cap minus reserved and spent, per capped budget scope "
        "(negative when over).", "scope", "name"),
+    _g("gpuhedge_budget_over_reported_settlements",
+       "Settlements whose reported cost was above the attempt's reservation (its worst case), "
+       "counted by the settling script since the ledger began; each settled at the reservation.",
+       "provider"),
     _g("gpuhedge_timer_oldest_overdue_seconds",
        "How long the oldest unclaimed overdue timer has been due (0 when none is).",
        "namespace"),

@@ -169,13 +169,6 @@ def budget_refused(cap: str, role: str) -> None:
         m.child("budget_refusals", cap_kind(cap), role).inc()
 
 
-def budget_over_reported(provider: str) -> None:
-    """An attempt's reported cost was above its reservation: it settles at the reservation."""
-    m = _m()
-    if m:
-        m.child("budget_over_reported", provider).inc()
-
-
 # ---------------------------------------------------------------------- timers
 def timer_fired(payload: Any, lag_s: float) -> None:
     """A durable timer's handler starts ``lag_s`` after its due time."""

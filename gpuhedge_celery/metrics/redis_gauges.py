@@ -153,6 +153,8 @@ class RedisGauges:
             if row["cap_usd"] is not None:
                 reading.add("gpuhedge_budget_cap_usd", row["cap_usd"], *labels)
                 reading.add("gpuhedge_budget_headroom_usd", row["headroom_usd"], *labels)
+        for provider, count in report["over_reported"].items():
+            reading.add("gpuhedge_budget_over_reported_settlements", count, provider)
 
     # -- the prometheus_client Collector interface -------------------------------------------
     def describe(self) -> Iterator[Any]:

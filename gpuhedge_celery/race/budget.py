@@ -36,15 +36,13 @@ from ..core.clock import Clock, WallClock
 from ..core.outcome import ProviderRate
 from ..core.race import Race
 from ..core.settlement import UNPROVEN, ready_to_settle, settle_attempt
-from ..metrics import record as metrics
-from ..store.budget import MAX_NANO, BudgetStore, PendingReservation
+from ..store.budget import BudgetStore, PendingReservation
 from .attempts import UNKNOWN_SUBMIT
 from .base import find_attempt
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAP_S = 180.0
-MAX_USD = MAX_NANO / 1e9  # a reported cost beyond this is passed on as this (still an over-report)
 Items = list[tuple[str, int, str]]  # (attempt id, cost in nano-dollars, source)
 
 
@@ -120,13 +118,8 @@ class RaceBudget:
                 items.append((a.id, to_nano(reserved, round_up=True), UNPROVEN))
                 continue
             found = settle_attempt(a, rate, cap_s, reserved, summary)
-            if found.usd > reserved:  # the script settles at the reservation; say so loudly
-                race_id = getattr(race, "race_id", "?")
-                log.warning("budget: attempt %s/%s (%s) reported $%.6f, above its reservation "
-                            "$%.6f: settled at the reservation", race_id, a.id, a.provider,
-                            found.usd, reserved)  # fmt: skip
-                metrics.budget_over_reported(a.provider)
-            items.append((a.id, to_nano(min(found.usd, MAX_USD)), found.source))
+            # above the reservation: the script settles at it and counts it (o|<provider>)
+            items.append((a.id, to_nano(found.usd), found.source))
         return items
 
     def on_step(

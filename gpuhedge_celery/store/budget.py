@@ -363,4 +363,6 @@ def budget_report(
         "any_key": caps.keys[ANY_KEY].to_dict() if ANY_KEY in caps.keys else None,
         "rows": rows,
         "open_reservations": ledger.open_count(),
+        # settlements capped at their reservation, per provider (budget_settle.lua counts them)
+        "over_reported": {p: totals.get(f"o|{p}", 0) for p in providers},
     }

@@ -15,7 +15,8 @@
 --            (reconciled | estimated | unproven | not_submitted)
 -- A cost above its reservation settles at the reservation (the worst case was the bound the
 -- caps were checked against); the figure asked for stays in the ledger entry as
--- 'reported_nano' with 'over_reported' 1.
+-- 'reported_nano' with 'over_reported' 1, and the provider's count of such settlements in
+-- KEYS[1] ('o|<provider>', read by metrics serve) grows by one.
 -- Every argument is checked before the first write (Lua is not rolled back on an error):
 -- a bad one fails the whole call with "ERR budget_settle: ..." and changes nothing.
 -- Returns {settled, nano}: how many reservations settled now, and their cost together
@@ -71,6 +72,7 @@ for k = first, #KEYS do
       for _, v in ipairs({'reported_nano', string.format('%d', reported), 'over_reported', 1}) do
         entry[#entry + 1] = v
       end
+      redis.call('HINCRBY', KEYS[1], 'o|' .. r[6], 1)
     end
     redis.call('XADD', KEYS[3], '*', unpack(entry))
     settled = settled + 1
