@@ -195,7 +195,7 @@ def test_the_example_config_builds_a_runpod_primary_hedged_by_cerebrium():
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "config" / "cerebrium.yaml")
     env = {"RUNPOD_ENDPOINT_ID": "ep", "RUNPOD_API_KEY": "k", "CEREBRIUM_PROJECT_ID": "p-9",
-           "CEREBRIUM_API_KEY": KEY, "CEREBRIUM_REST_TOKEN": "t"}  # fmt: skip
+           "CEREBRIUM_API_KEY": KEY}  # fmt: skip
     p = cfg.build("cerebrium", env=env)
     assert p.adapter == "cerebrium" and p.takes_webhooks and p.app_id == "p-9-tts"
     assert cfg.by_role("primary")[0].adapter == "runpod" and KEY not in repr(p)
@@ -262,3 +262,9 @@ def test_the_default_inference_host_is_a_regional_one():
     from gpuhedge_celery.providers.cerebrium_spec import DEFAULT_API_URL
 
     assert DEFAULT_API_URL == "https://api.aws.us-east-1.cerebrium.ai"
+
+
+def test_an_unset_rest_token_falls_back_to_the_inference_key(fake, hooks):
+    p = provider(fake, rest_token="${CEREBRIUM_TEST_REST_TOKEN:-}")  # the variable is unset
+    h = p.submit(fate(queue_s=1), context=ctx(hooks))
+    assert p.cancel(h).evidence is Evidence.PROVIDER_ACK

@@ -59,6 +59,6 @@ def test_readme_runpod_cerebrium_hedge_loads_and_builds():
     cfg = parse_config_text(example, source="README.md")
     assert cfg.policy.name == "fixed" and cfg.by_role("hedge")[0].adapter == "cerebrium"
     env = {"RUNPOD_ENDPOINT_ID": "ep", "RUNPOD_API_KEY": "k1", "CEREBRIUM_PROJECT_ID": "p-1",
-           "CEREBRIUM_API_KEY": "k2", "CEREBRIUM_REST_TOKEN": "k3"}  # fmt: skip
+           "CEREBRIUM_API_KEY": "k2"}  # fmt: skip
     assert cfg.build("runpod", env=env).adapter == "runpod"
     assert cfg.build("cerebrium", env=env).app_id == "p-1-tts"

@@ -79,7 +79,8 @@ class CerebriumProvider(Provider):
         self.api_url = sub(spec.api_url, "api_url").rstrip("/")
         self.rest_url = sub(spec.rest_url, "rest_url").rstrip("/")
         self._key = sub(spec.api_key, "api_key")
-        self._rest_key = sub(spec.rest_token, "rest_token") if spec.rest_token else self._key
+        rest = sub(spec.rest_token, "rest_token") if spec.rest_token else ""
+        self._rest_key = rest or self._key  # empty (${VAR:-} unset): the inference key
         self._transport = transport
         self._client: httpx.Client | None = None
         self._pid: int | None = None
