@@ -123,3 +123,17 @@ def test_race_and_infer_refuse_a_request_over_the_limit_before_anything_else(
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: request: ") and "\n" not in err
     assert f"over the {LIMIT:,}-byte limit (GPUHEDGE_REQUEST_MAX_BYTES)" in err
+
+
+def test_a_workers_own_broken_config_is_not_logged_as_a_callers_mistake(monkeypatch):
+    from gpuhedge_celery.errors import GpuHedgeError
+    from gpuhedge_celery.tasks import races
+
+    def broken():
+        raise ConfigError("cannot import plugin 'gone'", key="GPUHEDGE_PLUGINS")
+
+    monkeypatch.setattr(races, "runtime", broken)
+    with pytest.raises(GpuHedgeError) as caught:
+        races._worker_runtime()  # noqa: SLF001
+    assert not isinstance(caught.value, ConfigError)  # not in hedged_infer's throws
+    assert "this worker's configuration is broken" in str(caught.value)

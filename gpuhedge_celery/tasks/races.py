@@ -39,7 +39,7 @@ from celery.utils.saferepr import saferepr
 from celery.worker import state as worker_state
 
 from ..core.race_events import StopRequested, event_from_dict
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, GpuHedgeError, StoreError
 from ..race.spec import build_spec, check_request
 from ..store.outage import through_outage
 from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
@@ -208,7 +208,7 @@ def hedged_infer(
             raise ConfigError(
                 "hedged_infer runs on workers: use .delay(), .apply_async() or send_task()"
             )
-        rt = runtime()
+        rt = _worker_runtime()
         _announce(rt, self, request, policy, providers, validator)
         check_request(request, rt.settings.request_max_bytes)
         spec = build_spec(rt.config, policy, providers, validator, budget_key, arm)
@@ -235,6 +235,16 @@ def hedged_infer(
     self.request.errbacks = None
     self.request.chain = None
     return RaceStarted("race started; the winner's result is stored under this id later")
+
+
+def _worker_runtime() -> RaceRuntime:
+    """This worker's race runtime. Its own bad config is the operator's to fix, not the
+    caller's: not a ConfigError (which ``throws`` logs as a caller's mistake, one WARNING line)
+    but an error logged with its traceback."""
+    try:
+        return runtime()
+    except ConfigError as e:
+        raise GpuHedgeError(f"this worker's configuration is broken: {e}") from e
 
 
 def _announce(rt: RaceRuntime, task: Task, *args: Any) -> None:
