@@ -113,8 +113,11 @@ def test_a_connection_that_owes_its_headers_past_the_deadline_is_closed(guarded)
         while not answer.endswith(b'{"ok":true}'):
             answer += kept.recv(4096)
         assert answer.startswith(b"HTTP/1.1 200")
-        kept.sendall(SLOW_START)
+        time.sleep(0.8)  # idle past the header deadline: the keep-alive timeout's to close
+        kept.sendall(SLOW_START)  # a later request that never finishes its headers
+        started = time.monotonic()
         assert kept.recv(1024) == b""
+        assert 0.4 < time.monotonic() - started < 3
 
 
 def test_past_the_cap_the_oldest_slow_connection_makes_room(guarded):
@@ -146,3 +149,4 @@ def test_a_body_that_stops_coming_is_answered_408(guarded):
 
 def test_the_cap_stays_under_the_descriptor_limit():
     assert connection_cap(256) == 96 and connection_cap(1_000_000) == 2048
+    assert connection_cap(2**31) == 2048  # an unlimited soft limit

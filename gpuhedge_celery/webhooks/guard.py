@@ -7,7 +7,9 @@ descriptor for a provider's delivery or for ``/healthz``. :func:`guarded_protoco
 HTTP protocol uvicorn would use with two rules:
 
 * **header deadline**: a request's headers must be complete :data:`HEADER_TIMEOUT_S` after the
-  connection opened (or after the previous response on it); else the connection is closed;
+  connection opened, or after the first bytes of a later request on a kept-alive connection;
+  else the connection is closed (an idle kept-alive connection is uvicorn's keep-alive
+  timeout's to close);
 * **connection cap**: at most :func:`connection_cap` connections at once, half of what the
   process's descriptor limit leaves: the event loop accepts up to the listen backlog (set to
   the cap) at a time before any of them is seen, so cap + backlog stays under the limit and
@@ -33,6 +35,8 @@ FD_RESERVE = 64  # descriptors kept for Redis, the broker, logs and the listenin
 def raise_fd_limit() -> int:
     """Raise this process's soft descriptor limit to its hard limit; returns the soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 2**31
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -70,14 +74,15 @@ def guarded_protocol(cap: int, header_timeout_s: float = HEADER_TIMEOUT_S) -> ty
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            between = self._between_requests()
             super().data_received(data)
             if self._deadline is not None and self.cycle is not self._armed_cycle:
                 self._disarm()  # a new request's headers are complete
+            elif self._deadline is None and between and self._between_requests():
+                self._arm()  # a later request on a kept-alive connection owes its headers
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request on this connection owes its headers too
+        def _between_requests(self) -> bool:
+            return self.cycle is None or bool(getattr(self.cycle, "response_complete", False))
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
