@@ -143,6 +143,9 @@ def cli(ctx: click.Context, redis_url: str | None, prefix: str | None, config_pa
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: one-line errors with named exit codes, no tracebacks."""
+    from .secrets import quiet_http_client_logs
+
+    quiet_http_client_logs()
     try:
         code = cli.main(args=argv, prog_name="gpuhedge-celery", standalone_mode=False)
     except click.exceptions.Exit as e:

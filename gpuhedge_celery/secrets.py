@@ -8,6 +8,7 @@ race's state, a Celery result, a task event or a log line.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -23,3 +24,15 @@ def scrub_secrets(text: str, secrets: Iterable[str | None]) -> str:
     for secret in sorted({s for s in secrets if s and len(s) >= MIN_SECRET}, key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text
+
+
+HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
+
+
+def quiet_http_client_logs() -> None:
+    """Keep httpx's and httpcore's request lines out of the log: httpx logs each request's URL,
+    query included, at INFO, and the URLs adapters call carry credentials (an attempt's webhook
+    URL in Cerebrium's query, a key an ``http`` adapter's URL names). Every process the package
+    configures (workers, the webhook receiver, the CLI) calls this; warnings still show."""
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -83,9 +83,10 @@ validator: wav
 
 
 class Races:
-    def __init__(self, rc, runpod, cerebrium, modal, hooks: bool):
+    def __init__(self, rc, runpod, cerebrium, modal, hooks: bool, receiver_log=None):
         self.rc, self.runpod, self.cerebrium, self.modal, self.hooks = (
             rc, runpod, cerebrium, modal, hooks)  # fmt: skip
+        self.receiver_log = receiver_log
 
     def run(self, request, policy, fails=False):
         res = self.rc.send(request, policy=policy)
@@ -153,7 +154,7 @@ def races(request, redis_url, tmp_path_factory, broker):
                 cc.env.pop(name, None)
         cc.wait_ready(*[cc.start_coordinator(wait=False) for _ in range(2)])
         rc = RaceCluster(cc, config)
-        yield Races(rc, runpod, cerebrium, modal, hooks)
+        yield Races(rc, runpod, cerebrium, modal, hooks, tmp / "receiver.log" if hooks else None)
     finally:
         if receiver is not None:
             receiver.kill()
@@ -281,3 +282,19 @@ def test_a_cerebrium_webhook_that_never_comes_ends_at_its_cap_as_a_flagged_leak(
     assert races.cerebrium.run(cb["job_id"])["state"] == "COMPLETED"
     assert any(x["provider"] == "cb" for x in receipt["leaks"])
     assert_clean(races, receipt)
+
+
+def test_no_key_and_no_webhook_url_in_any_log(races):
+    """Runs last: every race of the module has gone through the workers (and the receiver)."""
+    import re
+
+    races.run(fates(rp={"queue_s": 5, "run_s": 60}, cb={"queue_s": 0.1, "run_s": 0.3}),
+              "hedge:rp->cb@0.3s")  # fmt: skip
+    logs = races.rc.logs()
+    if races.receiver_log is not None:
+        logs += races.receiver_log.read_text()
+    assert "HTTP Request:" not in logs, "httpx's request lines are off in every process"
+    for secret in (KEY, CB_KEY, SECRET):
+        assert secret not in logs
+    token = re.compile(r"(/|%2F)[0-9a-f]{32}(\b|$)")  # an attempt's webhook token in a URL
+    assert not token.search(logs), token.search(logs)

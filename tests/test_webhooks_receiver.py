@@ -242,12 +242,13 @@ def request(run_s=0.2):
     return {"text": "hi", "runpod_fake": {"*": {"queue_s": 0.0, "run_s": run_s}}}
 
 
-def test_a_webhook_wins_the_race_with_no_status_poll(race_env):
+def test_a_webhook_wins_the_race_with_one_status_read_that_verifies_it(race_env):
     d = race_env
     d.create("w1", request(), build_spec(d.cfg), submit_first=True)
     assert wait_for(lambda: d.effects.results)
     assert d.effects.results[0]["winner"] == "rp"
-    assert d.fake.route("wh", "status")["requests"] == 0  # the webhook brought it
+    # the webhook woke the race; RunPod's own /status answer, read once, is what was applied
+    assert d.fake.route("wh", "status")["requests"] == 1
     assert d.fake.route("wh", "run")["requests"] == 1
     # the receiver counts its answer after the delivery is applied, so after the race ended
     assert wait_for(lambda: d.app.counts == {200: 1}), d.app.counts
@@ -305,9 +306,33 @@ def test_a_body_that_is_not_a_status_gets_400_and_a_non_terminal_one_is_ignored(
     version = d.store.load("w4").version
     assert httpx.post(target, json=[1, 2]).status_code == 400
     assert httpx.post(target, json={"status": 7}).status_code == 400
-    r = httpx.post(target, json={"status": "IN_PROGRESS"})
+    assert httpx.post(target, json={"status": "IN_PROGRESS"}).status_code == 400  # no id
+    job_id = d.store.load("w4").state["race"]["attempts"][0]["job_id"]
+    r = httpx.post(target, json={"id": job_id, "status": "IN_PROGRESS"})
     assert r.status_code == 200 and "ignored" in r.json()
     assert d.store.load("w4").version == version
+
+
+@pytest.mark.parametrize("status", ["COMPLETED", "FAILED", "CANCELLED"])
+def test_a_forged_delivery_with_the_attempts_url_changes_nothing(race_env, status):
+    """An outsider holding one attempt's URL (from a log, say) posts a terminal status with
+    a payload of their own while the real job is still queued: RunPod's /status says it is
+    not, so the attempt stays as it was, nothing wins and nothing is confirmed stopped."""
+    d = race_env
+    race_id = f"forged-{status.lower()}"
+    d.create(race_id, request(run_s=30), build_spec(d.cfg), submit_first=True)
+    job_id = d.store.load(race_id).state["race"]["attempts"][0]["job_id"]
+    before = d.store.load(race_id)
+    target = f"{d.served.url}/hooks/{race_id}/a1/{tokens.token(SECRET, race_id, 'a1')}"
+    forged = {"id": job_id, "status": status, "executionTime": 1, "delayTime": 1,
+              "output": {"audio_base64": "Zm9yZ2Vk"}}  # fmt: skip
+    r = httpx.post(target, json=forged)
+    assert r.status_code == 200 and "ignored" in r.json(), r.text
+    after = d.store.load(race_id)
+    assert after.version == before.version and d.effects.results == []
+    a1 = after.state["race"]["attempts"][0]
+    assert a1["phase"] == "running" and a1.get("receipt") is None
+    assert d.fake.job("wh", job_id)["status"] in ("IN_QUEUE", "IN_PROGRESS")
 
 
 def test_a_failed_job_by_webhook_ends_the_attempt_as_a_poll_would(race_env):
@@ -318,7 +343,7 @@ def test_a_failed_job_by_webhook_ends_the_attempt_as_a_poll_would(race_env):
     # the policy moves on at once (the hedge launched), as it does when a poll sees it fail
     assert wait_for(lambda: d.effects.launched == [("w5", "a2")])
     assert d.store.load("w5").state["results"]["a1"]["state"] == "FAILED"
-    assert d.fake.route("wh", "status")["requests"] == 0
+    assert d.fake.route("wh", "status")["requests"] == 1  # the delivery's verifying read
 
 
 def test_the_command_refuses_to_start_without_a_secret(tmp_path):
@@ -338,8 +363,10 @@ def test_the_answer_comes_only_after_the_event_is_saved(race_env):
     from tests.support.runpod_fake import default_config
 
     d = race_env
-    d.create("w7", request(run_s=30), build_spec(d.cfg), submit_first=True)
+    d.fake.configure(faults={"webhook": {"drop_next": 1}})  # this test posts the delivery
+    d.create("w7", request(run_s=0.2), build_spec(d.cfg), submit_first=True)
     job_id = d.store.load("w7").state["race"]["attempts"][0]["job_id"]
+    assert wait_for(lambda: d.fake.job("wh", job_id)["status"] == "COMPLETED")
     body = {"id": job_id, "status": "COMPLETED", "delayTime": 10, "executionTime": 120,
             "output": default_config()["output"]}  # fmt: skip
     target = f"{d.served.url}/hooks/w7/a1/{tokens.token(SECRET, 'w7', 'a1')}"
@@ -349,4 +376,4 @@ def test_the_answer_comes_only_after_the_event_is_saved(race_env):
     state = d.store.load("w7").state
     assert state["results"]["a1"]["valid"] is True and state["race"]["winner"] == "a1"
     assert d.store.receipt("w7")["winner"] == "a1"
-    assert d.fake.route("wh", "status")["requests"] == 0
+    assert d.fake.route("wh", "status")["requests"] == 1  # the delivery's verifying read

@@ -30,6 +30,8 @@
   model server and the health sampler.
 * ``worker_shutting_down`` (SIGTERM: a warm shutdown begins): wake the worker's event loop so
   it stops at once instead of at kombu's next timer (up to 10 s on RabbitMQ).
+* ``after_setup_logger``: httpx's and httpcore's request lines stay out of the log (they hold
+  URLs with credentials: :func:`~gpuhedge_celery.secrets.quiet_http_client_logs`).
 * ``task_failure``: a task of ours that failed with an error it declares expected
   (``throws``: a caller's bad arguments to ``hedged_infer`` or ``pooled_infer``) is logged as
   one WARNING line naming the task and the error; Celery's own line for it (INFO, "raised
@@ -50,6 +52,7 @@ from celery import signals
 
 from ..errors import ConfigError, GpuHedgeError
 from ..gpus import query_nvidia_smi
+from ..secrets import quiet_http_client_logs
 from ..store.connection import reset_clients
 from ..store.leases import GpuInfo
 from .app import glue_config
@@ -297,6 +300,11 @@ class ExpectedFailureFilter(logging.Filter):
 
 
 logging.getLogger("celery.app.trace").addFilter(ExpectedFailureFilter())
+
+
+@signals.after_setup_logger.connect
+def _quiet_http_clients(**_: Any) -> None:
+    quiet_http_client_logs()
 
 
 @signals.task_failure.connect

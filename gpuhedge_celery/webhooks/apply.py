@@ -1,11 +1,14 @@
 """A webhook delivery, turned into the engine event a poll would have produced.
 
 The provider parses the body (``webhook_result(handle, body)``: the job's ``AttemptResult``, or
-None while the body says the job has not ended), and the race driver's :meth:`conclude` applies
-it, exactly as a watch poll that saw the job end: the result validated, stored, reported with
-one versioned save of the race, and the engine's actions (a winner, the losers' cancels)
-performed. :func:`apply_delivery` returns only after that save, so a provider's retry covers a
-receiver that dies first; a repeated delivery finds the attempt ended and changes nothing.
+None while the job has not ended). Where the provider has an authenticated read of the job
+(RunPod's ``/status``), the delivery is only a wake-up: that read's answer is what is applied,
+so a forged body with a leaked URL changes nothing (docs/providers.md). The race driver's
+:meth:`conclude` applies it, exactly as a watch poll that saw the job end: the result
+validated, stored, reported with one versioned save of the race, and the engine's actions
+(a winner, the losers' cancels) performed. :func:`apply_delivery` returns only after that
+save, so a provider's retry covers a receiver that dies first; a repeated delivery finds the
+attempt ended and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.jobs import JobHandle
 from ..core.race import Race
-from ..errors import GpuHedgeError
+from ..errors import GpuHedgeError, ProviderError, ProviderProtocolError
 from ..race.base import find_attempt
 
 if TYPE_CHECKING:
@@ -61,6 +64,11 @@ def apply_delivery(
         return 400, {"error": f"provider {a.provider!r} ({provider.adapter}) takes no webhooks"}
     try:
         result = parse(handle, body)
+    except ProviderProtocolError as e:  # the body is not this job's status
+        return 400, {"error": _line(str(e))}
+    except ProviderError as e:  # the provider could not be asked to confirm it: retry later
+        log.warning("race %s: webhook for %s not verified: %s", race_id, attempt_id, _line(str(e)))
+        return 503, {"error": "not verified with the provider yet; try again"}
     except GpuHedgeError as e:
         return 400, {"error": _line(str(e))}
     except Exception as e:  # an unforeseen body shape: refused, never a crash of the receiver

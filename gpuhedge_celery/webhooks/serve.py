@@ -56,6 +56,9 @@ def uvicorn_config(app: Any, **kw: Any) -> Any:
 
 def serve(host: str, port: int, *, workers: int = 1, threads: int = 16) -> int:
     """Serve until stopped; the exit status."""
+    from ..secrets import quiet_http_client_logs
+
+    quiet_http_client_logs()
     if workers <= 1:
         import uvicorn
 
@@ -170,6 +173,10 @@ def _receiver(host: str, port: int, threads: int, ready: Any, parent: int) -> No
     """One receiver process (``spawn``): its own runtime and Redis clients, its own socket."""
     _die_with_parent(parent)
     import uvicorn
+
+    from ..secrets import quiet_http_client_logs
+
+    quiet_http_client_logs()
 
     from ..errors import ConfigError
     from .app import build_app
