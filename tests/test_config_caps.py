@@ -159,3 +159,16 @@ def test_the_readme_configs_fit_their_caps():
     for text in configs:
         cfg = parse_config_text(text, source="README.md")
         assert [w.text() for w in cap_warnings(cfg)] == []
+
+
+def test_the_race_dry_runs_lines_name_the_refused_hedge(tmp_path, monkeypatch, capsys):
+    from gpuhedge_celery.cli import main
+
+    for name in ("RUNPOD_ENDPOINT_ID", "RUNPOD_API_KEY", "CEREBRIUM_PROJECT_ID",
+                 "CEREBRIUM_API_KEY"):  # fmt: skip
+        monkeypatch.setenv(name, "x")
+    code = main(["--config", str(old_cerebrium(tmp_path)), "race", '{"text": "hi"}'])
+    out = capsys.readouterr().out
+    assert code == 2  # a dry run: nothing is sent
+    assert "warning: budget.max_usd_per_request $0.1 forbids the hedge attempt (cerebrium)" in out
+    assert "worst-case spend: $0.1" in out  # what the reservations can reach at most

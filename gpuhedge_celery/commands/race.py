@@ -39,18 +39,23 @@ def _request(text: str) -> dict[str, Any]:
 
 
 def worst_case(spec: Any, caps: Any) -> tuple[list[str], float]:
-    """Lines describing a race's providers and worst cases, and the request's worst case."""
-    from ..core.budget import worst_case_usd
+    """Lines describing a race's providers and worst cases, and the request's worst case; a
+    ``warning:`` line for each attempt a budget cap would refuse (config check's wording)."""
+    from ..core.budget import PlannedAttempt, cap_conflicts
 
-    lines, total = [f"policy: {spec.policy.name}"], 0.0
+    roles = {v: k for k, v in spec.policy.params().items() if k in ("primary", "hedge", "fallback")}
+    lines, total, planned = [f"policy: {spec.policy.name}"], 0.0, []
     for name in spec.policy.providers():
         rate = spec.rates[name]
-        usd = worst_case_usd(spec.caps_s[name], rate["rate_per_s"], rate["idle_s"])
-        total += usd
-        lines.append(f"  {name}: worst case ${usd:,.4f} (cap {spec.caps_s[name]:g} s)")
+        a = PlannedAttempt(name, roles.get(name, "primary"), spec.caps_s[name],
+                           rate["rate_per_s"], rate["idle_s"])  # fmt: skip
+        planned.append(a)
+        total += a.worst_case_usd
+        lines.append(f"  {name}: worst case ${a.worst_case_usd:,.4f} (cap {a.cap_s:g} s)")
     if caps.max_usd_per_request is not None and total > caps.max_usd_per_request:
-        lines.append(f"  capped by budget.max_usd_per_request ${caps.max_usd_per_request:g}")
-        total = caps.max_usd_per_request
+        total = caps.max_usd_per_request  # what the reservations can reach at most
+    if caps.enabled:
+        lines += [f"  warning: {c.text()}" for c in cap_conflicts(caps, planned)]
     return lines, total
 
 
