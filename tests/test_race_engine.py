@@ -301,3 +301,24 @@ def test_a_submit_with_unknown_outcome_ends_as_a_flagged_leak_without_a_live_slo
     race.start()
     race.handle(SubmitFailed("a1", "HTTP 400"))
     assert race.finished and not race.attempts[0].receipt.leaked and "leaked" not in race.flags
+
+
+def test_a_refused_cancel_keeps_no_evidence_and_its_reason():
+    from gpuhedge_celery.core.race_events import CancelFailed
+
+    clock = VirtualClock()
+    race = Race(parse_policy("hedge:a->b@0s"), clock)
+    race.start()
+    race.handle(AttemptSubmitted("a1", "j1"))
+    race.handle(AttemptSubmitted("a2", "j2"))
+    clock.set(5.0)
+    race.handle(ResultArrived("a2"))
+    refused = CancelReceipt(provider="a", job_id="j1", note="cancel: HTTP 401: bad token")
+    assert refused.evidence is Evidence.NO_EVIDENCE  # the provider accepted nothing
+    race.handle(CancelAcknowledged("a1", refused))
+    race.handle(CancelFailed("a1", "the provider refused the cancel or never answered"))
+    r = race.attempt_for(PRIMARY).receipt
+    assert r.evidence is Evidence.NO_EVIDENCE and r.leaked and r.cancel_ack_ms is None
+    assert r.note.startswith("cancel: HTTP 401: bad token") and "refused" in r.note
+    labels = [label for _, label in race.attempt_for(PRIMARY).timeline]
+    assert "cancel_refused" in labels and "cancel_acknowledged" not in labels

@@ -37,12 +37,16 @@ class CancelRules:
         if r is None or a.phase not in (Phase.CANCELLING, Phase.LEAKED):
             return
         p = event.receipt
-        r.upgrade(Evidence.PROVIDER_ACK)
-        r.cancel_ack_ms = self._ms()
-        a.timeline.append([self._rel(), "cancel_acknowledged"])
+        # only a provider's answer moves evidence up: a cancel it refused (HTTP 401, 500) or
+        # never answered comes back with no evidence, and keeps it
+        acked = p is None or p.evidence.rank > Evidence.NO_EVIDENCE.rank
+        if acked:
+            r.upgrade(Evidence.PROVIDER_ACK)
+            r.cancel_ack_ms = self._ms()
+        a.timeline.append([self._rel(), "cancel_acknowledged" if acked else "cancel_refused"])
         if p is None:
             return
-        if p.cancel_ack_ms is not None:
+        if acked and p.cancel_ack_ms is not None:
             r.cancel_ack_ms = p.cancel_ack_ms
         if p.was_running is not None:
             r.was_running = p.was_running
@@ -68,7 +72,9 @@ class CancelRules:
             return
         a.phase = Phase.LEAKED
         a.receipt.leaked = True
-        a.receipt.note = f"cancel failed: {event.error}" if event.error else "cancel failed"
+        why = f"cancel failed: {event.error}" if event.error else "cancel failed"
+        prior = a.receipt.note  # the adapter's own account (an HTTP reason) stays first
+        a.receipt.note = f"{prior}; {why}" if prior and event.error not in prior else why
         a.timeline.append([self._rel(), "leaked"])
         self.flag("leaked")
 

@@ -156,7 +156,10 @@ class CancelWork(ResultWork):
         if receipt.confirmed_terminal:
             self.step(race_id, acknowledged, None, drop.queue)
         else:  # both in one save
-            failed = CancelFailed(attempt_id, "no terminal state within the cancel window")
+            refused = receipt.evidence is Evidence.NO_EVIDENCE  # the provider did not accept it
+            why = "the provider refused the cancel or never answered" if refused else (
+                "no terminal state within the cancel window")  # fmt: skip
+            failed = CancelFailed(attempt_id, why)
             self.step(race_id, (acknowledged, failed), None, drop.queue)
 
     def _cancel_capped(self, race_id: str, a: Attempt) -> None:
