@@ -388,3 +388,22 @@ def test_a_resume_arms_a_poll_only_for_a_job_whose_chain_of_polls_is_gone(setup)
     (again,) = _watch_timers(driver, "rc1")
     driver.resume("rc1")
     assert _watch_timers(driver, "rc1") == [again]
+
+
+def test_a_result_nested_too_deep_to_store_ends_its_attempt_invalid(setup):
+    from gpuhedge_celery.core.jobs import AttemptResult, JobState
+
+    driver, _, cfg, _, providers = setup
+    driver.create("deep", SLOW, build_spec(cfg, validator="nonempty"))  # any JSON passes
+    driver.submit_attempt("deep", "a1")
+    record = driver.store.load("deep")
+    handle = JobHandle.from_dict(record.state["race"]["attempts"][0]["handle"])
+    payload: dict = {}
+    for _ in range(300):  # deeper than the store's JSON encoder goes
+        payload = {"x": payload}
+    deep = AttemptResult("p", handle.job_id, JobState.COMPLETED, 1000.0, payload=payload)
+    driver.conclude("deep", "a1", providers["p"], handle, 60.0, record.state["spec"], result=deep)
+    state = driver.store.load("deep").state
+    assert state["results"]["a1"]["valid"] is False
+    assert "cannot be stored as JSON" in " ".join(state["results"]["a1"]["reasons"])
+    assert state["race"]["winner"] is None

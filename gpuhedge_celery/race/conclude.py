@@ -37,18 +37,29 @@ if TYPE_CHECKING:
 
 def checked_result(
     result: AttemptResult, spec: dict[str, Any]
-) -> tuple[bool, list[str], dict[str, Any] | None]:
-    """``(valid, reasons, stored)``: the one validation of a result; ``stored`` is what a valid
-    result is kept as (the result, its verdict and its payload's JSON size), else None."""
+) -> tuple[bool, list[str], dict[str, Any] | None, str | None]:
+    """``(valid, reasons, stored, data)``: the one validation of a result; ``stored`` is what a
+    valid result is kept as (the result, its verdict and its payload's JSON size) and ``data``
+    that as the JSON the store writes, else None. A result the store cannot encode (nested
+    deeper than the encoder goes, say) is invalid: it could never be saved, so never win."""
     if result.state is not JobState.COMPLETED:
-        return False, [result.error or f"ended {result.state}"], None
+        return False, [result.error or f"ended {result.state}"], None, None
     verdict = validate(spec["validator"], result.payload, **(spec.get("validator_options") or {}))
     if not verdict.ok:
-        return False, list(verdict.reasons), None
+        return False, list(verdict.reasons), None, None
     stored = result.to_dict()
-    stored["payload_bytes"] = codec.size(result.payload)
-    stored["verdict"] = verdict.to_dict()
-    return True, [], stored
+    try:
+        stored["payload_bytes"] = codec.size(result.payload)
+        stored["verdict"] = verdict.to_dict()
+        data = codec.dumps(stored)
+    except (TypeError, ValueError, RecursionError) as e:
+        return (
+            False,
+            [f"result cannot be stored as JSON ({' '.join(str(e).split())[:120]})"],
+            None,
+            None,
+        )
+    return True, [], stored, data
 
 
 class ResultWork:
@@ -93,10 +104,8 @@ class ResultWork:
 
         def check() -> tuple[bool, list[str], dict[str, Any] | None, str | None]:
             if not checked:
-                valid, reasons, stored = checked_result(result, spec)
-                data = None
+                valid, reasons, stored, data = checked_result(result, spec)
                 if stored is not None:
-                    data = codec.dumps(stored)
                     # The step may declare this attempt the winner: spare it the read back.
                     remember(self._fresh_results, (race_id, attempt_id), stored)
                 checked.append((valid, reasons, stored, data))
