@@ -288,8 +288,9 @@ def test_no_key_and_no_webhook_url_in_any_log(races):
     """Runs last: every race of the module has gone through the workers (and the receiver)."""
     import re
 
-    races.run(fates(rp={"queue_s": 5, "run_s": 60}, cb={"queue_s": 0.1, "run_s": 0.3}),
-              "hedge:rp->cb@0.3s")  # fmt: skip
+    if races.hooks:  # a Cerebrium submit: its query carries the attempt's receiver URL
+        races.run(fates(rp={"queue_s": 5, "run_s": 60}, cb={"queue_s": 0.1, "run_s": 0.3}),
+                  "hedge:rp->cb@0.3s")  # fmt: skip
     logs = races.rc.logs()
     if races.receiver_log is not None:
         logs += races.receiver_log.read_text()
