@@ -21,7 +21,7 @@ from celery.exceptions import TaskRevokedError
 from click.testing import CliRunner
 
 from gpuhedge_celery.cli import cli
-from gpuhedge_celery.errors import RaceFailed
+from gpuhedge_celery.errors import ConfigError, RaceFailed
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.tasks.result import RaceResult
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
@@ -228,3 +228,25 @@ def test_the_result_objects_stop_revokes_a_race_not_started_yet(stop_cluster):
         sent.get(timeout=20)
     time.sleep(2.5)  # past its due time: the revoked message never ran, no race was made
     assert rc.store.load(sent.id) is None and rc.store.receipt(sent.id) is None
+
+
+def test_a_hand_made_race_step_cannot_report_a_result(stop_cluster):
+    """Only a stop enters a race by message: a forged ResultArrived (what made a race "win"
+    with no payload) is refused with one line, and the race is as it was."""
+    import gpuhedge_celery
+    from gpuhedge_celery.core.race_events import ResultArrived
+
+    rc = stop_cluster
+    res = rc.send(SLOW, policy=LATE_HEDGE)
+    wait_running(rc, res.id, 1)
+    version = rc.store.load(res.id).version
+    forged = ResultArrived("a1").to_dict()
+    step = rc.app.send_task("gpuhedge.race_step", (res.id, forged), queue="gpuhedge.coord")
+    with pytest.raises(ConfigError, match="race_step takes only stop_requested"):
+        step.get(timeout=20)
+    record = rc.store.load(res.id)
+    assert record.version == version and record.state["race"]["winner"] is None
+    answer = gpuhedge_celery.cancel_race(  # leave nothing running for the next test
+        res.id, by="test", redis_url=rc.redis_url, prefix=rc.prefix, app=rc.app
+    )
+    assert answer.ok

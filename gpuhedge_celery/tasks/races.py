@@ -282,9 +282,21 @@ def race_cancel(race_id: str, attempt_id: str, provider: str) -> None:
     runtime().driver.cancel_attempt(race_id, attempt_id)
 
 
-@app.task(name=TASK_RACE_STEP, **_TASK_OPTIONS, **_RETRY_STORE)
+MESSAGE_EVENTS = frozenset({StopRequested.kind})  # what race_step accepts from the broker
+
+
+@app.task(name=TASK_RACE_STEP, throws=(ConfigError,), **_TASK_OPTIONS, **_RETRY_STORE)
 def race_step(race_id: str, event: dict[str, Any]) -> None:
-    """Apply one engine event (``Event.to_dict()`` form) to a race."""
+    """Apply one engine event (``Event.to_dict()`` form) to a race: only an event a caller may
+    send (a stop). What a provider says of its job (a result, a status, a cancel's outcome) is
+    learnt from the provider by the workers themselves, never taken from a message."""
+    kind = event.get("kind") if isinstance(event, dict) else None
+    if kind not in MESSAGE_EVENTS:
+        raise ConfigError(
+            f"race_step takes only {', '.join(sorted(MESSAGE_EVENTS))} from a message, got "
+            f"{str(kind)[:40]!r}: a provider's facts come from the provider",
+            key="event",
+        )
     runtime().driver.step(race_id, event_from_dict(event))
 
 
