@@ -150,3 +150,22 @@ def test_a_body_that_stops_coming_is_answered_408(guarded):
 def test_the_cap_stays_under_the_descriptor_limit():
     assert connection_cap(256) == 96 and connection_cap(1_000_000) == 2048
     assert connection_cap(2**31) == 2048  # an unlimited soft limit
+
+
+def test_idle_kept_alive_connections_make_room_too(guarded):
+    idle = []
+    try:
+        for _ in range(25):  # more than the cap, each served once and then silent
+            s = socket.create_connection(("127.0.0.1", guarded), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"ok":true}'):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            idle.append(s)
+        assert healthz(guarded) == 200  # an idle one was closed to let it in
+    finally:
+        for s in idle:
+            s.close()

@@ -15,8 +15,8 @@ HTTP protocol uvicorn would use with two rules:
   the cap) at a time before any of them is seen, so cap + backlog stays under the limit and
   ``accept`` never fails for want of a descriptor. A connection past the cap closes the
   oldest connection that is still waiting for its headers, or, when every connection is busy
-  with a real request, is closed itself. So the newest client (a provider's delivery, a
-  health probe) gets in.
+  with a real request, is closed itself (an idle kept-alive connection counts as waiting).
+  So the newest client (a provider's delivery, a health probe) gets in.
 
 The body has its own deadline in the application (:data:`~.app.BODY_TIMEOUT_S`).
 """
@@ -80,6 +80,11 @@ def guarded_protocol(cap: int, header_timeout_s: float = HEADER_TIMEOUT_S) -> ty
                 self._disarm()  # a new request's headers are complete
             elif self._deadline is None and between and self._between_requests():
                 self._arm()  # a later request on a kept-alive connection owes its headers
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                waiting[self] = None  # idle: the first to go when a new connection needs room
 
         def _between_requests(self) -> bool:
             return self.cycle is None or bool(getattr(self.cycle, "response_complete", False))
