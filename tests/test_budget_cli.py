@@ -287,3 +287,15 @@ def test_ledger_repair_refuses_a_trimmed_ledger(env, capsys, redis_client):
     code, _, err = run(env, capsys, "ledger", "repair", "--apply")
     assert code == EXIT_FAILED and "the ledger was trimmed (1 of 2 entries left)" in err
     assert ledger.totals() == before
+
+
+def test_ledger_repair_refuses_when_the_ledger_is_gone_but_counters_remain(
+    env, capsys, redis_client
+):
+    spend_yesterday(env, redis_client, 0.42)
+    ledger = BudgetStore(redis_client, env["prefix"])
+    redis_client.delete(ledger.keys.ledger)
+    before = ledger.totals()
+    code, _, err = run(env, capsys, "ledger", "repair", "--apply")
+    assert code == EXIT_FAILED and "the ledger stream is gone" in err
+    assert ledger.totals() == before and before

@@ -126,6 +126,9 @@ def repair(apply: bool, as_json: bool) -> None:
         verb = "repaired" if apply else "differ (run with --apply to repair)"
         click.echo(f"{len(diff)} budget counter(s) {verb}:")
         for name, (found, expected) in diff.items():
+            if name.startswith("o|"):  # a count of over-reported settlements, not money
+                click.echo(f"  {name:<40} redis {found:,}  ledger {expected:,}")
+                continue
             click.echo(f"  {name:<40} redis ${to_usd(found):,.9f}  ledger ${to_usd(expected):,.9f}")
     if diff and not apply:
         raise click.exceptions.Exit(EXIT_FAILED)

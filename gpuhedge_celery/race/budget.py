@@ -36,13 +36,14 @@ from ..core.clock import Clock, WallClock
 from ..core.outcome import ProviderRate
 from ..core.race import Race
 from ..core.settlement import UNPROVEN, ready_to_settle, settle_attempt
-from ..store.budget import BudgetStore, PendingReservation
+from ..store.budget import MAX_NANO, BudgetStore, PendingReservation
 from .attempts import UNKNOWN_SUBMIT
 from .base import find_attempt
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAP_S = 180.0
+MAX_USD = MAX_NANO / 1e9  # a larger reported cost converts as this (the script caps it anyway)
 Items = list[tuple[str, int, str]]  # (attempt id, cost in nano-dollars, source)
 
 
@@ -119,7 +120,7 @@ class RaceBudget:
                 continue
             found = settle_attempt(a, rate, cap_s, reserved, summary)
             # above the reservation: the script settles at it and counts it (o|<provider>)
-            items.append((a.id, to_nano(found.usd), found.source))
+            items.append((a.id, to_nano(min(found.usd, MAX_USD)), found.source))
         return items
 
     def on_step(

@@ -284,10 +284,13 @@ class BudgetStore:
         replaying what is left would undercount what was spent and loosen every lifetime cap."""
         try:
             info = self.client.xinfo_stream(self.keys.ledger)
-        except Exception as e:  # no stream yet: nothing was ever reserved
-            if "no such key" in str(e).lower():
-                return
-            raise
+        except Exception as e:  # no stream: nothing was ever reserved, or it was deleted
+            if "no such key" not in str(e).lower():
+                raise
+            if self.client.hlen(self.keys.totals):
+                raise StoreError("the ledger stream is gone but the counters are not: they "
+                                 "cannot be rebuilt from it") from None  # fmt: skip
+            return
         added, length = info.get("entries-added"), info.get("length")
         if added is None:
             raise StoreError("this Redis does not say whether the ledger was trimmed (Redis 7 "
