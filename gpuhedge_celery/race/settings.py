@@ -80,7 +80,7 @@ GPUHEDGE_PLUGINS                   ""          comma-separated modules every wor
                                                provider adapters register themselves there)
 GPUHEDGE_EVENTS_SHOW_REQUEST       0           1: task events and message headers show a
                                                caller's request as Celery would (its repr);
-                                               0: only its size and digest (Flower shows
+                                               0: only its size (Flower shows
                                                events to whoever reaches it)
 GPUHEDGE_RECORDS_MAXLEN            100000      finished races' records kept in the record
                                                stream (``XADD MAXLEN ~``: about this many,
@@ -100,8 +100,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..envvars import env_flag, env_number
 from ..errors import ConfigError
-
-_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+from ..plugins import MODULE_RE
 
 
 def receipt_ttl_s(env: Mapping[str, str]) -> float:
@@ -192,7 +191,7 @@ class RaceSettings:
             p.strip() for p in (env.get("GPUHEDGE_PLUGINS") or "").split(",") if p.strip()
         )
         for module in plugins:
-            if not _MODULE_RE.match(module):
+            if not MODULE_RE.match(module):
                 raise ConfigError(f"expected a module path, got {module!r}", key="GPUHEDGE_PLUGINS")
         return cls(
             receipt_ttl_s=receipt_ttl_s(env),

@@ -47,6 +47,8 @@ GPU_QUEUE_PREFIX = "gpuhedge.gpu."
 
 TASK_POOLED_INFER = "gpuhedge.pooled_infer"
 TASK_GPU_RUN = "gpuhedge.gpu_run"
+# the worker request of a task that carries a caller's request (tasks/redaction.py)
+REDACTED_REQUEST = "gpuhedge_celery.tasks.redaction:RedactedRequest"
 TASK_RECONCILE = "gpuhedge.reconcile"
 TASK_JANITOR = "gpuhedge.janitor"
 BEAT_SCHEDULER = "gpuhedge_celery.tasks.beat:Scheduler"  # makes the schedule file's directory

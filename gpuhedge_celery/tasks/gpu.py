@@ -31,7 +31,7 @@ from ..runners import RunContext, Runner, RunnerStopped, RunnerUnavailable, runn
 from ..store.connection import wait_for_redis
 from ..store.leases import GpuInfo, Lease, LeaseKeeper, LeaseStore
 from ..store.outage import OUTAGE_WAIT_S, through_outage
-from .app import TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
+from .app import REDACTED_REQUEST, TASK_GPU_RUN, TASK_POOLED_INFER, app, glue_config
 from .cancel import StopWatch
 from .gpu_steps import STOPPED, RunningRecord, begin, clear_running, finish
 from .model_host import wait_ready
@@ -165,6 +165,7 @@ def already_done(task: Task) -> tuple[bool, Any]:
     reject_on_worker_lost=True,
     # An exception is a result (the caller sees it); only a dead worker re-queues the message.
     acks_on_failure_or_timeout=True,
+    Request=REDACTED_REQUEST,  # inspect shows the request's size, not the request
 )
 def gpu_run(
     self: Task,

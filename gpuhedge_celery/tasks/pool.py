@@ -35,7 +35,7 @@ from ..errors import (
 from ..metrics import record as metrics
 from ..store.outage import through_outage
 from ..store.pooled import DUPLICATE, HANDED, SUPERSEDED
-from .app import TASK_POOLED_INFER, app, glue_config, gpu_queue
+from .app import REDACTED_REQUEST, TASK_POOLED_INFER, app, glue_config, gpu_queue
 from .cancel import stop_requested
 from .gpu import already_done, gpu_run, lease_store
 from .pooled_args import check_arguments, check_request_size
@@ -92,6 +92,7 @@ def _acquire_through_outages(
     reject_on_worker_lost=True,
     acks_on_failure_or_timeout=True,
     throws=(ConfigError, UnknownPool),  # a caller's bad arguments: one WARNING line, no traceback
+    Request=REDACTED_REQUEST,  # inspect shows the request's size, not the request
 )
 def pooled_infer(
     self: Task,

@@ -1,15 +1,20 @@
-"""A caller's request stays out of task events and message headers: its size and digest go in.
+"""A caller's request stays out of task events, message headers and ``inspect``: its size goes in.
 
 Celery puts a ``repr`` of every task's arguments in the message headers (``argsrepr``) and in
 the ``task-received`` event a worker sends (Flower shows it, to anyone who reaches Flower). A
 request may hold anything a user sent (a name, a document, an ID number), so for the tasks that
-carry one (``hedged_infer``, ``pooled_infer``, ``gpu_run``) both show ``<request: N bytes,
-sha256 …>`` instead:
+carry one (``hedged_infer``, ``pooled_infer``, ``gpu_run``) these show ``<request: N bytes>``
+instead:
 
 * ``before_task_publish`` (the sending process: a client, a worker dispatching to a GPU)
   rewrites the headers before the message leaves;
 * ``task_received`` (the worker, before its ``task-received`` event) does the same for a
-  message a foreign app sent by name with Celery's default ``argsrepr``.
+  message a foreign app sent by name with Celery's default ``argsrepr``;
+* :class:`RedactedRequest`, these tasks' request class, answers ``inspect active`` /
+  ``reserved`` (Flower's worker page) with the same summaries instead of the raw arguments.
+
+Celery's ``task-sent`` event (off unless ``task_send_sent_event`` is set) is built before the
+publish signal and still carries Celery's repr: leave it off where Flower is shared.
 
 ``GPUHEDGE_EVENTS_SHOW_REQUEST=1`` keeps Celery's own reprs (a trusted, private Flower).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import signals
+from celery.worker.request import Request
 
 from ..race.spec import request_summary
 from .app import TASK_GPU_RUN, TASK_POOLED_INFER
@@ -43,7 +49,21 @@ def summarised_kwargs(kwargs: Any) -> str:
 
 
 def _redacting() -> bool:
-    return not race_settings().events_show_request
+    try:
+        return not race_settings().events_show_request
+    except Exception:  # a settings error must not publish a request in the clear
+        return True
+
+
+class RedactedRequest(Request):
+    """The worker's request for a task that carries a caller's request: ``inspect`` shows
+    summaries, never the arguments themselves."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        found = super().info(safe=safe)
+        if _redacting():
+            found["args"], found["kwargs"] = self._argsrepr, self._kwargsrepr
+        return found
 
 
 @signals.before_task_publish.connect
@@ -52,13 +72,19 @@ def _redact_published(sender: Any = None, body: Any = None, headers: Any = None,
     if sender not in REQUEST_TASKS or not isinstance(headers, dict) or not _redacting():
         return
     if isinstance(body, (tuple, list)) and len(body) >= 2:  # task protocol 2: (args, kwargs, ..)
-        headers["argsrepr"] = summarised_args(body[0])
-        headers["kwargsrepr"] = summarised_kwargs(body[1])
+        try:
+            headers["argsrepr"] = summarised_args(body[0])
+            headers["kwargsrepr"] = summarised_kwargs(body[1])
+        except Exception:  # never the request in the clear
+            headers["argsrepr"] = headers["kwargsrepr"] = "<redacted>"
 
 
 @signals.task_received.connect
 def _redact_received(request: Any = None, **_: Any) -> None:
     if getattr(request, "name", None) not in REQUEST_TASKS or not _redacting():
         return
-    request._argsrepr = summarised_args(request.args)  # noqa: SLF001 - read by its event next
-    request._kwargsrepr = summarised_kwargs(request.kwargs)  # noqa: SLF001
+    try:
+        request._argsrepr = summarised_args(request.args)  # noqa: SLF001 - read by its event next
+        request._kwargsrepr = summarised_kwargs(request.kwargs)  # noqa: SLF001
+    except Exception:  # never the request in the clear
+        request._argsrepr = request._kwargsrepr = "<redacted>"  # noqa: SLF001
