@@ -12,7 +12,7 @@ import redis
 from gpuhedge_celery.core.attempts import Attempt, Phase
 from gpuhedge_celery.core.budget import BudgetCaps, to_nano
 from gpuhedge_celery.core.clock import VirtualClock
-from gpuhedge_celery.core.jobs import JobHandle, JobState
+from gpuhedge_celery.core.jobs import JobState
 from gpuhedge_celery.errors import ProviderProtocolError, StoreError
 from gpuhedge_celery.providers.base import MAX_REPORTED_MS, reported_ms
 from gpuhedge_celery.race.budget import RaceBudget
@@ -128,14 +128,20 @@ def test_a_reported_duration_must_be_a_believable_number_of_ms(value, ok):
 
 
 @pytest.mark.parametrize("execution", [1e12, 1e20])
-def test_a_runpod_webhook_with_an_absurd_execution_time_is_a_protocol_error(runpod, execution):
+def test_a_runpod_webhooks_own_figures_are_never_priced(runpod, execution):
+    """A delivery only wakes the race: RunPod's /status answer is what is applied, so the
+    body's executionTime, however absurd, reaches no receipt and no ledger."""
+    import time
+
     from tests.support.runpod_fake import runpod_provider
 
     p = runpod_provider(runpod)
-    h = JobHandle(provider="rp", job_id="job-1", submitted_at=0.0, extra={"endpoint": "ep1"})
-    body = {"id": "job-1", "status": "COMPLETED", "executionTime": execution, "output": {}}
-    with pytest.raises(ProviderProtocolError, match="executionTime"):
-        p.webhook_result(h, body)
+    h = p.submit({"runpod_fake": {"*": {"queue_s": 0.0, "run_s": 0.05}}})
+    time.sleep(0.3)  # the job has ended at the fake
+    body = {"id": h.job_id, "status": "COMPLETED", "executionTime": execution, "output": {}}
+    result = p.webhook_result(h, body)
+    assert result.state is JobState.COMPLETED
+    assert 40 <= result.metrics["execution_ms"] <= 1000  # the fake's own figure
 
 
 @pytest.mark.parametrize("reported", [1e12, -5.0])

@@ -285,9 +285,10 @@ class RunpodProvider(Provider):
         if body.get("id") != handle.job_id:
             other = repr(body.get("id"))[:80]
             raise ProviderProtocolError(self.name, f"{where}: it names job {other}, not this one")
-        for field in ("delayTime", "executionTime"):
-            reported_ms(self.name, where, field, body.get(field))
-        state, data = self._status(handle, max_block_s=WEBHOOK_READ_S)
+        try:  # the body's own figures are never used: RunPod's answer is
+            state, data = self._status(handle, max_block_s=WEBHOOK_READ_S)
+        except ProviderError as e:  # RunPod could not be asked now: the delivery is retried
+            raise ProviderError(self.name, f"{where}: not verified: {_text(e)}") from e
         if not state.terminal:
             return None
         event = LifecycleEvent(self.elapsed_ms(handle), state.value.lower(), "webhook")

@@ -42,7 +42,7 @@ from ..core.race_events import StopRequested, event_from_dict
 from ..errors import ConfigError, GpuHedgeError, StoreError
 from ..race.spec import build_spec, check_request
 from ..store.outage import through_outage
-from .app import QUEUE_ATTEMPTS, QUEUE_COORD, app, glue_config
+from .app import QUEUE_ATTEMPTS, QUEUE_COORD, REDACTED_REQUEST, app, glue_config
 from .pool import celery_safe
 from .race_runtime import (  # the runtime's names are re-exported: see __all__
     TASK_HEDGED_INFER,
@@ -182,7 +182,7 @@ _RETRY_STORE: dict[str, Any] = {
 
 # a caller's bad arguments: one WARNING line on the worker, no traceback (tasks/signals.py)
 @app.task(bind=True, base=RaceTask, name=TASK_HEDGED_INFER, throws=(ConfigError,),
-          **_TASK_OPTIONS)  # fmt: skip
+          Request=REDACTED_REQUEST, **_TASK_OPTIONS)  # fmt: skip
 def hedged_infer(
     self: Task,
     request: Any,
@@ -297,7 +297,7 @@ def race_step(race_id: str, event: dict[str, Any]) -> None:
             f"{str(kind)[:40]!r}: a provider's facts come from the provider",
             key="event",
         )
-    runtime().driver.step(race_id, event_from_dict(event))
+    _worker_runtime().driver.step(race_id, event_from_dict(event))
 
 
 @signals.worker_ready.connect

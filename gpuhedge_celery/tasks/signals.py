@@ -30,8 +30,9 @@
   model server and the health sampler.
 * ``worker_shutting_down`` (SIGTERM: a warm shutdown begins): wake the worker's event loop so
   it stops at once instead of at kombu's next timer (up to 10 s on RabbitMQ).
-* ``after_setup_logger``: httpx's and httpcore's request lines stay out of the log (they hold
-  URLs with credentials: :func:`~gpuhedge_celery.secrets.quiet_http_client_logs`).
+* ``celeryd_init``, ``after_setup_logger``, ``worker_process_init``: httpx's and httpcore's
+  request lines stay out of the log (they hold URLs with credentials:
+  :func:`~gpuhedge_celery.secrets.quiet_http_client_logs`), whoever sets up logging.
 * ``task_failure``: a task of ours that failed with an error it declares expected
   (``throws``: a caller's bad arguments to ``hedged_infer`` or ``pooled_infer``) is logged as
   one WARNING line naming the task and the error; Celery's own line for it (INFO, "raised
@@ -302,7 +303,9 @@ class ExpectedFailureFilter(logging.Filter):
 logging.getLogger("celery.app.trace").addFilter(ExpectedFailureFilter())
 
 
-@signals.after_setup_logger.connect
+@signals.celeryd_init.connect
+@signals.after_setup_logger.connect  # sent only when no app has its own setup_logging
+@signals.worker_process_init.connect
 def _quiet_http_clients(**_: Any) -> None:
     quiet_http_client_logs()
 
