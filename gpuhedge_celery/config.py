@@ -22,7 +22,7 @@ import yaml
 
 from .config_budget import parse_budget
 from .core.budget import BudgetCaps, CapConflict, PlannedAttempt, cap_conflicts
-from .errors import ConfigError
+from .errors import ConfigError, PluginNotImported
 from .plugins import dry as plugins_dry
 from .plugins import load as load_plugins
 from .plugins import loaded as plugin_loaded
@@ -147,10 +147,10 @@ class GpuHedgeConfig:
         spec = spec or self.policy.name
         if spec.split(":", 1)[0] in registered_policies() and ":" in spec:
             return parse_policy(spec)
-        cls = _policy_class(spec, None)
+        cls = _policy_class(spec, None, unchecked=plugins_dry() and bool(self.plugins))
         if cls is None:
-            raise ConfigError(f"policy {spec!r} is a plugin's, not imported by config check",
-                              key="policy")  # fmt: skip
+            raise PluginNotImported(f"policy {spec!r} is a plugin's, not imported here",
+                                    key="policy")  # fmt: skip
         params = self.policy.params if spec == self.policy.name else {}
         args: dict[str, Any] = {}
         for arg, parameter in _policy_args(cls).items():
@@ -363,8 +363,9 @@ def _parse_policy(
     name = block.string("name", "fixed" if has_hedge or not providers else "single")
     cls = _policy_class(name, block, unchecked=unchecked)
     if cls is None:  # a plugin's kind under config check: its parameters are not checked
-        params_block = block.mapping("params")
-        return PolicyConfig(name=name, params=dict(params_block.data))
+        params = dict(block.mapping("params").data)
+        block.finish()
+        return PolicyConfig(name=name, params=params)
     allowed = _policy_args(cls)
     params_block = block.mapping("params")
     params: dict[str, Any] = {}

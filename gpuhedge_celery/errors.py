@@ -5,6 +5,7 @@ catch as coarsely or as finely as it needs::
 
     GpuHedgeError
     ├── ConfigError            bad YAML, unknown key, wrong type, unset ${ENV}
+    │   └── PluginNotImported  a plugin's name, met where plugin code does not run (config check)
     ├── StoreError             anything about the Redis store
     │   ├── StoreUnavailable   Redis unreachable (connection refused, timeout, auth)
     │   └── NotificationsUnavailable  CONFIG forbidden: keyspace events cannot be enabled
@@ -67,6 +68,11 @@ class ConfigError(GpuHedgeError):
         elif key:
             where = f"{key}: "
         super().__init__(f"{where}{message}")
+
+
+class PluginNotImported(ConfigError):
+    """A policy or adapter a plugin provides was needed where no plugin code runs (``config
+    check``, ``config show``): not an error in the file, but nothing to check it against."""
 
 
 class StoreError(GpuHedgeError):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..errors import ConfigError, GpuHedgeError
+from ..errors import ConfigError, GpuHedgeError, PluginNotImported
 
 if TYPE_CHECKING:
     from ..config import GpuHedgeConfig
@@ -50,9 +50,7 @@ def check(file: str | None, strict: bool) -> None:
         unchecked = unimported_plugins(cfg)
         try:
             warnings = [w.text() for w in cap_warnings(cfg)]
-        except ConfigError:
-            if not unchecked:
-                raise
+        except PluginNotImported:
             warnings = []  # the policy is a plugin's: the workers check its attempts
     providers = ", ".join(
         f"{p.name} ({p.role}{'' if p.deployed else ', not deployed'})"

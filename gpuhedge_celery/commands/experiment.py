@@ -59,7 +59,7 @@ def arm_worst_cases(plan: Prereg, cfg: Any) -> dict[str, float]:
             spec = build_spec(cfg, arm.policy, names, None, None, arm.name)
         except ConfigError as e:
             raise ConfigError(str(e), file=plan.source, key=f"arms[{i}]") from None
-        found[arm.name] = worst_case(spec, cfg.budget)[1]
+        found[arm.name] = worst_case(spec, cfg.budget, cfg)[1]
     return found
 
 

@@ -38,7 +38,7 @@ def _request(text: str) -> dict[str, Any]:
     return data
 
 
-def worst_case(spec: Any, caps: Any) -> tuple[list[str], float]:
+def worst_case(spec: Any, caps: Any, cfg: Any = None) -> tuple[list[str], float]:
     """Lines describing a race's providers and worst cases, and the request's worst case; a
     ``warning:`` line for each attempt a budget cap would refuse (config check's wording)."""
     from ..core.budget import PlannedAttempt, cap_conflicts
@@ -47,7 +47,8 @@ def worst_case(spec: Any, caps: Any) -> tuple[list[str], float]:
     lines, total, planned = [f"policy: {spec.policy.name}"], 0.0, []
     for name in spec.policy.providers():
         rate = spec.rates[name]
-        a = PlannedAttempt(name, roles.get(name, "primary"), spec.caps_s[name],
+        role = roles.get(name) or (cfg.provider(name).role if cfg is not None else "primary")
+        a = PlannedAttempt(name, role, spec.caps_s[name],
                            rate["rate_per_s"], rate["idle_s"])  # fmt: skip
         planned.append(a)
         total += a.worst_case_usd
@@ -140,7 +141,7 @@ def gated_request(request: str, policy: str | None, providers: str | None,
     cfg = root_config()
     names = [n.strip() for n in providers.split(",")] if providers else None
     spec = build_spec(cfg, policy, names, None, budget_key)
-    lines, worst = worst_case(spec, cfg.budget)
+    lines, worst = worst_case(spec, cfg.budget, cfg)
     gate(go, [f"would race a {len(json.dumps(body))}-byte request", *lines], worst)
     check_redis()
     return cfg, body, names

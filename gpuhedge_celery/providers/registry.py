@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import plugins
-from ..errors import ConfigError
+from ..errors import ConfigError, PluginNotImported
 from .base import Provider
 from .options import Block
 from .provider_config import ROLES, ProviderConfig
@@ -140,6 +140,6 @@ def build_provider(name: str, cfg: ProviderConfig | Mapping[str, Any], **kwargs:
         cfg = cfg.renamed(name)
     cls = adapter_class(cfg.adapter, key=f"providers.{name}.adapter", file=cfg.source)
     if cls is None:
-        raise ConfigError(f"adapter {cfg.adapter!r} is a plugin's, not imported by config check",
-                          file=cfg.source, key=f"providers.{name}.adapter")  # fmt: skip
+        raise PluginNotImported(f"adapter {cfg.adapter!r} is a plugin's, not imported here",
+                                file=cfg.source, key=f"providers.{name}.adapter")  # fmt: skip
     return cls.from_config(cfg, **kwargs)
