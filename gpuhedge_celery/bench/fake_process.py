@@ -62,6 +62,11 @@ class FakeProcess:
     def stats(self) -> dict[str, Any]:
         return self._admin.get("/admin/stats").json()
 
+    def truth(self) -> dict[str, dict[str, Any]]:
+        """Every job's billing truth as the fake keeps it (``GET /admin/truth``): job id ->
+        submitted, started (None: never left the queue), stopped_by_cancel, ended_at, billed_s."""
+        return self._admin.get("/admin/truth").json()
+
     def configure(self, **changes: Any) -> None:
         self._admin.post("/admin/config", json=changes).raise_for_status()
 

@@ -14,6 +14,7 @@ and prints ``READY <port>``; :class:`FakeRunpod` starts and drives one. Any endp
                                        ``window_s`` window, 429s, injected faults; CPU
 ``POST /admin/config`` / ``/reset``    merge knobs / forget jobs, counters and changes
 ``GET  /admin/jobs/<ep>/<id>``         a job's true state; ``GET /admin/live``: jobs not ended
+``GET  /admin/truth``                  every job's billing truth (:meth:`Job.truth`)
 =====================================  ===================================================
 
 Jobs go ``IN_QUEUE`` -> ``IN_PROGRESS`` -> ``COMPLETED`` (or the ``outcome``) on the server's
@@ -93,7 +94,7 @@ def draw(spec: Any, rng: random.Random) -> float:
 
 class Job:
     __slots__ = ("id", "ep", "submitted", "queue_s", "run_s", "outcome", "output",
-                 "cancelled_at", "stop_at", "options")  # fmt: skip
+                 "cancelled_at", "stop_at", "options", "cancel_refusals")  # fmt: skip
 
     def __init__(self, ep: str, submitted: float, queue_s: float, run_s: float, outcome: str,
                  output: Any):  # fmt: skip
@@ -103,6 +104,34 @@ class Job:
         self.cancelled_at: float | None = None
         self.stop_at: float | None = None
         self.options: dict[str, Any] = {}  # what came with the input: policy, webhook
+        self.cancel_refusals = 0  # cancels answered with an injected fault or a 429
+
+    def truth(self, now: float) -> dict[str, Any]:
+        """What RunPod bills for this job: its worker runs from the end of its queue to its
+        end or its cancel's stop (``billed_s``, the idle window apart); times are this
+        server's monotonic seconds. ``billed_s`` is what ``executionTime`` reports."""
+        start = self.submitted + self.queue_s
+        end = start + self.run_s
+        queued_cancel = self.cancelled_at is not None and self.cancelled_at < start
+        stopped = self.stop_at is not None and self.stop_at < end
+        if queued_cancel:
+            started, ended_at = None, self.cancelled_at
+        else:
+            started, ended_at = start, min(end, self.stop_at) if stopped else end
+        ended = ended_at is not None and now >= ended_at
+        billed = 0.0 if started is None else max(0.0, min(ended_at, now) - started)
+        return {
+            "endpoint": self.ep,
+            "submitted": self.submitted,
+            "started": started,
+            "stopped_by_cancel": queued_cancel or stopped,
+            "ended": ended,
+            "ended_at": ended_at if ended else None,
+            "billed_s": billed,
+            "cancel_requested_at": self.cancelled_at,
+            "cancel_refusals": self.cancel_refusals,
+            "status": self.view(now)[0],
+        }
 
     def view(self, now: float) -> tuple[str, float | None, float | None, float | None]:
         """(status, delayTime ms, executionTime ms, terminal since) at server time ``now``."""
@@ -193,12 +222,16 @@ class Fake:
         limit = (self.config.get("limits") or {}).get(route)
         if self.config.get("enforce_limits") and limit and len(counter.accepted) >= limit:
             counter.limited += 1
+            if route == "cancel" and job_id in self.jobs:
+                self.jobs[job_id].cancel_refusals += 1
             wait = counter.accepted[0] + float(self.config["window_s"]) - now
             return 429, {"error": "rate limited"}, {"Retry-After": str(max(1, math.ceil(wait)))}
         counter.accepted.append(now)
         fault = self.fault(route)
         if fault is not None:
             counter.faults += 1
+            if route == "cancel" and job_id in self.jobs:
+                self.jobs[job_id].cancel_refusals += 1
             return fault
         if route == "run" and method == "POST":
             return self.run(ep, body, now)
@@ -349,6 +382,8 @@ class Fake:
         if parts == ["reset"] and method == "POST":
             self.reset()
             return 200, {"ok": True}, {}
+        if parts == ["truth"]:
+            return 200, {j.id: j.truth(now) for j in self.jobs.values()}, {}
         if parts == ["live"]:
             live = [j.id for j in self.jobs.values() if j.view(now)[0] not in TERMINAL]
             return 200, {"live": live}, {}

@@ -20,6 +20,7 @@
                                                                else ``404`` (route ``app``)
 ``GET /admin/stats``, ``POST /admin/config`` / ``reset``   counters (routes, webhooks), knobs
 ``GET /admin/runs/<id>``                                   a run's true state
+``GET /admin/truth``                                       every run's billing truth
 =========================================================  ====================================
 
 The inference route takes ``api_key`` as its bearer token; the management routes take
@@ -75,8 +76,44 @@ def default_config() -> dict[str, Any]:
 
 
 class Run:
-    __slots__ = ("id", "start", "end", "outcome", "output", "webhook", "cancelled_at",
-                 "finish_after_cancel", "body")  # fmt: skip
+    __slots__ = ("id", "submitted", "start", "end", "outcome", "output", "webhook",
+                 "cancelled_at", "finish_after_cancel", "body", "cancel_refusals")  # fmt: skip
+
+    def truth(self, now: float) -> dict[str, Any]:
+        """What Cerebrium bills for this run: from its start to its end, or to the cancel that
+        stopped it (``finish_after_cancel``: a cancelled running run runs on to its end and
+        still posts its result, a late result); a run cancelled while queued never starts."""
+        queued_cancel = self.cancelled_at is not None and self.cancelled_at < self.start
+        stopped = (
+            self.cancelled_at is not None
+            and not queued_cancel
+            and not self.finish_after_cancel
+            and self.cancelled_at < self.end
+        )
+        if queued_cancel:
+            started, ended_at = None, self.cancelled_at
+        else:
+            started, ended_at = self.start, self.cancelled_at if stopped else self.end
+        ended = now >= ended_at
+        billed = 0.0 if started is None else max(0.0, min(ended_at, now) - started)
+        late = (
+            self.cancelled_at is not None
+            and not queued_cancel
+            and not stopped
+            and self.cancelled_at < self.end
+        )
+        return {
+            "submitted": self.submitted,
+            "started": started,
+            "stopped_by_cancel": queued_cancel or stopped,
+            "ended": ended,
+            "ended_at": ended_at if ended else None,
+            "billed_s": billed,
+            "cancel_requested_at": self.cancelled_at,
+            "cancel_refusals": self.cancel_refusals,
+            "late_result": late,
+            "status": self.state(now),
+        }
 
     def state(self, now: float) -> str:
         if self.cancelled_at is not None and not (
@@ -138,11 +175,13 @@ class Fake:
             recent = [t for t in self.recent.get(route, []) if t > now - window]
             if len(recent) >= int(limit):
                 self.counts["limited_429"] = self.counts.get("limited_429", 0) + 1
+                self._refused(route, parts)
                 return 429, {"message": "Too many requests"}
             self.recent[route] = [*recent, now]
         found = self.fault(route)
         if found is not None:
             kind, f = found
+            self._refused(route, parts)
             if kind == "errors":
                 return int(f.get("error_code", 500)), {"message": f.get("error_message",
                                                                       "injected")}  # fmt: skip
@@ -162,6 +201,7 @@ class Fake:
             c = self.config
             run = Run()
             run.id = str(uuid.uuid4())
+            run.submitted, run.cancel_refusals = now, 0
             run.start = now + (float(forced["queue_s"]) if "queue_s" in forced
                                else draw(c["queue_s"], self.rng))  # fmt: skip
             run.end = run.start + (float(forced["run_s"]) if "run_s" in forced
@@ -187,6 +227,12 @@ class Fake:
                 run.cancelled_at = now
             return 200, {"run_id": run.id, "status": "cancelled"}
         return 404, {"message": "no such route"}
+
+    def _refused(self, route: str, parts: list[str]) -> None:
+        """Count a cancel answered with a fault or a 429 against its run (the truth's)."""
+        run = self.runs.get(parts[-1]) if route == "cancel" and len(parts) == 7 else None
+        if run is not None:
+            run.cancel_refusals += 1
 
     def _hook(self, run: Run) -> Any:
         def fire() -> Any:
@@ -217,6 +263,9 @@ class Fake:
         if parts == ["reset"] and method == "POST":
             self.reset()
             return 200, {"ok": True}
+        if parts == ["truth"]:
+            now = time.monotonic()
+            return 200, {r.id: r.truth(now) for r in self.runs.values()}
         if len(parts) == 2 and parts[0] == "runs" and parts[1] in self.runs:
             run = self.runs[parts[1]]
             seen = {"cancelled": run.cancelled_at is not None, "webhook": run.webhook}
