@@ -10,7 +10,14 @@
         runpod: {max_usd_per_day: 10, max_usd_total: 200}
       keys:                           # optional, per budget key (hedged_infer(..., budget_key=))
         tenant-a: {max_usd_per_day: 5}
-        "*": {max_usd_per_day: 1}     # every key not listed, each on its own
+        shared: {max_usd_per_day: 1}
+      default_key: shared             # required with keys: a request naming no key is charged to it
+      unknown_keys: refuse            # refuse (default) or default: an unlisted key is charged
+                                      # to default_key (sharing its caps)
+
+With ``keys`` set every race is charged to one of them, so key caps always apply: a caller
+cannot skip them by naming no key, nor open a fresh cap by naming a new one. ``"*"`` is refused
+(it gave every unlisted key a cap of its own).
 
 A config naming any provider whose adapter spends money (every adapter but ``sim``) without
 ``ceiling_usd`` is refused: a one-line error naming the provider.
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .core.budget import ANY_KEY, KEY_RE, BudgetCaps, ScopeCap
+from .core.budget import ANY_KEY, KEY_RE, UNKNOWN_KEYS, BudgetCaps, ScopeCap
 from .errors import ConfigError
 from .providers.options import Block
 from .providers.provider_config import ProviderConfig
@@ -55,17 +62,37 @@ def parse_budget(root: Block, providers: Mapping[str, ProviderConfig]) -> Budget
     by_key = block.mapping("keys")
     key_caps: dict[str, ScopeCap] = {}
     for name in by_key.data:
-        if not isinstance(name, str) or not (name == ANY_KEY or KEY_RE.match(name)):
+        if name == ANY_KEY:
+            raise by_key.error(
+                ANY_KEY, "not accepted: it gives every unlisted key a fresh cap of its own; list "
+                "each key, and set default_key (and unknown_keys: default to charge unlisted "
+                "keys to it)",
+            )  # fmt: skip
+        if not isinstance(name, str) or not KEY_RE.match(name):
             raise by_key.error(
                 str(name), "expected a budget key of 1-100 letters, digits, '_', '-', '.', ':'"
             )
         key_caps[name] = _scope(by_key, name)
+    default_key = block.string("default_key", None)
+    unknown_keys = block.string("unknown_keys", "refuse", choices=UNKNOWN_KEYS)
     block.finish()
+    if key_caps and default_key is None:
+        raise block.error(
+            "default_key", f"required with budget.keys: a request naming no key is charged to "
+            f"it, so key caps always apply (one of: {', '.join(key_caps)})",
+        )  # fmt: skip
+    if default_key is not None and default_key not in key_caps:
+        known = ", ".join(key_caps) or "none"
+        raise block.error("default_key", f"no key {default_key!r} in budget.keys (known: {known})")
+    if unknown_keys == "default" and default_key is None:
+        raise block.error("unknown_keys", "'default' needs budget.default_key")
     if per_request is not None and ceiling is not None and per_request > ceiling:
         raise block.error(
             "max_usd_per_request", f"${per_request:g} is above ceiling_usd ${ceiling:g}"
         )
-    caps = BudgetCaps(per_request, per_day, ceiling, provider_caps, key_caps)
+    caps = BudgetCaps(
+        per_request, per_day, ceiling, provider_caps, key_caps, default_key, unknown_keys
+    )
     paid = [p.name for p in providers.values() if spends_money(p)]
     if paid and ceiling is None:
         raise block.error(

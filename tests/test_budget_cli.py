@@ -70,6 +70,7 @@ budget:
   ceiling_usd: 100
   providers: {{m: {{max_usd_per_day: 3}}}}
   keys: {{tenant-a: {{max_usd_per_day: 1}}}}
+  default_key: tenant-a
 """
 YESTERDAY = utc_day(time.time() - 86400)
 

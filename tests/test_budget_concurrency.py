@@ -32,7 +32,9 @@ CONFIG = (
     h: {max_usd_per_day: 0.25}
   keys:
     k0: {max_usd_total: 0.1}     # its first race cannot afford its hedge
-    "*": {max_usd_per_day: 0.6}
+    k1: {max_usd_per_day: 0.6}
+    k2: {max_usd_per_day: 0.6}
+  default_key: k1
 validator: wav
 """
 )

@@ -28,12 +28,14 @@ def test_every_cap_is_parsed():
   max_usd_per_day: 20
   ceiling_usd: 400
   providers: {h: {max_usd_per_day: 5, max_usd_total: 50}}
-  keys: {tenant-a: {max_usd_per_day: 2}, "*": {max_usd_total: 1}}
+  keys: {tenant-a: {max_usd_per_day: 2}, shared: {max_usd_total: 1}}
+  default_key: shared
+  unknown_keys: default
 """
     )
     assert cfg.budget == BudgetCaps(
         0.1, 20.0, 400.0, {"h": ScopeCap(5.0, 50.0)},
-        {"tenant-a": ScopeCap(2.0, None), "*": ScopeCap(None, 1.0)},
+        {"tenant-a": ScopeCap(2.0, None), "shared": ScopeCap(None, 1.0)}, "shared", "default",
     )  # fmt: skip
     assert cfg.budget.enabled and cfg.budget_usd_per_request == 0.1
     assert not parse_config_text(SIM).budget.enabled  # no cap: budgets off
@@ -58,6 +60,16 @@ def test_every_cap_is_parsed():
          "no provider 'x' (known: p, h)"),
         (SIM + "budget: {providers: {p: {}}}\n", "budget.providers.p",
          "expected max_usd_per_day and/or max_usd_total"),
+        (SIM + "budget: {keys: {a: {max_usd_per_day: 1}}}\n", "budget.default_key",
+         "required with budget.keys: a request naming no key is charged to it"),
+        (SIM + "budget: {keys: {a: {max_usd_per_day: 1}}, default_key: b}\n",
+         "budget.default_key", "no key 'b' in budget.keys (known: a)"),
+        (SIM + "budget: {keys: {a: {max_usd_per_day: 1}, '*': {max_usd_per_day: 1}}, "
+         "default_key: a}\n", "budget.keys.*", "not accepted: it gives every unlisted key"),
+        (SIM + "budget: {keys: {a: {max_usd_per_day: 1}}, default_key: a, unknown_keys: x}\n",
+         "budget.unknown_keys", "expected one of refuse, default, got 'x'"),
+        (SIM + "budget: {ceiling_usd: 1, unknown_keys: default}\n", "budget.unknown_keys",
+         "'default' needs budget.default_key"),
         (SIM + "budget: {providers: {p: {per_day: 1}}}\n", "budget.providers.p.per_day",
          "unknown key"),
         (SIM + "budget: {keys: {'a b': {max_usd_per_day: 1}}}\n", "budget.keys.a b",
@@ -92,8 +104,12 @@ def test_shipped_configs_that_spend_money_all_have_a_ceiling():
 def test_budget_keys_are_checked_when_a_race_is_asked_for():
     from gpuhedge_celery.race.spec import build_spec
 
-    cfg = parse_config_text(SIM + "budget: {keys: {tenant-a: {max_usd_per_day: 1}}}\n")
+    cfg = parse_config_text(
+        SIM + "budget: {keys: {tenant-a: {max_usd_per_day: 1}, shared: {max_usd_per_day: 1}}, "
+        "default_key: shared}\n"
+    )
     assert build_spec(cfg, budget_key="tenant-a").budget_key == "tenant-a"
+    assert build_spec(cfg).budget_key == "shared"  # naming no key skips no key cap
     with pytest.raises(ConfigError, match=r"^budget_key: no budget for key 'tenant-b'"):
         build_spec(cfg, budget_key="tenant-b")
     with pytest.raises(ConfigError, match=r"^budget_key: expected 1-100 letters"):

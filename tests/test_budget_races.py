@@ -31,7 +31,8 @@ CONFIG = (
   ceiling_usd: 100
   keys:
     tiny: {max_usd_total: 0.01}
-    "*": {max_usd_per_day: 5}
+    tenant-a: {max_usd_per_day: 5}
+  default_key: tenant-a
 validator: wav
 """
 )
@@ -147,6 +148,22 @@ def test_an_unknown_budget_key_is_a_one_line_error(budget_cluster):
     with pytest.raises(ConfigError) as caught:
         rc.send({}, budget_key="no spaces allowed").get(timeout=30)
     assert "budget_key" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_key_not_in_the_config_is_refused_and_no_key_is_charged_to_the_default(
+    budget_cluster,
+):
+    rc = budget_cluster
+    with pytest.raises(ConfigError) as caught:
+        rc.send({}, budget_key="tenant-new").get(timeout=30)
+    line = str(caught.value)
+    assert line.startswith("budget_key: no budget for key 'tenant-new'") and "\n" not in line
+    res = rc.send({"sim": {"p": {"queue_s": 0.5, "run_s": 2}}}, policy="single")
+    assert res.get(timeout=30)["winner"] == "p"
+    receipt = rc.receipt(res.id)
+    assert receipt["budget_key"] == "tenant-a"  # the config's default_key
+    keys = {e["key"] for _, e in rc.budget.entries() if e.get("race") == res.id}
+    assert keys == {"tenant-a"}
 
 
 def test_every_attempt_settles_and_the_ledger_adds_up(budget_cluster):

@@ -92,18 +92,67 @@ def test_per_request_counts_one_race_only(ledger):
     assert reserve(rb, "r2", attempt("a1"), state()).granted  # another request: its own cap
 
 
-def test_per_key_caps_and_the_any_key_entry(ledger):
-    caps = BudgetCaps(keys={"tenant-a": ScopeCap(max_usd_total=0.13), "*": ScopeCap(0.2)})
+def test_per_key_caps(ledger):
+    caps = BudgetCaps(
+        keys={"tenant-a": ScopeCap(max_usd_total=0.13), "shared": ScopeCap(0.2)},
+        default_key="shared",
+    )
     rb = budget(ledger, caps)
     assert reserve(rb, "r1", attempt(), state("tenant-a")).granted
     refused = reserve(rb, "r2", attempt(), state("tenant-a"))
     assert refused.cap == "keys.tenant-a.max_usd_total"
-    # every other key has its own $0.2 a day
-    assert reserve(rb, "r3", attempt(), state("tenant-b")).granted
-    assert reserve(rb, "r4", attempt(), state("tenant-c")).granted
-    assert reserve(rb, "r5", attempt(), state("tenant-b")).cap == "keys.*.max_usd_per_day"
-    assert caps.key_problem("tenant-z") is None
-    assert "no budget for key" in BudgetCaps(keys={"a": ScopeCap(1)}).key_problem("b")
+    assert reserve(rb, "r3", attempt(), state("shared")).granted
+    assert reserve(rb, "r4", attempt(), state("shared")).cap == "keys.shared.max_usd_per_day"
+    assert "no budget for key 'b'" in BudgetCaps(keys={"a": ScopeCap(1)}).key_problem("b")
+
+
+KEYED = """providers:
+  p: {adapter: sim}
+  h: {adapter: sim, role: hedge}
+budget:
+  keys: {tenant-a: {max_usd_total: 5}, shared: {max_usd_per_day: 0.2}}
+  default_key: shared
+"""
+
+
+def charged_state(cfg, key):
+    """A race's stored state as ``hedged_infer(..., budget_key=key)`` would build it."""
+    from gpuhedge_celery.race.spec import build_spec
+
+    spec = build_spec(cfg, "single", ["p"], budget_key=key).to_dict()
+    return {"spec": {**spec, **SPEC}, "results": {}}
+
+
+def test_a_race_naming_no_key_is_charged_to_the_default_key(ledger):
+    from gpuhedge_celery.config import parse_config_text
+
+    cfg = parse_config_text(KEYED)
+    rb = budget(ledger, cfg.budget)
+    assert reserve(rb, "r1", attempt(), charged_state(cfg, None)).granted
+    # the default key's $0.2 a day applies to keyless races: the second one does not fit
+    refused = reserve(rb, "r2", attempt(), charged_state(cfg, None))
+    assert refused.cap == "keys.shared.max_usd_per_day"
+    day = "2031-03-04"
+    assert ledger.totals()[f"r|d:{day}:k:shared"] == to_nano(P_WORST, round_up=True)
+    assert [e["key"] for _, e in ledger.entries()] == ["shared", "shared"]
+
+
+def test_an_unlisted_key_is_refused_or_shares_the_default_keys_caps(ledger):
+    from gpuhedge_celery.config import parse_config_text
+    from gpuhedge_celery.errors import ConfigError
+
+    cfg = parse_config_text(KEYED)
+    with pytest.raises(ConfigError) as caught:
+        charged_state(cfg, "tenant-new")
+    assert str(caught.value).startswith("budget_key: no budget for key 'tenant-new'")
+    assert "\n" not in str(caught.value)
+    # unknown_keys: default: every unlisted key is charged to the default key, sharing its cap
+    shared = parse_config_text(KEYED + "  unknown_keys: default\n")
+    rb = budget(ledger, shared.budget)
+    assert reserve(rb, "r1", attempt(), charged_state(shared, "tenant-x")).granted
+    refused = reserve(rb, "r2", attempt(), charged_state(shared, "tenant-y"))
+    assert refused.cap == "keys.shared.max_usd_per_day"  # no fresh cap for a new name
+    assert reserve(rb, "r3", attempt(), charged_state(shared, "tenant-a")).granted
 
 
 def test_the_day_rolls_over_at_utc_midnight_and_a_settlement_goes_to_its_day(ledger):

@@ -64,11 +64,12 @@ def found(caps, attempts):
          [P, H], [("providers.cerebrium.max_usd_per_day", "hedge", ())]),
         (BudgetCaps(ceiling_usd=1, providers={"cerebrium": ScopeCap(max_usd_total=0.05)}),
          [P, H], []),
-        # a key's cap counts every attempt of a request with that key ("*": any other key)
+        # a key's cap counts every attempt of a request with that key
         (BudgetCaps(keys={"tenant-a": ScopeCap(max_usd_per_day=0.1)}), [P, H],
          [("keys.tenant-a.max_usd_per_day", "hedge", ("primary",))]),
-        (BudgetCaps(keys={"*": ScopeCap(max_usd_total=0.1), "big": ScopeCap(max_usd_total=1)}),
-         [P, H], [("keys.*.max_usd_total", "hedge", ("primary",))]),
+        (BudgetCaps(keys={"small": ScopeCap(max_usd_total=0.1), "big": ScopeCap(max_usd_total=1)},
+                    default_key="big"),
+         [P, H], [("keys.small.max_usd_total", "hedge", ("primary",))]),
         # a cascade: primary and hedge fit, the fallback beside them does not
         (BudgetCaps(max_usd_per_request=BOTH + 0.01), [P, H, F],
          [("max_usd_per_request", "fallback", ("primary", "hedge"))]),

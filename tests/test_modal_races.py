@@ -75,7 +75,8 @@ timeouts:
   attempt_cap_s: 60
 budget:                            # modal spends money: a ceiling is required
   ceiling_usd: 100
-  keys: {{cascade: {{max_usd_total: 0.061}}}}   # fits p and h, not m as well (see the test)
+  keys: {{cascade: {{max_usd_total: 0.061}}, open: {{max_usd_total: 50}}}}   # cascade fits p and
+  default_key: open                                  # h, not m as well (see the test)
 validator: wav
 """
 

@@ -31,10 +31,11 @@ def render(report: dict[str, Any]) -> str:
     lines.append(
         f"per request: {_usd(per_request)} (each race's attempts together, worst cases reserved)"
     )
-    if report["any_key"]:
-        cap = report["any_key"]
-        lines.append(f"any other key: {_usd(cap['max_usd_per_day'])} a day, "
-                     f"{_usd(cap['max_usd_total'])} in all, each")  # fmt: skip
+    if report.get("default_key"):
+        unknown = ("charged to it too" if report.get("unknown_keys") == "default"
+                   else "refused")  # fmt: skip
+        lines.append(f"default key: {report['default_key']} (a request naming no key is charged "
+                     f"to it; an unlisted key is {unknown})")  # fmt: skip
     header = f"{'scope':<32} {'cap':>12} {'reserved':>12} {'spent':>12} {'headroom':>12}"
     lines += ["", header, "-" * len(header)]
     for r in report["rows"]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ..core.budget import ANY_KEY, worst_case_usd
+from ..core.budget import worst_case_usd
 from ..core.outcome import ProviderRate
 from ..core.stats import nearest_rank
 from ..errors import ConfigError
@@ -48,10 +48,9 @@ def budget_rows(caps: Any) -> list[dict[str, Any]]:
     ]
     for kind, scoped in (("providers", caps.providers), ("keys", caps.keys)):
         for name, cap in scoped.items():
-            label = "any other key" if name == ANY_KEY else name
             for what in ("max_usd_per_day", "max_usd_total"):
                 if getattr(cap, what) is not None:
-                    rows.append({"cap": f"{kind}.{label}.{what}", "usd": getattr(cap, what)})
+                    rows.append({"cap": f"{kind}.{name}.{what}", "usd": getattr(cap, what)})
     return rows
 
 

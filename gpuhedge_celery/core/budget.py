@@ -5,7 +5,9 @@ sums thousands of reservations and settlements stays exact (Redis ``HINCRBY`` is
 reservation rounds up (it is a bound), a settlement rounds to the nearest nano-dollar.
 
 Every reservation charges a set of *scopes* (counters): the lifetime total, the UTC day, the
-provider (lifetime and day) and, when the caller named one, the budget key (lifetime and day).
+provider (lifetime and day) and, when ``budget.keys`` is set, the budget key (lifetime and day):
+the caller's key when it is listed, ``default_key`` when the caller names none (or, with
+``unknown_keys: default``, one that is not listed); any other key is refused before the race.
 A cap is a limit on one scope's reserved + spent nano-dollars; :func:`limits` lists them for one
 attempt. The per-request cap is a limit on the race's own counter (its attempts together).
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NANO = 1_000_000_000  # nano-dollars per dollar
-ANY_KEY = "*"  # budget.keys entry that caps every key not listed on its own
+ANY_KEY = "*"  # refused as a budget.keys entry: it gave every unlisted key a fresh cap
+UNKNOWN_KEYS = ("refuse", "default")  # budget.unknown_keys: what a key not listed gets
 KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
 
 
@@ -60,6 +63,8 @@ class BudgetCaps:
     ceiling_usd: float | None = None
     providers: Mapping[str, ScopeCap] = field(default_factory=dict)
     keys: Mapping[str, ScopeCap] = field(default_factory=dict)
+    default_key: str | None = None  # charged when the caller names no key (required with keys)
+    unknown_keys: str = "refuse"  # "default": a key not listed is charged to default_key
 
     @property
     def enabled(self) -> bool:
@@ -74,10 +79,10 @@ class BudgetCaps:
         )
 
     def key_cap(self, key: str | None) -> ScopeCap | None:
-        """The caps of budget key ``key`` (its own entry, else the ``"*"`` entry), or None."""
+        """The caps of budget key ``key`` (its own entry), or None."""
         if key is None:
             return None
-        return self.keys.get(key) or self.keys.get(ANY_KEY)
+        return self.keys.get(key)
 
     def key_problem(self, key: Any) -> str | None:
         """Why ``key`` cannot be used as a budget key, or None when it can."""
@@ -85,10 +90,21 @@ class BudgetCaps:
             return None
         if not isinstance(key, str) or not KEY_RE.match(key) or key == ANY_KEY:
             return f"expected 1-100 letters, digits, '_', '-', '.' or ':', got {key!r}"
-        if self.keys and self.key_cap(key) is None:
+        if self.keys and key not in self.keys and self.unknown_keys != "default":
             known = ", ".join(sorted(self.keys))
-            return f"no budget for key {key!r} in budget.keys (known: {known}; '*' covers any)"
+            return f"no budget for key {key!r} in budget.keys (known: {known})"
         return None
+
+    def charged_key(self, key: str | None) -> str | None:
+        """The key a race asking for ``key`` is charged to (``key_problem`` must be None): the
+        key itself when listed, else ``default_key`` (the caller named none, or an unlisted
+        key under ``unknown_keys: default``); without ``budget.keys``, ``key`` as given (a
+        label: nothing caps by key then)."""
+        if not self.keys:
+            return key
+        if key is not None and key in self.keys:
+            return key
+        return self.default_key
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +113,8 @@ class BudgetCaps:
             "ceiling_usd": self.ceiling_usd,
             "providers": {k: v.to_dict() for k, v in self.providers.items()},
             "keys": {k: v.to_dict() for k, v in self.keys.items()},
+            "default_key": self.default_key,
+            "unknown_keys": self.unknown_keys,
         }
 
 
@@ -225,10 +243,9 @@ def _slot_caps(caps: BudgetCaps, provider: str, key: str | None) -> list[tuple[s
     ]
     if key is not None:
         cap = caps.key_cap(key)
-        entry = key if key in caps.keys else ANY_KEY
         slots += [
-            (f"keys.{entry}.max_usd_total", cap.max_usd_total if cap else None),
-            (f"keys.{entry}.max_usd_per_day", cap.max_usd_per_day if cap else None),
+            (f"keys.{key}.max_usd_total", cap.max_usd_total if cap else None),
+            (f"keys.{key}.max_usd_per_day", cap.max_usd_per_day if cap else None),
         ]
     return slots
 

@@ -10,7 +10,9 @@
   :meth:`~gpuhedge_celery.config.GpuHedgeConfig.make_policy` does;
 * ``providers``: names overriding the roles (primary first) for a built-in name;
 * ``validator``: a registered validator name, or ``{"name": ..., **options}``;
-* ``budget_key``: whose budget the race spends (``budget.keys`` in the config), or None;
+* ``budget_key``: whose budget the race spends (``budget.keys`` in the config), or None: with
+  ``budget.keys`` set, a key not listed is refused (or, under ``unknown_keys: default``, charged
+  to ``budget.default_key``) and None is charged to ``budget.default_key``;
 * ``arm``: the experiment arm the race runs in (``gpuhedge-celery experiment``), or None; its
   record carries it (``docs/records.md``).
 
@@ -198,6 +200,7 @@ def build_spec(
     problem = cfg.budget.key_problem(budget_key)
     if problem is not None:
         raise ConfigError(problem, key="budget_key")
+    budget_key = cfg.budget.charged_key(budget_key)  # key caps apply whatever the caller says
     if arm is not None and not (isinstance(arm, str) and ARM_RE.match(arm)):
         raise ConfigError(
             f"expected an arm name of 1-100 letters, digits, '_', '-', '.', ':', got {arm!r}",

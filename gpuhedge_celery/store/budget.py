@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.budget import ANY_KEY, BudgetCaps, refusal_text, to_nano, to_usd
+from ..core.budget import BudgetCaps, refusal_text, to_nano, to_usd
 from ..errors import StoreError
 from .race_keys import SaveMark, budget_keys, reservation_id
 from .scripts import lua_script, queue_script, run_pipeline
@@ -333,10 +333,11 @@ def budget_report(
 ) -> dict[str, Any]:  # fmt: skip
     """Caps and counters for ``day``, from one ledger: rows for the day, the ceiling, each
     provider and each budget key (today and lifetime). Keys are those the config names, plus,
-    with ``seen_keys``, every key the ledger has counters for (``"*"`` lets any key in)."""
+    with ``seen_keys``, every key the ledger has counters for (spend recorded before the keys
+    were checked against the config, or under an older config)."""
     totals = ledger.totals()
     seen = {k.split("|k:", 1)[1] for k in totals if k.startswith(("r|k:", "s|k:"))}
-    keys = sorted({k for k in caps.keys if k != ANY_KEY} | (seen if seen_keys else set()))
+    keys = sorted(set(caps.keys) | (seen if seen_keys else set()))
     wanted = ["all", f"d:{day}"]
     for p in providers:
         wanted += [f"p:{p}", f"d:{day}:p:{p}"]
@@ -363,7 +364,8 @@ def budget_report(
         "enabled": caps.enabled,
         "day": day,
         "max_usd_per_request": caps.max_usd_per_request,
-        "any_key": caps.keys[ANY_KEY].to_dict() if ANY_KEY in caps.keys else None,
+        "default_key": caps.default_key,
+        "unknown_keys": caps.unknown_keys,
         "rows": rows,
         "open_reservations": ledger.open_count(),
         # settlements capped at their reservation, per provider (budget_settle.lua counts them)
