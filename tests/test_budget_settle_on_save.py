@@ -14,6 +14,7 @@ import pytest
 from gpuhedge_celery.core.attempts import Attempt
 from gpuhedge_celery.core.budget import BudgetCaps, to_nano
 from gpuhedge_celery.core.clock import VirtualClock
+from gpuhedge_celery.core.jobs import JobState
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.race_events import ResultArrived
 from gpuhedge_celery.race.budget import RaceBudget
@@ -115,8 +116,9 @@ def test_a_won_save_settles_though_later_saves_came_first_and_once_when_sent_aga
 def test_a_step_on_a_stale_copy_settles_what_the_saved_race_implies(redis_client, prefix):
     """Through the race driver: this process cached the race with both attempts running;
     another process saw the hedge win (the primary cancelled). The primary's result then
-    arrives here: on the stale copy it would win and bill to its result; the save loses, the
-    step is decided again on Redis's copy, and the primary is billed to its cancel."""
+    is then seen CANCELLED here: on the stale copy (no cancel known) it bills to that sighting;
+    the save loses, the step is decided again on Redis's copy, and the primary is billed to
+    its cancel."""
     slow = {"sim": {"p": {"queue_s": 0, "run_s": 1000}, "h": {"queue_s": 0, "run_s": 1000}}}
     caps, ledger = BudgetCaps(ceiling_usd=1000), BudgetStore(redis_client, prefix)
     here, effects, cfg, _, providers = build_driver(redis_client, prefix, Recorder())
@@ -130,7 +132,7 @@ def test_a_step_on_a_stale_copy_settles_what_the_saved_race_implies(redis_client
         here.submit_attempt(race_id, attempt_id, decided_here=True)
     assert here.store.load("r1", fresh=True).cached  # both running, in this process's copy
     other.step("r1", ResultArrived("a2"))  # h wins there: p is cancelled
-    here.step("r1", ResultArrived("a1"))
+    here.step("r1", ResultArrived("a1", JobState.CANCELLED, valid=False))
     saved = here.store.load("r1")
     race = Race.from_dict(saved.state["race"], here.clock)
     p = race.attempts[0]
@@ -139,6 +141,6 @@ def test_a_step_on_a_stale_copy_settles_what_the_saved_race_implies(redis_client
     assert source == "estimated"
     assert [nano for aid, nano in settlements(ledger) if aid == "a1"] == [implied]
     assert int(ledger.reservation("r1", "a1")["settled"]) == implied
-    p.cancel_sent_at = None  # what the stale copy knew: billed to its result, a higher figure
+    p.cancel_sent_at = None  # what the stale copy knew: billed to the sighting, a higher figure
     ((_, stale, _),) = here.budget.settlements(race, saved.state, [p])
     assert stale > implied

@@ -89,7 +89,9 @@ def test_a_finished_race_appends_one_record_matching_its_receipt_and_result(redi
     assert record["ts"] == round(receipt["finished_at"], 3)
     assert not record["hedged"] and not record["cut_over"] and not record["escalated"]
     assert record["leaked"] is False and record["cancels"] == []
-    assert record["usd"] == round(receipt["active_usd"], 6) > 0
+    assert record["usd"] == round(receipt["active_usd"], 6)
+    won = receipt["attempts"][0]  # priced from the provider's own figure, not our clock
+    assert won["cost_source"] == "provider" and won["usd"] == won["metrics"]["cost_usd"]
     attempts_usd = sum(a["usd"] for a in record["attempts"])
     assert attempts_usd == pytest.approx(receipt["active_usd"], abs=1e-6)  # to the micro-dollar
     assert [a["state"] for a in record["attempts"]] == ["COMPLETED"]

@@ -1,11 +1,15 @@
 """A finished race summarised for callers and audits: winner, latency, flags, receipts, cost.
 
-Cost accounting (the same rule the replay and the published tables use):
+Cost accounting: one rule for receipts, records, the ledger's settlements and the replay.
 
-* active $: each job is billed from its submit until its result arrived or its cancel was sent,
-  at the provider's per-second rate; a job cancelled while still queued (``was_running`` is
-  False on its receipt) costs nothing. A job whose cancel state is unknown is billed: unknowns
-  are counted against us, never for us.
+* active $: what the job's execution cost. The provider's own figure wins whenever it gave one
+  (RunPod's ``executionTime`` from a result or a cancel's confirming read: ``cost_usd`` in the
+  result's metrics, ``reconciled_cost_usd`` on the receipt). Without one, our clock, from the
+  submit to the moment the job is known to have stopped: its result's arrival (also a result
+  that came after its cancel), else the provider's acknowledgement of the cancel, else the
+  cancel's sending. A job cancelled while still queued (``was_running`` False) costs nothing. A
+  job never shown stopped (leaked, or past its cap) is priced at its cap: unknowns are counted
+  against us, never for us.
 * billed $: active $ plus the provider's idle window (``idle_s`` x rate) for every job whose
   worker started.
 * wasted $: the active $ of every attempt that did not win.
@@ -13,12 +17,14 @@ Cost accounting (the same rule the replay and the published tables use):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .attempts import Attempt, escalated, hedged
+from .attempts import Attempt, Phase, escalated, hedged
+from .jobs import JobState
 from .race import BUDGET_REFUSED, Race
 
 
@@ -64,32 +70,103 @@ def rates_from_mapping(data: Mapping[str, Any]) -> dict[str, ProviderRate]:
     return rates
 
 
+REPORTED, CLOCK, CAPPED, NONE = "provider", "clock", "cap", "not_sent"
+
+
 @dataclass(frozen=True)
 class AttemptCost:
-    """Cost of one attempt: active USD, and whether a worker started (its idle window bills)."""
+    """Cost of one attempt: active USD, whether a worker started (its idle window bills), the
+    billed total, and where the active figure comes from (``provider``, ``clock``, ``cap``)."""
 
     active_usd: float
     started: bool
     billed_usd: float
+    source: str = CLOCK
 
 
-def attempt_cost(a: Attempt, rate: ProviderRate) -> AttemptCost:
-    """Apply the accounting rule above to one attempt."""
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return max(0.0, float(value))
+
+
+def reported_active_usd(a: Attempt, summary: Mapping[str, Any] | None = None) -> float | None:
+    """The execution cost the provider reported for ``a``'s job, if it did.
+
+    ``summary`` is the race state's record of the attempt's result (``state["results"][id]``:
+    its metrics and the receipt of a cancel past its cap).
+    """
+    metrics = (summary or {}).get("metrics") or {}
+    cap_cancel = (summary or {}).get("cap_cancel") or {}
+    for value in (
+        metrics.get("cost_usd"),
+        cap_cancel.get("reconciled_cost_usd"),
+        a.receipt.reconciled_cost_usd if a.receipt is not None else None,
+    ):
+        found = _finite(value)
+        if found is not None:
+            return found
+    return None
+
+
+_STOPPED_BY_US = (JobState.CANCELLED.value, JobState.TIMEOUT.value)
+
+
+def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
+    """When (race-relative s) our clock last knew ``a``'s job to be running, or None if live."""
+    r = a.receipt
+    if a.cancel_sent_at is None or (
+        a.result_at is not None and a.result_state not in _STOPPED_BY_US
+    ):
+        return a.result_at  # it ended with a result (one after its cancel included)
+    if r is not None and r.cancel_ack_ms is not None and started_at is not None:
+        # the provider had the cancel by then: the job stopped no later (a cancel that waited
+        # for a rate-limit token reached the provider long after it was decided)
+        return max(a.cancel_sent_at, r.cancel_ack_ms / 1000.0 - started_at)
+    return a.cancel_sent_at
+
+
+def attempt_cost(
+    a: Attempt,
+    rate: ProviderRate,
+    summary: Mapping[str, Any] | None = None,
+    *,
+    started_at: float | None = None,
+    cap_s: float | None = None,
+) -> AttemptCost:
+    """Apply the accounting rule above to one attempt.
+
+    ``started_at``: the race's start on its clock (to place the provider's cancel
+    acknowledgement); ``cap_s``: the attempt's cap, the price of a job never shown stopped.
+    """
     if a.submitted_at is None:
-        return AttemptCost(0.0, False, 0.0)
-    cancelled_first = a.cancel_sent_at is not None and (
-        a.result_at is None or a.result_at > a.cancel_sent_at
+        return AttemptCost(0.0, False, 0.0, NONE)
+    idle = rate.idle_s * rate.rate_per_s
+    reported = reported_active_usd(a, summary)
+    if reported is not None:
+        started = reported > 0 or a.result_state == JobState.COMPLETED.value
+        return AttemptCost(reported, started, reported + (idle if started else 0.0), REPORTED)
+    r = a.receipt
+    result_first = a.result_at is not None and (
+        a.cancel_sent_at is None or a.result_state != JobState.CANCELLED.value
     )
-    if cancelled_first:
-        if a.receipt is not None and a.receipt.was_running is False:
-            return AttemptCost(0.0, False, 0.0)  # removed from the queue: no worker started
-        seconds = a.cancel_sent_at - a.submitted_at  # type: ignore[operator]
-    elif a.result_at is not None:
-        seconds = a.result_at - a.submitted_at
-    else:
-        seconds = 0.0  # still running: nothing known yet
+    if (
+        not result_first
+        and r is not None
+        and r.was_running is False
+        and a.cancel_sent_at is not None
+    ):
+        return AttemptCost(0.0, False, 0.0, CLOCK)  # removed from the queue: no worker started
+    never_stopped = a.phase is Phase.LEAKED or a.result_state == JobState.TIMEOUT.value
+    if never_stopped and cap_s is not None:
+        active = max(0.0, cap_s) * rate.rate_per_s
+        return AttemptCost(active, True, active + idle, CAPPED)
+    stop = _stopped_at(a, started_at)
+    seconds = 0.0 if stop is None else stop - a.submitted_at  # still running: nothing known yet
+    if cap_s is not None:
+        seconds = min(seconds, max(0.0, cap_s))
     active = max(0.0, seconds) * rate.rate_per_s
-    return AttemptCost(active, True, active + rate.idle_s * rate.rate_per_s)
+    return AttemptCost(active, True, active + idle, CLOCK)
 
 
 @dataclass
@@ -118,8 +195,18 @@ class Outcome:
         return dict(self.__dict__)
 
 
-def race_outcome(race: Race, rates: Mapping[str, ProviderRate] | None = None) -> Outcome:
-    """Summarise ``race``; with ``rates`` (every launched provider needed) it also prices it."""
+def race_outcome(
+    race: Race,
+    rates: Mapping[str, ProviderRate] | None = None,
+    results: Mapping[str, Any] | None = None,
+    caps_s: Mapping[str, float] | None = None,
+) -> Outcome:
+    """Summarise ``race``; with ``rates`` (every launched provider needed) it also prices it.
+
+    ``results``: the race state's result summaries by attempt id (the provider's figures);
+    ``caps_s``: each provider's cap (the price of a job never shown stopped). Each attempt's
+    summary then carries its own ``usd``, ``billed_usd`` and ``cost_source``.
+    """
     won = race.winner_attempt
     outcome = Outcome(
         race_id=race.race_id,
@@ -139,11 +226,14 @@ def race_outcome(race: Race, rates: Mapping[str, ProviderRate] | None = None) ->
     )
     if rates is not None:
         active = billed = wasted = 0.0
-        for a in race.attempts:
+        for a, summary in zip(race.attempts, outcome.attempts, strict=True):
             rate = rates.get(a.provider)
             if rate is None:
                 raise ConfigError(f"no rate for provider {a.provider!r}", key="rates")
-            cost = attempt_cost(a, rate)
+            cap = None if caps_s is None else caps_s.get(a.provider)
+            found = (results or {}).get(a.id)
+            cost = attempt_cost(a, rate, found, started_at=race.started_at, cap_s=cap)
+            summary.update(usd=cost.active_usd, billed_usd=cost.billed_usd, cost_source=cost.source)
             active += cost.active_usd
             billed += cost.billed_usd
             if a.id != race.winner:

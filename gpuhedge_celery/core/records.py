@@ -48,8 +48,8 @@ def build_record(
 ) -> dict[str, Any]:
     """The record of a finished ``race`` whose ``receipt`` was just assembled.
 
-    ``rates`` are the ones the receipt was priced with (per-attempt costs come from them, so
-    the attempts' costs add up to the receipt's totals).
+    Each attempt's cost is the receipt's own (one figure per job); ``rates`` price a receipt
+    assembled before its attempts carried costs.
     """
     won = race.winner_attempt
     e2e_ms = winner_ms = None
@@ -59,15 +59,20 @@ def build_record(
             winner_ms = (won.result_at - won.submitted_at) * 1000.0
     attempts = []
     cancels = []
+    priced = {p.get("id"): p for p in receipt.get("attempts") or ()}
     for a in race.attempts:
+        found = priced.get(a.id) or {}
+        usd, billed = found.get("usd"), found.get("billed_usd")
         rate = rates.get(a.provider)
-        cost = attempt_cost(a, rate) if rate is not None else None
+        if usd is None and rate is not None:  # a receipt priced before attempts carried costs
+            cost = attempt_cost(a, rate, started_at=race.started_at)
+            usd, billed = cost.active_usd, cost.billed_usd
         entry = {
             "provider": a.provider,
             "role": a.role,
             "state": a.result_state or a.last_state,
-            "usd": None if cost is None else round(cost.active_usd, 6),
-            "billed_usd": None if cost is None else round(cost.billed_usd, 6),
+            "usd": _r(usd, 6),
+            "billed_usd": _r(billed, 6),
         }
         if not a.sent:  # only then: a record stays as small as it can
             entry["sent"] = False

@@ -15,14 +15,13 @@ An attempt that was never submitted costs nothing (``not_submitted``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .attempts import Attempt, Phase
 from .jobs import JobState
-from .outcome import ProviderRate, attempt_cost
+from .outcome import REPORTED, ProviderRate, attempt_cost, reported_active_usd
 
 RECONCILED, ESTIMATED, UNPROVEN = "reconciled", "estimated", "unproven"
 NOT_SUBMITTED = "not_submitted"
@@ -50,38 +49,20 @@ def ready_to_settle(a: Attempt, summary: Mapping[str, Any] | None = None) -> boo
     )
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def reported_active_usd(a: Attempt, summary: Mapping[str, Any] | None) -> float | None:
-    """The active (execution) cost the provider reported, if it did."""
-    metrics = (summary or {}).get("metrics") or {}
-    cap_cancel = (summary or {}).get("cap_cancel") or {}
-    for value in (
-        metrics.get("cost_usd"),
-        cap_cancel.get("reconciled_cost_usd"),
-        a.receipt.reconciled_cost_usd if a.receipt is not None else None,
-    ):
-        found = _number(value)
-        if found is not None:
-            return max(0.0, found)
-    return None
-
-
 def settle_attempt(
     a: Attempt,
     rate: ProviderRate,
     cap_s: float,
     reserved_usd: float,
     summary: Mapping[str, Any] | None = None,
+    *,
+    started_at: float | None = None,
 ) -> Settlement:
     """The cost to settle ``a``'s reservation at (see the module docstring).
 
     ``summary`` is the race state's record of the attempt's result (``state["results"][id]``:
-    metrics, cap-cancel receipt); ``rate`` and ``cap_s`` are in the race's time unit.
+    metrics, cap-cancel receipt); ``rate`` and ``cap_s`` are in the race's time unit;
+    ``started_at`` is the race's start (to place the provider's cancel acknowledgement).
     """
     receipt = a.receipt
     if a.submitted_at is None and not a.handle:
@@ -91,19 +72,11 @@ def settle_attempt(
         return Settlement(0.0, NOT_SUBMITTED, "never submitted")
     if a.phase is Phase.LEAKED:
         return Settlement(reserved_usd, UNPROVEN, "not shown stopped")
-    cancelled_first = a.cancel_sent_at is not None and (
-        a.result_at is None or a.result_at > a.cancel_sent_at
-    )
-    queued_cancel = cancelled_first and receipt is not None and receipt.was_running is False
-    idle = 0.0 if queued_cancel else rate.idle_s * rate.rate_per_s
-    reported = reported_active_usd(a, summary)
-    if reported is not None:
-        return Settlement(reported + idle, RECONCILED, "provider-reported execution")
-    ceiling = max(0.0, cap_s) * rate.rate_per_s
-    active = min(attempt_cost(a, rate).active_usd, ceiling)
-    if a.result_state == JobState.TIMEOUT.value:
-        active = ceiling  # it ran to its cap (and on until its cancel landed)
-    return Settlement(active + idle, ESTIMATED, "our clock: submit to result or cancel")
+    # the receipt's own figure (the same function prices receipts and records)
+    cost = attempt_cost(a, rate, summary, started_at=started_at, cap_s=cap_s)
+    if cost.source == REPORTED:
+        return Settlement(cost.billed_usd, RECONCILED, "provider-reported execution")
+    return Settlement(cost.billed_usd, ESTIMATED, "our clock: submit to result or stop")
 
 
 __all__ = [

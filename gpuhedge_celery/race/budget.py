@@ -118,7 +118,8 @@ class RaceBudget:
             if UNKNOWN_SUBMIT in a.reasons:  # its worker died mid-submit: a job may exist
                 items.append((a.id, to_nano(reserved, round_up=True), UNPROVEN))
                 continue
-            found = settle_attempt(a, rate, cap_s, reserved, summary)
+            start = race.started_at if race is not None else None
+            found = settle_attempt(a, rate, cap_s, reserved, summary, started_at=start)
             # above the reservation: the script settles at it and counts it (o|<provider>)
             items.append((a.id, to_nano(min(found.usd, MAX_USD)), found.source))
         return items

@@ -135,8 +135,9 @@ def assemble_receipt(
     race: Race, state: dict[str, Any], spec: RaceSpec, *, now: float
 ) -> dict[str, Any]:
     """The full audit of a race: the engine's outcome enriched with handles and metrics."""
-    outcome = race_outcome(race, spec.provider_rates()).to_dict()
     results = state.get("results") or {}
+    caps = (state.get("spec") or {}).get("caps_s") or {}
+    outcome = race_outcome(race, spec.provider_rates(), results, caps).to_dict()
     by_id = {a.id: a for a in race.attempts}
     for summary in outcome["attempts"]:
         a = by_id[summary["id"]]
