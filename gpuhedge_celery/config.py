@@ -394,7 +394,7 @@ def _parse_policy(
 
 
 def _parse_validator(root: Block, unchecked: bool = False) -> ValidatorConfig:
-    from .core.validators import available_validators, get_validator
+    from .core.validators import available_validators, options_problem
 
     value = root.raw("validator", "nonempty")
     if isinstance(value, str):
@@ -413,10 +413,9 @@ def _parse_validator(root: Block, unchecked: bool = False) -> ValidatorConfig:
             "validator",
             f"unknown validator {name!r} (known: {known}; register yours with @validator first)",
         )
-    try:
-        inspect.signature(get_validator(name)).bind(None, **options)
-    except TypeError as e:
-        raise root.error("validator", f"bad options for validator {name!r}: {e}") from None
+    problem = options_problem(name, options)
+    if problem is not None:
+        raise root.error("validator", problem)
     return ValidatorConfig(name=name, options=options)
 
 

@@ -2,7 +2,7 @@
 
 A race is won by the first *valid* result, so validators are the referee. Each validator is a
 plain function ``fn(payload, **options) -> ValidationResult`` registered under a name; configs
-and requests choose one by name (``wav``, ``json``, ``nonempty``, or a user's own)::
+and requests choose one by name (``wav``, ``json``, ``nonempty``, ``hmac``, or a user's own)::
 
     @validator("has_text")
     def has_text(payload, **options):
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import inspect
 import io
 import json
 import math
@@ -80,6 +81,33 @@ def validator(name: str) -> Callable[[ValidatorFn], ValidatorFn]:
         return fn
 
     return register
+
+
+OptionCheck = Callable[[Mapping[str, Any]], "str | None"]
+_OPTION_CHECKS: dict[str, OptionCheck] = {}
+
+
+def option_check(name: str) -> Callable[[OptionCheck], OptionCheck]:
+    """Register the decorated function as the option check of validator ``name``: given the
+    options, it says what is wrong with them (None: nothing), when a config or call names them."""
+
+    def register(fn: OptionCheck) -> OptionCheck:
+        _OPTION_CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+def options_problem(name: str, options: Mapping[str, Any]) -> str | None:
+    """What is wrong with ``options`` for validator ``name`` (which must be registered): an
+    option its function does not take, or what its option check finds; None when usable."""
+    try:
+        inspect.signature(get_validator(name)).bind(None, **options)
+    except TypeError as e:
+        return f"bad options for validator {name!r}: {e}"
+    check = _OPTION_CHECKS.get(name)
+    found = check(options) if check is not None else None
+    return None if found is None else f"validator {name!r}: {found}"
 
 
 def available_validators() -> list[str]:
@@ -328,3 +356,7 @@ def wav_payload(
             if clipped > max_clipped:
                 reasons.append(f"clipped: {clipped:.1%} of samples at |x| >= {clip_at}")
     return ValidationResult(not reasons, tuple(reasons), details)
+
+
+# The signed-result validator registers itself (``hmac``); it needs the names above.
+from . import validators_signed as _signed  # noqa: E402, F401

@@ -21,7 +21,6 @@ Every problem is a one-line :class:`~gpuhedge_celery.errors.ConfigError` naming 
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from ..config import ROLE_ARGS, GpuHedgeConfig
 from ..core.experiment import ARM_RE
 from ..core.outcome import ProviderRate
 from ..core.policies import Policy, policy_from_dict, registered_policies
-from ..core.validators import available_validators, get_validator
+from ..core.validators import available_validators, options_problem
 from ..errors import ConfigError
 from ..store import codec
 
@@ -181,10 +180,9 @@ def resolve_validator(cfg: GpuHedgeConfig, validator: Any = None) -> tuple[str, 
     if name not in available_validators():
         known = ", ".join(available_validators())
         raise ConfigError(f"unknown validator {name!r} (known: {known})", key="validator")
-    try:
-        inspect.signature(get_validator(name)).bind(None, **options)
-    except TypeError as e:
-        raise ConfigError(f"bad options for validator {name!r}: {e}", key="validator") from None
+    problem = options_problem(name, options)
+    if problem is not None:
+        raise ConfigError(problem, key="validator")
     return name, options
 
 
