@@ -148,9 +148,9 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
             },
         },
     }
-    if config.broker_kind == "redis" and config.broker.startswith("redis://"):
+    if config.broker.lower().startswith(("redis://", "rediss://")):
         # kombu's Redis transport, except that a lost connection no longer stops the worker
-        # while it holds unacknowledged messages (tasks/broker.py)
+        # while it holds unacknowledged messages (tasks/broker.py); TLS (rediss://) included
         conf["broker_transport"] = "gpuhedge_celery.tasks.broker:Transport"
     if config.is_gpu_worker and config.max_tasks_per_child is not None:
         conf["worker_max_tasks_per_child"] = config.max_tasks_per_child  # the child loads again

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
@@ -27,7 +28,8 @@ class RestartableRedis:
 
     ``aof=True``: ``appendonly yes`` with ``appendfsync everysec`` (what docs/architecture.md
     recommends for races that must survive a restart); ``aof=False``: no persistence at all, so
-    a restart starts empty.
+    a restart starts empty. ``tls=True``: TLS only (``--port 0``), with a self-signed
+    certificate generated here; :attr:`url` is then a ``rediss://`` URL that trusts it.
     """
 
     aof: bool = False
@@ -36,10 +38,28 @@ class RestartableRedis:
     extra: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
     starts: int = 0
+    tls: bool = False
 
     @property
     def url(self) -> str:
+        if self.tls:
+            ca = os.path.join(self.workdir, "tls", "redis.pem")
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        if not self.tls:
+            return ["--port", str(self.port)]
+        from tests.support.certs import self_signed
+
+        tls_dir = os.path.join(self.workdir, "tls")
+        key = os.path.join(tls_dir, "redis.key")
+        if not os.path.exists(key):  # the same certificate across restarts
+            self_signed(Path(tls_dir), "redis", loopback=True)
+        cert = os.path.join(tls_dir, "redis.pem")
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
+                "--tls-key-file", key, "--tls-ca-cert-file", cert,
+                "--tls-auth-clients", "no"]  # fmt: skip
 
     def args(self) -> list[str]:
         binary = shutil.which("redis-server")
@@ -51,7 +71,7 @@ class RestartableRedis:
             else ["--appendonly", "no"]
         )
         return [
-            binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            binary, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
             "--dir", self.workdir, "--notify-keyspace-events", "Egx", *persistence, *self.extra,
         ]  # fmt: skip
 
@@ -200,7 +220,6 @@ def start_fault_cluster(redis_url: str, tmp, *, deadline_s: float, coordinators:
     janitor and reconcile) on ``redis_url``, racing the sim config; returns the CeleryCluster
     (``broker_url``: the broker when it is not ``redis_url``, e.g. a RabbitMQ vhost)."""
     import uuid
-    from pathlib import Path
 
     from tests.support.fixtures_celery import CeleryCluster
     from tests.support.fixtures_races import REPO
