@@ -78,6 +78,56 @@ def truth_cost(truth: Mapping[str, Any], rate: ProviderRate) -> tuple[float, flo
     return active, active + idle
 
 
+def truth_kind(t: Mapping[str, Any] | None) -> str:
+    """What happened to a job at the provider, in one word (the per-kind summary's key)."""
+    if t is None:
+        return "unknown"
+    if t.get("started") is None:
+        return "cancelled_queued" if t.get("stopped_by_cancel") else "never_started"
+    if t.get("late_result"):
+        return "late_result"
+    if t.get("stopped_by_cancel"):
+        return "stopped_running"
+    return "refused_cancel_ran_on" if t.get("cancel_refusals") else "ran_to_end"
+
+
+def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Attempts grouped by provider, won or lost, and what the job did: truth beside the
+    receipt's and the ledger's figures (USD), where a mismatch comes from at a glance."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        key = f"{row['provider']} {'won' if row['winner'] else 'lost'} {row['kind']}"
+        g = out.setdefault(
+            key,
+            {
+                "attempts": 0,
+                "truth_active": 0.0,
+                "receipt_active": 0.0,
+                "truth_billed": 0.0,
+                "receipt_billed": 0.0,
+                "ledger": 0.0,
+                "unsettled": 0,
+                "sources": {},
+            },
+        )
+        t = row["truth"] or {}
+        g["attempts"] += 1
+        g["truth_active"] += t.get("active_usd") or 0.0
+        g["truth_billed"] += t.get("billed_usd") or 0.0
+        g["receipt_active"] += row["receipt"]["active_usd"] or 0.0
+        g["receipt_billed"] += row["receipt"]["billed_usd"] or 0.0
+        if row["ledger"] is None:
+            g["unsettled"] += 1
+        else:
+            g["ledger"] += row["ledger"]["settled_usd"] or 0.0
+        src = str(row["receipt"].get("cost_source"))
+        g["sources"][src] = g["sources"].get(src, 0) + 1
+    for g in out.values():
+        for k in ("truth_active", "receipt_active", "truth_billed", "receipt_billed", "ledger"):
+            g[k] = _r(g[k])
+    return dict(sorted(out.items()))
+
+
 def _ledger_settlements(entries: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], dict]:
     out: dict[tuple[str, str], dict] = {}
     for e in entries:
@@ -151,6 +201,7 @@ def compare(
                 "job": job_id,
                 "winner": won,
                 "state": a.get("state"),
+                "kind": truth_kind(t),
                 "truth": None
                 if t is None
                 else {
@@ -259,6 +310,7 @@ def compare(
         "missing": missing,
         "provider_ack_but_refused": ack_refused,
         "disagreement_counts": kinds,
+        "by_kind": _by_kind(jobs),
         "attempts_disagreeing": len(disagreeing),
         "disagreements": disagreeing[:SHOWN],
         "late_results": sum(1 for t in truth.values() if t.get("late_result")),
