@@ -107,6 +107,8 @@ def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "receipt_billed": 0.0,
                 "ledger": 0.0,
                 "unsettled": 0,
+                "cancel_reached_provider": 0,
+                "cancel_refusals": 0,
                 "sources": {},
             },
         )
@@ -114,6 +116,8 @@ def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         g["attempts"] += 1
         g["truth_active"] += t.get("active_usd") or 0.0
         g["truth_billed"] += t.get("billed_usd") or 0.0
+        g["cancel_reached_provider"] += 1 if t.get("cancel_requested") else 0
+        g["cancel_refusals"] += int(t.get("cancel_refusals") or 0)
         g["receipt_active"] += row["receipt"]["active_usd"] or 0.0
         g["receipt_billed"] += row["receipt"]["billed_usd"] or 0.0
         if row["ledger"] is None:
@@ -209,6 +213,7 @@ def compare(
                     "started": t.get("started") is not None,
                     "stopped_by_cancel": t.get("stopped_by_cancel"),
                     "cancel_refusals": t.get("cancel_refusals"),
+                    "cancel_requested": t.get("cancel_requested_at") is not None,
                     "late_result": t.get("late_result", False),
                     "ended": t.get("ended"),
                     "active_usd": _r(t_active),

@@ -33,6 +33,9 @@ is deleted afterwards) and sim providers from a generated config. Rows:
 loopback fake in its own process (``bench/races_runpod.py``): provider HTTP requests per job
 and the most requests per 10 s window per route, against RunPod's limits. ``--webhooks on``
 also runs the webhook receiver (its CPU counted per race): jobs report their end by webhook.
+* ``truth`` (only when asked for): ``--truth-races`` cutover races on the RunPod fake with
+  webhooks, a capped budget and refused cancels; every receipt, race record and ledger
+  settlement against the fake's truth of what each job billed (:mod:`._truth_row`).
 * ``metrics``: the capacity row's CPU per race with metrics off and on (each worker's endpoint
   scraped every second), fresh workers per run, alternating pairs
   (:mod:`gpuhedge_celery.bench.metrics_cost`). Not in the default rows.
@@ -398,7 +401,8 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     "--rows",
     default="overhead,capacity,cancel",
     show_default=True,
-    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, loop).",
+    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, loop, "
+    "truth).",
 )
 @click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
               help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
@@ -416,6 +420,8 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
               help="Hedged races per side in the budget row (budgets off, then on).")  # fmt: skip
 @click.option("--budget-pairs", type=click.IntRange(1, 10), default=2, show_default=True,
               help="Alternating off/on pairs in the budget row.")  # fmt: skip
+@click.option("--truth-races", type=click.IntRange(10, 2000), default=300, show_default=True,
+              help="truth row: races started within 10 s.")  # fmt: skip
 @click.option("--seed", type=int, default=1, show_default=True, help="Random seed.")
 @click.option("--provider", type=click.Choice(["sim", "runpod-fake"]), default="sim",
               show_default=True, help="runpod-fake: also run each capacity row on RunPod "
@@ -435,14 +441,14 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
             ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
             memory_races: int, request_bytes: int, rows: str, record_pairs: int,
             loop_pairs: int, metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
-            budget_races: int, budget_pairs: int,
+            budget_races: int, budget_pairs: int, truth_races: int,
             seed: int, provider: str, webhooks: str,
             receiver_workers: int, webhook_senders: int, audio_s: float) -> None:  # fmt: skip
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
         "overhead", "capacity", "cancel", "floor", "records", "memory", "metrics", "budget",
-        "loop",
+        "loop", "truth",
     }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
@@ -491,6 +497,11 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
         tools = Tools(bench_cluster, _cpu_s, _wait_receipt)
         results.append(budget_row(tools, url, workers, concurrency, budget_races, budget_pairs))
         wanted.remove("budget")
+    if "truth" in wanted:  # its own workers, in real time, on the RunPod fake
+        from ._truth_row import truth_row
+
+        results.append(truth_row(bench_cluster, url, workers, concurrency, truth_races))
+        wanted.remove("truth")
     if "loop" in wanted:  # fresh workers for each of its runs, one loop or the other
         from ._loop_row import loop_row
 
