@@ -213,8 +213,9 @@ def test_hedged_runpod_to_cerebrium(races):
 
 
 def test_the_runpod_primary_wins_and_the_cerebrium_loser_is_a_flagged_leak(races):
-    """Cerebrium's cancel is acknowledged only: its loser is listed as a leak; its run may
-    still finish and post its webhook, which the receiver acknowledges and ignores."""
+    """Cerebrium's cancel is acknowledged only: its loser is listed as a leak until its run,
+    which went on, posts its webhook: the finished race takes that late result, and the
+    receipt then shows the run ended, priced to its end (what the fake billed)."""
     request = fates(rp={"queue_s": 0, "run_s": 0.6},
                     cb={"queue_s": 0, "run_s": 0.8, "finish_after_cancel": True})  # fmt: skip
     result, receipt = races.run(request, "hedge:rp->cb@0.2s")
@@ -231,8 +232,22 @@ def test_the_runpod_primary_wins_and_the_cerebrium_loser_is_a_flagged_leak(races
     while time.monotonic() < deadline and races.cerebrium.stats()["webhooks"]["sent"] < 2:
         time.sleep(0.05)
     assert races.cerebrium.stats()["webhooks"]["sent"] >= 2  # this race's late one included
-    assert races.rc.store.receipt(receipt["race_id"]) == receipt  # unchanged by it
-    assert_clean(races, receipt)
+    while time.monotonic() < deadline and races.rc.store.receipt(receipt["race_id"])["leaked"]:
+        time.sleep(0.05)
+    late = races.rc.store.receipt(receipt["race_id"])
+    cb = attempt(late, "cb")
+    assert late["winner"] == receipt["winner"] and late["leaks"] == []
+    cancel = cb["cancel_receipt"]
+    # the run ended, but a delivery Cerebrium cannot confirm proves no stop: evidence stays
+    assert cancel["terminal_status"] == "COMPLETED" and cancel["leaked"] is False
+    assert cancel["evidence"] == "provider_ack" and cancel["confirmed_terminal"] is False
+    truth = races.cerebrium.truth()[cb["job_id"]]
+    assert truth["stopped_by_cancel"] is False  # it ran to its end
+    # priced from submit to the result's arrival: the billed run (within the two clocks'
+    # reading of the submit) plus at most the delivery
+    assert cb["usd"] >= truth["billed_s"] * 0.0005 * 0.9
+    assert cb["usd"] <= (truth["billed_s"] + 0.5) * 0.0005
+    assert_clean(races, late)
 
 
 def test_cascade_runpod_to_cerebrium_to_modal(races):

@@ -107,6 +107,8 @@ class Race(CancelRules):
     def handle(self, event: Event) -> list[Action]:
         """Apply one event at the clock's current reading; return the actions to perform."""
         if self.finished:
+            if late_result(self, event):
+                self._late_result(event)  # type: ignore[arg-type]
             return []
         self._now = self.clock.now()
         self._out = []
@@ -289,10 +291,8 @@ class Race(CancelRules):
         label = "valid" if good else "invalid"
         self._end(a, state, good, list(event.reasons), f"{state} ({label})")
         if a.receipt is not None:
-            # The result is an observed terminal state: it settles the pending cancel.
-            a.receipt.confirm_terminal(state, self._ms())
-            a.receipt.note = (a.receipt.note + "; " if a.receipt.note else "") + (
-                "result arrived before the cancel took effect"
+            self._cancel_outrun(
+                a, state, event.verified, "result arrived before the cancel took effect"
             )
         if self.gave_up:
             return  # the caller was failed at the deadline: a late result cannot win
@@ -300,6 +300,29 @@ class Race(CancelRules):
             self._declare(a)
         elif not good and self.winner is None:
             self.policy.on_failed(self, a)
+
+    def _late_result(self, event: ResultArrived) -> None:
+        """A loser's result after the race finished: the job ran on past its cancel. It ends
+        the attempt (priced to the result, its reservation settles) and changes no winner."""
+        a = self._attempt(event.attempt_id)
+        assert a is not None and a.receipt is not None
+        self._now = self.clock.now()
+        state = event.state if event.state.terminal else JobState.FAILED
+        reasons = [*event.reasons, "late: the race had finished"]
+        self._end(a, state, False, reasons, f"{state} (late result)")
+        self._cancel_outrun(a, state, event.verified, "ran to its end after the race finished")
+
+    def _cancel_outrun(self, a: Attempt, state: JobState, verified: bool, why: str) -> None:
+        """A result ended a job we were cancelling: only a verified one confirms it stopped (a
+        delivery nothing checked ends the attempt, its receipt keeps its evidence)."""
+        r = a.receipt
+        assert r is not None
+        if verified:
+            r.confirm_terminal(state, self._ms())
+        else:
+            r.terminal_status, r.terminal_ms, r.leaked = state, self._ms(), False
+            why += " (a delivery the provider cannot confirm)"
+        r.note = (r.note + "; " if r.note else "") + why
 
     # ------------------------------------------------------------------ internals
     def _rel(self) -> float:
@@ -427,6 +450,15 @@ class Race(CancelRules):
         race.finished = bool(data.get("finished"))
         race.note = data.get("note", "")
         return race
+
+
+def late_result(race: Race, event: Any) -> bool:
+    """Whether finished ``race`` takes ``event`` as a late result: the result of a loser never
+    shown stopped (its job ran on past the cancel)."""
+    if not race.finished or not isinstance(event, ResultArrived):
+        return False
+    a = race._attempt(event.attempt_id)
+    return a is not None and a.phase is Phase.LEAKED and a.receipt is not None
 
 
 _HANDLERS = {

@@ -109,13 +109,19 @@ class StatusObserved(Event):
 
 @dataclass(frozen=True)
 class ResultArrived(Event):
-    """An attempt's result is in: its terminal state and whether it passed validation."""
+    """An attempt's result is in: its terminal state and whether it passed validation.
+
+    After the race has finished, the result of a loser still live (its cancel never shown to
+    stop it) is taken as a late result: it prices the job and ends it, and changes no winner."""
 
     kind: ClassVar[str] = "result_arrived"
     attempt_id: str
     state: JobState = JobState.COMPLETED
     valid: bool = True
     reasons: tuple[str, ...] = ()
+    #: False for a delivery nothing could check with the provider (a Cerebrium webhook): it
+    #: ends the attempt, but is no proof that a cancelled job stopped
+    verified: bool = True
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,9 @@ class Provider(abc.ABC):
     reports_queue_state: ClassVar[bool] = True
     #: whether a job costs real money (a config naming such a provider needs a budget ceiling)
     spends_money: ClassVar[bool] = True
+    #: whether ``webhook_result`` checks a delivery with an authenticated read of the provider
+    #: (a delivery nobody checked ends its attempt but never proves a cancelled job stopped)
+    delivery_is_verified: ClassVar[bool] = False
 
     def __init__(
         self,

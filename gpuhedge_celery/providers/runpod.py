@@ -119,6 +119,7 @@ class RunpodProvider(Provider):
     """One RunPod serverless endpoint (see the module docstring)."""
 
     adapter = "runpod"
+    delivery_is_verified = True  # webhook_result reads /status: RunPod decides, not the body
     reports_queue_state = True
     #: the race's watch polls once just before each policy decision (a hedge, an escalation)
     #: and the race's deadline, so the race decides on a fresh state; between them the pacing

@@ -83,6 +83,7 @@ class ResultWork:
 
         ``result``: the job's result as its webhook delivered it (nothing to fetch).
         """
+        delivered = result
         try:
             if result is None:  # returns at once: terminal or past the cap
                 result = provider.result(handle, cap_s)
@@ -112,21 +113,31 @@ class ResultWork:
             return checked[0]
 
         tries: list[int] = [0, 0]  # step attempts seen by ``event``; the one ``keep`` wrote in
+        # a delivery nothing checked with the provider ends a job, but proves no cancel
+        verified = delivered is None or provider.delivery_is_verified
+        late: list[bool] = [False]
 
         def event(race: Race) -> Event | tuple[Event, ...] | None:
             tries[0] += 1
             a = find_attempt(race, attempt_id)
             if a is None or not a.live:
                 return None
+            if race.finished:  # a loser's late result: it prices the job, it can never win
+                late[0] = True
+                return ResultArrived(attempt_id, result.state, False, (), verified=verified)
             if (
                 a.phase in (Phase.CANCELLING, Phase.LEAKED)
                 and result.state is not JobState.COMPLETED
             ):
                 if result.state is JobState.TIMEOUT:
                     return None  # right-censored, not observed terminal: the cancel decides
-                return StatusObserved(attempt_id, result.state)  # confirms the cancel
+                if verified:
+                    return StatusObserved(attempt_id, result.state)  # confirms the cancel
+                return ResultArrived(attempt_id, result.state, False, (), verified=False)
             valid, reasons, _, _ = check()
-            arrived = ResultArrived(attempt_id, result.state, valid, tuple(reasons))
+            arrived = ResultArrived(
+                attempt_id, result.state, valid, tuple(reasons), verified=verified
+            )
             if a.phase is Phase.LAUNCHING:  # its submit's report died with its process
                 return (AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()), arrived)
             return arrived
@@ -144,6 +155,8 @@ class ResultWork:
             # win). A step that tries again after a version conflict does not send it again:
             # the conflicting save's round trip ran whole (Redis runs every command of a
             # pipeline; the conflict is the save script's answer), so the result is stored.
+            if late[0]:
+                return  # a late result is never served: not stored
             data = check()[3]
             if data is None or 0 < tries[1] < tries[0]:
                 return

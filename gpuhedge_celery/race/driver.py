@@ -20,7 +20,7 @@ from typing import Any
 from ..core.attempts import Phase
 from ..core.clock import Clock, WallClock
 from ..core.jobs import JobState
-from ..core.race import Race
+from ..core.race import Race, late_result
 from ..core.race_events import (
     Action,
     Cancel,
@@ -202,9 +202,12 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                 return None, []
             state = record.state
             race = Race.from_dict(state["race"], self.clock)
-            if race.finished:
+            if race.finished and not callable(source) and not late_result(race, source):
                 return race, []  # finished is final: a stale copy cannot be wrong about it
             event = source(race) if callable(source) else source
+            late = race.finished  # only a late result gets this far in a finished race
+            if late and not late_result(race, event):
+                return race, []
             if event is None:
                 if record.cached:
                     continue
@@ -245,12 +248,24 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             except VersionConflict as e:
                 reread = e if e.read else None
                 continue
+            if late:  # its job's price changed the receipt
+                self._late_result_taken(race_id, race, events)
+                return race, []
             follow = self._perform(
                 race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,
                 claim=claimed, finished=finished,
             )  # fmt: skip
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
+
+    def _late_result_taken(self, race_id: str, race: Race, events: tuple[Event, ...]) -> None:
+        """A finished race took a loser's late result: its job has ended (nothing left for the
+        janitor to cancel), and the receipt and record are rewritten with its price."""
+        for event in events:
+            self.store.remove_job(race_id, getattr(event, "attempt_id", ""))
+        log.info("race %s: a late result priced %s", race_id,
+                 ", ".join(getattr(e, "attempt_id", "") for e in events))  # fmt: skip
+        self.refresh_receipt(race_id)
 
     def _with_settlements(
         self, race_id: str, race: Race, state: dict[str, Any], before: dict[str, Phase],

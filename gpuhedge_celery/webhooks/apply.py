@@ -17,6 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..core.attempts import Phase
 from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..errors import GpuHedgeError, ProviderError, ProviderProtocolError
@@ -47,8 +48,10 @@ def apply_delivery(
         a = find_attempt(race, attempt_id)
         if a is None:
             return 200, {"ignored": f"race has no attempt {attempt_id!r}"}
-        if race.finished or not a.live:
-            return 200, {"ignored": "race finished" if race.finished else "attempt already ended"}
+        if not a.live:
+            return 200, {"ignored": "attempt already ended"}
+        if race.finished and a.phase is not Phase.LEAKED:
+            return 200, {"ignored": "race finished"}  # only a job never shown stopped is news
         data = a.handle or jobs.get(attempt_id)
         if data and not data.get("submitting"):
             break

@@ -1,0 +1,111 @@
+"""A loser's result after its race finished: priced, settled, in the receipt and the record.
+
+A loser whose cancel was never shown to stop it (the cancel was refused, say) is listed as a
+leak and keeps its whole reservation. When its job ends anyway and its result arrives, the job
+is over: the finished race takes the result (it changes no winner), the receipt and the record
+are rewritten with the job's price, its reservation settles at that price, and nothing is left
+for the janitor to cancel.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuhedge_celery.core.attempts import Phase
+from gpuhedge_celery.core.budget import BudgetCaps
+from gpuhedge_celery.core.clock import VirtualClock
+from gpuhedge_celery.core.jobs import AttemptResult, JobHandle, JobState
+from gpuhedge_celery.core.policies import parse_policy
+from gpuhedge_celery.core.race import Race
+from gpuhedge_celery.core.race_events import (
+    AttemptSubmitted,
+    CancelAcknowledged,
+    CancelFailed,
+    ResultArrived,
+)
+from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
+from gpuhedge_celery.race.budget import RaceBudget
+from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.store.budget import BudgetStore
+from tests.test_races_driver import Recorder, build_driver
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW = {"sim": {"p": {"queue_s": 0, "run_s": 1000}, "h": {"queue_s": 0, "run_s": 1000}}}
+
+
+def leaked_race(verified_ack: bool = True) -> Race:
+    """p and h both running; h wins at 3 s; p's cancel is acknowledged, never confirmed."""
+    clock = VirtualClock(100.0)
+    race = Race(parse_policy("hedge:p->h@0s"), clock, race_id="r1")
+    race.start()
+    for a in race.attempts:
+        race.handle(AttemptSubmitted(a.id, f"job-{a.id}", {"job_id": f"job-{a.id}"}))
+    clock.advance(3.0)
+    race.handle(ResultArrived("a2"))
+    ack = CancelReceipt("p", "job-a1", evidence=Evidence.PROVIDER_ACK, cancel_ack_ms=103_100.0)
+    race.handle(CancelAcknowledged("a1", ack if verified_ack else None))
+    race.handle(CancelFailed("a1", "no terminal state within the cancel window"))
+    assert race.finished and race.winner == "a2"
+    return race
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_finished_race_takes_a_leaked_losers_late_result_and_keeps_its_winner(verified):
+    race = leaked_race()
+    p = race.attempt_for("primary")
+    assert p.phase is Phase.LEAKED and p.receipt.leaked
+    race.clock.advance(4.0)
+    assert race.handle(ResultArrived("a1", verified=verified)) == []  # no action, no new winner
+    assert race.winner == "a2" and p.phase is Phase.ENDED and p.valid is False
+    assert p.result_at == pytest.approx(7.0) and not p.receipt.leaked
+    assert p.receipt.terminal_status is JobState.COMPLETED
+    # only a read of the provider proves a stop: a delivery nobody checked keeps the evidence
+    expected = Evidence.CONFIRMED_TERMINAL if verified else Evidence.PROVIDER_ACK
+    assert p.receipt.evidence is expected and p.receipt.confirmed_terminal is verified
+    assert "after the race finished" in p.receipt.note
+    # a second delivery of it changes nothing
+    before = race.to_dict()
+    race.clock.advance(1.0)
+    assert race.handle(ResultArrived("a1")) == [] and race.to_dict() == before
+
+
+def test_a_finished_race_ignores_a_result_of_a_loser_shown_stopped():
+    race = leaked_race()
+    race.handle(ResultArrived("a1"))
+    h = race.attempt_for("hedge")
+    before = race.to_dict()
+    assert race.handle(ResultArrived(h.id, JobState.FAILED, valid=False)) == []
+    assert race.to_dict() == before
+
+
+def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefix):
+    ledger = BudgetStore(redis_client, prefix)
+    driver, effects, cfg, _, providers = build_driver(redis_client, prefix, Recorder())
+    driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
+    driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
+    for race_id, attempt_id in effects.launched:
+        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+    driver.step("r1", ResultArrived("a2"))  # h wins: p is cancelled...
+    driver.step("r1", (CancelAcknowledged("a1", None), CancelFailed("a1", "refused")))
+    receipt = driver.store.receipt("r1")
+    assert receipt["finished"] and receipt["leaked"]
+    assert ledger.reservation("r1", "a1").get("settled") is None  # kept open: not shown stopped
+    handle = JobHandle.from_dict(driver.store.load("r1").state["race"]["attempts"][0]["handle"])
+    late = AttemptResult("p", handle.job_id, JobState.COMPLETED, 9000.0, {"audio": "x"},
+                         metrics={"cost_usd": 0.0123})  # fmt: skip
+    spec = driver.store.load("r1").state["spec"]
+    driver.conclude("r1", "a1", providers["p"], handle, 60.0, spec, result=late)
+    receipt = driver.store.receipt("r1")
+    p = receipt["attempts"][0]
+    assert receipt["winner"] == "a2" and not receipt["leaked"]
+    assert p["usd"] == 0.0123 and p["cost_source"] == "provider"
+    assert p["cancel_receipt"]["terminal_status"] == "COMPLETED"
+    # the ledger holds the same figure: the reported execution plus the worker's idle window
+    rate = spec["rates"]["p"]
+    settled = int(ledger.reservation("r1", "a1")["settled"]) / 1e9
+    assert settled == pytest.approx(p["billed_usd"], abs=1e-9)
+    assert p["billed_usd"] == pytest.approx(0.0123 + rate["idle_s"] * rate["rate_per_s"])
+    record = list(driver.store.records.read())[-1][1]  # the corrected record, last
+    assert record["attempts"][0]["usd"] == 0.0123 and record["leaked"] is False
+    assert "a1" not in driver.store.live_jobs("r1")  # nothing left for the janitor to cancel
