@@ -34,6 +34,8 @@ from kombu import Queue
 
 from ..race.settings import receipt_ttl_s
 from .config import GlueConfig
+from .message_signing import Signing
+from .message_signing import enable as enable_signing
 
 RACE_BACKEND_ALIASES = {
     "redis": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
@@ -160,8 +162,9 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
     return conf
 
 
-def create_app(config: GlueConfig | None = None) -> Celery:
-    """Build the gpuhedge Celery app from ``config`` (default: the environment, read once)."""
+def create_app(config: GlueConfig | None = None, signing: Signing | None = None) -> Celery:
+    """Build the gpuhedge Celery app from ``config`` (default: the environment, read once);
+    ``signing`` (default: ``GPUHEDGE_SECURITY_*`` of the environment) signs its messages."""
     config = config or GlueConfig.from_env()
     if config.is_gpu_worker and config.gpu is not None and config.gpu.isdigit():
         # Pin before anything can initialise CUDA; the forked child inherits it.
@@ -172,6 +175,10 @@ def create_app(config: GlueConfig | None = None) -> Celery:
     # loads only what that task needs, in an order free of cycles.
     celery_app = Celery("gpuhedge_celery", include=task_modules())
     celery_app.conf.update(celery_conf(config))
+    signing = signing or Signing.from_env(os.environ)
+    if signing is not None:  # tasks and remote control signed, results and events JSON
+        celery_app.conf.update(signing.celery_conf())
+        enable_signing(celery_app, signing)
     # Redis result backends store a race's payload by reference (tasks/race_backend.py); the
     # aliases are the loader's own (the configured URL is left as it is).
     loader = celery_app.loader
