@@ -191,6 +191,7 @@ def test_money_reported_matches_what_the_providers_billed(cluster, races):
     ids, timing = run_load(cluster, races)
     report = compare_cluster(cluster, ids, cluster.fakes)
     report["timing"] = {**timing, "total_s": round(time.monotonic() - t0, 2)}
+    report["fake_routes"] = {name: fake.stats()["routes"] for name, fake in cluster.fakes.items()}
     print("MONEY-TRUTH " + json.dumps(report, sort_keys=True))
     if timing["races_without_receipt"]:
         print(cluster.logs())

@@ -110,6 +110,19 @@ def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "cancel_reached_provider": 0,
                 "cancel_refusals": 0,
                 "sources": {},
+                "example": {
+                    k: row[k]
+                    for k in (
+                        "race",
+                        "attempt",
+                        "job",
+                        "state",
+                        "timeline",
+                        "receipt",
+                        "truth",
+                        "ledger",
+                    )
+                },
             },
         )
         t = row["truth"] or {}
@@ -206,6 +219,7 @@ def compare(
                 "winner": won,
                 "state": a.get("state"),
                 "kind": truth_kind(t),
+                "timeline": [f"{float(at):.2f} {label}" for at, label in a.get("timeline") or []],
                 "truth": None
                 if t is None
                 else {
