@@ -16,7 +16,8 @@ validator checks the signature before any other check runs::
 A result whose signature is missing or wrong is invalid (``signature missing`` / ``signature
 does not match``), so it cannot win. The key is read from the worker's environment each time
 and appears in no option, reason, receipt, event or log: the race's stored spec keeps the
-``${VAR}`` reference as written. Registered on import of :mod:`.validators`.
+``${VAR}`` reference as written. Registered when :mod:`.validators` is imported (it imports
+this module).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..signing import MIN_KEY_BYTES, SIGNATURE_FIELD, SIGNED_AT_FIELD, signature_problem
-from .validators import (
+from .validator_registry import (
     ValidationResult,
     available_validators,
     option_check,
