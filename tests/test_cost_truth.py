@@ -88,14 +88,23 @@ def test_a_queued_cancel_without_a_figure_costs_nothing_and_starts_no_worker():
     assert (found.active_usd, found.started, found.billed_usd) == (0.0, False, 0.0)
 
 
-def test_a_job_never_shown_stopped_is_priced_at_its_cap_in_the_receipt_and_the_ledger():
-    a = loser(ack_at=2.0)
+def test_a_refused_cancel_is_priced_at_its_cap_in_the_receipt_and_the_ledger():
+    a = loser()  # the provider never accepted the cancel (refused, or no answer)
     a.phase = Phase.LEAKED
     found = cost(a, cap_s=60.0)
     assert (found.active_usd, found.source) == (pytest.approx(0.06), "cap")
     reserved = 60.0 * 0.001 + 0.005  # the reservation is the same worst case
     settled = settle_attempt(a, RATE, 60.0, reserved, started_at=START)
     assert settled.source == UNPROVEN and settled.usd == pytest.approx(found.billed_usd)
+
+
+def test_an_accepted_but_unconfirmed_cancel_is_priced_to_its_acknowledgement():
+    a = loser(ack_at=2.4)  # Cerebrium: the cancel accepted, nothing can confirm the stop
+    a.phase = Phase.LEAKED
+    found = cost(a, cap_s=60.0)
+    assert (found.active_usd, found.source) == (pytest.approx((2.4 - 0.5) * 0.001), "clock")
+    settled = settle_attempt(a, RATE, 60.0, 1.0, started_at=START)  # once its window passed
+    assert settled.source == ESTIMATED and settled.usd == pytest.approx(found.billed_usd)
 
 
 def test_the_clock_estimate_never_passes_the_cap():

@@ -9,6 +9,8 @@ for the janitor to cancel.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpuhedge_celery.core.attempts import Phase
@@ -109,3 +111,30 @@ def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefi
     record = list(driver.store.records.read())[-1][1]  # the corrected record, last
     assert record["attempts"][0]["usd"] == 0.0123 and record["leaked"] is False
     assert "a1" not in driver.store.live_jobs("r1")  # nothing left for the janitor to cancel
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_a_leak_with_no_late_result_settles_once_its_window_has_passed(
+    redis_client, prefix, accepted
+):
+    """An accepted cancel nothing can confirm settles at its price to the acknowledgement; a
+    refused one keeps its whole reservation (nothing shows the job was even told to stop)."""
+    ledger = BudgetStore(redis_client, prefix)
+    driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Recorder())
+    driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
+    driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
+    for race_id, attempt_id in effects.launched:
+        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+    driver.step("r1", ResultArrived("a2"))
+    refused = CancelReceipt("p", "", note="cancel: HTTP 500")  # no evidence: refused
+    driver.step("r1", (CancelAcknowledged("a1", None if accepted else refused),
+                       CancelFailed("a1", "no terminal state")))  # fmt: skip
+    reserved = int(ledger.reservation("r1", "a1")["amount"])
+    later = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000), clock=VirtualClock(time.time() + 1e5))
+    assert later.sweep(lambda race_id: driver.store.load(race_id).state, grace_ms=0) >= 1
+    settled = int(ledger.reservation("r1", "a1")["settled"])
+    receipt_usd = driver.store.receipt("r1")["attempts"][0]["billed_usd"]
+    if accepted:
+        assert settled < reserved and settled / 1e9 == pytest.approx(receipt_usd, abs=1e-9)
+    else:
+        assert settled == reserved and receipt_usd == pytest.approx(reserved / 1e9, abs=1e-9)

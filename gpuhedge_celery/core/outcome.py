@@ -8,8 +8,9 @@ Cost accounting: one rule for receipts, records, the ledger's settlements and th
   submit to the moment the job is known to have stopped: its result's arrival (also a result
   that came after its cancel), else the provider's acknowledgement of the cancel, else the
   cancel's sending. A job cancelled while still queued (``was_running`` False) costs nothing. A
-  job never shown stopped (leaked, or past its cap) is priced at its cap: unknowns are counted
-  against us, never for us.
+  job whose cancel the provider accepted but cannot confirm (Cerebrium) is priced to that
+  acknowledgement until a late result says more; one whose cancel was refused or never
+  answered, or that passed its cap, is priced at its cap: unknowns count against us.
 * billed $: active $ plus the provider's idle window (``idle_s`` x rate) for every job whose
   worker started.
 * wasted $: the active $ of every attempt that did not win.
@@ -26,6 +27,7 @@ from ..errors import ConfigError
 from .attempts import Attempt, Phase, escalated, hedged
 from .jobs import JobState
 from .race import BUDGET_REFUSED, Race
+from .receipts import Evidence
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,17 @@ def reported_active_usd(a: Attempt, summary: Mapping[str, Any] | None = None) ->
 _STOPPED_BY_US = (JobState.CANCELLED.value, JobState.TIMEOUT.value)
 
 
+def unaccepted(a: Attempt) -> bool:
+    """Whether nothing shows ``a``'s job stopped or even told to stop: a leaked job whose
+    provider never accepted its cancel (refused, never answered), or one past its cap."""
+    if a.result_state == JobState.TIMEOUT.value:
+        return True
+    if a.phase is not Phase.LEAKED:
+        return False
+    r = a.receipt
+    return r is None or r.cancel_ack_ms is None or r.evidence.rank < Evidence.PROVIDER_ACK.rank
+
+
 def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
     """When (race-relative s) our clock last knew ``a``'s job to be running, or None if live."""
     r = a.receipt
@@ -157,8 +170,7 @@ def attempt_cost(
         and a.cancel_sent_at is not None
     ):
         return AttemptCost(0.0, False, 0.0, CLOCK)  # removed from the queue: no worker started
-    never_stopped = a.phase is Phase.LEAKED or a.result_state == JobState.TIMEOUT.value
-    if never_stopped and cap_s is not None:
+    if unaccepted(a) and cap_s is not None:
         active = max(0.0, cap_s) * rate.rate_per_s
         return AttemptCost(active, True, active + idle, CAPPED)
     stop = _stopped_at(a, started_at)

@@ -7,8 +7,11 @@ Three sources, best first:
   of the worker it started;
 * ``estimated``: our own clock, the accounting rule of :mod:`.outcome` (submit to result or to
   the cancel, nothing for a job cancelled while queued), capped at the attempt's cap;
-* ``unproven``: nothing shows the job stopped (its cancel was never confirmed, or its submit's
-  outcome is unknown): the whole reservation is kept as spent. Unknowns count against us.
+* ``unproven``: nothing shows the job stopped or even told to stop (its cancel was refused or
+  never answered, or its submit's outcome is unknown): the whole reservation is kept as spent.
+  Unknowns count against us. A cancel the provider accepted but cannot confirm settles as
+  estimated, to the acknowledgement, once its reservation's window has passed with no late
+  result (the janitor's sweep; a late result settles it sooner, at its own price).
 
 An attempt that was never submitted costs nothing (``not_submitted``).
 """
@@ -21,7 +24,7 @@ from typing import Any
 
 from .attempts import Attempt, Phase
 from .jobs import JobState
-from .outcome import REPORTED, ProviderRate, attempt_cost, reported_active_usd
+from .outcome import REPORTED, ProviderRate, attempt_cost, reported_active_usd, unaccepted
 
 RECONCILED, ESTIMATED, UNPROVEN = "reconciled", "estimated", "unproven"
 NOT_SUBMITTED = "not_submitted"
@@ -70,7 +73,7 @@ def settle_attempt(
             note = "submit outcome unknown: a job may exist"
             return Settlement(reserved_usd, UNPROVEN, note)
         return Settlement(0.0, NOT_SUBMITTED, "never submitted")
-    if a.phase is Phase.LEAKED:
+    if unaccepted(a) and a.phase is Phase.LEAKED:
         return Settlement(reserved_usd, UNPROVEN, "not shown stopped")
     # the receipt's own figure (the same function prices receipts and records)
     cost = attempt_cost(a, rate, summary, started_at=started_at, cap_s=cap_s)

@@ -33,7 +33,7 @@ from ..core.budget import (
     worst_case_usd,
 )
 from ..core.clock import Clock, WallClock
-from ..core.outcome import ProviderRate
+from ..core.outcome import ProviderRate, unaccepted
 from ..core.race import Race
 from ..core.settlement import UNPROVEN, ready_to_settle, settle_attempt
 from ..store.budget import MAX_NANO, BudgetStore, PendingReservation
@@ -60,6 +60,12 @@ def attempt_worst_case_usd(spec: Mapping[str, Any], provider: str) -> float:
     """The worst case of one attempt of ``provider`` in a race with this stored spec."""
     rate = _rate(spec, provider)
     return worst_case_usd(_cap(spec, provider), rate.rate_per_s, rate.idle_s)
+
+
+def _accepted_leak(a: Attempt) -> bool:
+    """A leaked job whose provider accepted its cancel: past its window with no late result,
+    it settles at its price to the acknowledgement (see core/settlement.py)."""
+    return a.phase is Phase.LEAKED and not unaccepted(a)
 
 
 class RaceBudget:
@@ -112,7 +118,7 @@ class RaceBudget:
             rate = _rate(spec, a.provider)
             cap_s = _cap(spec, a.provider)
             reserved = worst_case_usd(cap_s, rate.rate_per_s, rate.idle_s)
-            if force and not ready_to_settle(a, summary):
+            if force and not ready_to_settle(a, summary) and not _accepted_leak(a):
                 items.append((a.id, to_nano(reserved, round_up=True), UNPROVEN))  # still live
                 continue
             if UNKNOWN_SUBMIT in a.reasons:  # its worker died mid-submit: a job may exist
