@@ -22,9 +22,9 @@ These are facts of the whole deployment, not of one process, so no worker counts
   ``gpuhedge-celery budget`` (:func:`~gpuhedge_celery.store.budget.budget_report`, the same
   code), when the config sets a cap: ``scope`` is ``ceiling``, ``day`` (today, UTC),
   ``provider`` / ``provider_day`` (``name``: each configured provider) and ``key`` /
-  ``key_day`` (``name``: each key the config's ``budget.keys`` lists; keys that only ``"*"``
-  lets in are not exported, so the series stay bounded by the config). Headroom and cap only
-  for scopes with a cap.
+  ``key_day`` (``name``: each key the config's ``budget.keys`` lists; a key the ledger holds
+  but the config does not list is not exported, so the series stay bounded by the config).
+  Headroom and cap only for scopes with a cap.
 
 When Redis does not answer, only ``gpuhedge_redis_up 0`` is exported.
 """
