@@ -64,10 +64,11 @@ def parse_budget(root: Block, providers: Mapping[str, ProviderConfig]) -> Budget
     for name in by_key.data:
         if name == ANY_KEY:
             raise by_key.error(
-                ANY_KEY, "not accepted: it gives every unlisted key a fresh cap of its own; list "
+                ANY_KEY,
+                "not accepted: it gives every unlisted key a fresh cap of its own; list "
                 "each key, and set default_key (and unknown_keys: default to charge unlisted "
                 "keys to it)",
-            )  # fmt: skip
+            )
         if not isinstance(name, str) or not KEY_RE.match(name):
             raise by_key.error(
                 str(name), "expected a budget key of 1-100 letters, digits, '_', '-', '.', ':'"
@@ -78,9 +79,10 @@ def parse_budget(root: Block, providers: Mapping[str, ProviderConfig]) -> Budget
     block.finish()
     if key_caps and default_key is None:
         raise block.error(
-            "default_key", f"required with budget.keys: a request naming no key is charged to "
+            "default_key",
+            f"required with budget.keys: a request naming no key is charged to "
             f"it, so key caps always apply (one of: {', '.join(key_caps)})",
-        )  # fmt: skip
+        )
     if default_key is not None and default_key not in key_caps:
         known = ", ".join(key_caps) or "none"
         raise block.error("default_key", f"no key {default_key!r} in budget.keys (known: {known})")

@@ -45,8 +45,9 @@ def canonical(payload: Mapping[str, Any], field: str = SIGNATURE_FIELD) -> bytes
     if not isinstance(payload, Mapping):
         raise TypeError(f"a signed payload is a JSON object, not {type(payload).__name__}")
     body = {k: v for k, v in payload.items() if k != field}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)  # fmt: skip
+    text = json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
     return text.encode("utf-8")
 
 
@@ -87,8 +88,10 @@ def signature_problem(payload: Any, key: str | bytes, field: str = SIGNATURE_FIE
     """Why ``payload`` does not carry a good signature under ``key`` (None: it does). The
     reason never shows the key or the expected signature."""
     if not isinstance(payload, Mapping):
-        return (f"signature missing: the payload is a {type(payload).__name__}, not a JSON "
-                f"object carrying {field!r}")  # fmt: skip
+        return (
+            f"signature missing: the payload is a {type(payload).__name__}, not a JSON "
+            f"object carrying {field!r}"
+        )
     _key_bytes(key)  # a short key is the caller's mistake, not the payload's
     given = payload.get(field)
     if given is None:

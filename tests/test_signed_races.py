@@ -86,17 +86,26 @@ def cluster(redis_url, tmp_path_factory):
         config.write_text(config_text(fake.url))
         cc = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp)
         port = free_port()
-        cc.env.update({"GPUHEDGE_CONFIG": str(config), "CEREBRIUM_TEST_KEY": CB_KEY,
-                       "GPUHEDGE_TEST_RESULT_KEY": RESULT_KEY, "PYTHONPATH": str(REPO),
-                       "GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
-                       "GPUHEDGE_WEBHOOK_SECRET": SECRET,
-                       "GPUHEDGE_WEBHOOK_FALLBACK_S": "20"})  # fmt: skip
+        cc.env.update(
+            {
+                "GPUHEDGE_CONFIG": str(config),
+                "CEREBRIUM_TEST_KEY": CB_KEY,
+                "GPUHEDGE_TEST_RESULT_KEY": RESULT_KEY,
+                "PYTHONPATH": str(REPO),
+                "GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
+                "GPUHEDGE_WEBHOOK_SECRET": SECRET,
+                "GPUHEDGE_WEBHOOK_FALLBACK_S": "20",
+            }
+        )
         log = open(tmp / "receiver.log", "w")  # noqa: SIM115 - closed with the process
         receiver = subprocess.Popen(
             [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--port", str(port)],
-            env=cc.env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp),
+            env=cc.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp),
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:

@@ -123,7 +123,7 @@ def test_max_age_refuses_an_old_or_undated_signature():
         ({"key": REF, "max_age_s": 0}, "max_age_s: expected a number > 0"),
         ({"key": REF, "colour": "red"}, "bad options for validator 'hmac'"),
     ],
-)  # fmt: skip
+)
 def test_bad_options_are_one_line_in_the_config_and_in_a_call(options, message):
     from gpuhedge_celery.race.spec import build_spec
 

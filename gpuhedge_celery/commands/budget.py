@@ -32,10 +32,11 @@ def render(report: dict[str, Any]) -> str:
         f"per request: {_usd(per_request)} (each race's attempts together, worst cases reserved)"
     )
     if report.get("default_key"):
-        unknown = ("charged to it too" if report.get("unknown_keys") == "default"
-                   else "refused")  # fmt: skip
-        lines.append(f"default key: {report['default_key']} (a request naming no key is charged "
-                     f"to it; an unlisted key is {unknown})")  # fmt: skip
+        unknown = "charged to it too" if report.get("unknown_keys") == "default" else "refused"
+        lines.append(
+            f"default key: {report['default_key']} (a request naming no key is charged "
+            f"to it; an unlisted key is {unknown})"
+        )
     header = f"{'scope':<32} {'cap':>12} {'reserved':>12} {'spent':>12} {'headroom':>12}"
     lines += ["", header, "-" * len(header)]
     for r in report["rows"]:

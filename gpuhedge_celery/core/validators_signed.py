@@ -55,16 +55,20 @@ def check_hmac_options(options: Mapping[str, Any]) -> str | None:
     if not key:
         return 'key: required: a ${VAR} reference to the signing key (e.g. "${RESULT_SIGNING_KEY}")'
     if not isinstance(key, str) or not ENV_REF.match(key):
-        return ("key: expected a ${VAR} reference (keep the signing key out of the file, e.g. "
-                '"${RESULT_SIGNING_KEY}"), got a literal value')  # fmt: skip
+        return (
+            "key: expected a ${VAR} reference (keep the signing key out of the file, e.g. "
+            '"${RESULT_SIGNING_KEY}"), got a literal value'
+        )
     field = options.get("field", SIGNATURE_FIELD)
     if not isinstance(field, str) or not field:
         return f"field: expected a non-empty string, got {field!r}"
     age = options.get("max_age_s")
     if age is not None and (
-        isinstance(age, bool) or not isinstance(age, (int, float)) or not math.isfinite(age)
+        isinstance(age, bool)
+        or not isinstance(age, (int, float))
+        or not math.isfinite(age)
         or age <= 0
-    ):  # fmt: skip
+    ):
         return f"max_age_s: expected a number > 0, got {age!r}"
     then, at = options.get("then"), options.get("at")
     if at is not None and (not isinstance(at, str) or not at or then is None):
