@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from . import settings as process_settings
 from .errors import ConfigError, GpuHedgeError, StoreUnavailable
 from .settings import Settings
 
@@ -130,6 +131,7 @@ def lazy_group(package: str, **kwargs):
 @click.pass_context
 def cli(ctx: click.Context, redis_url: str | None, prefix: str | None, config_path: str | None):
     """Celery-native GPU scheduling on Redis: GPU leases and hedged serverless races."""
+    process_settings.reload()  # what this invocation's commands read: its environment now
     ctx.obj = CliContext(
         settings=Settings.from_env(redis_url=redis_url, prefix=prefix, config_path=config_path)
     )

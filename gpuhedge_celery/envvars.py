@@ -1,17 +1,29 @@
-"""Reading one ``GPUHEDGE_*`` number or switch from the environment, with a one-line error
-naming it.
+"""Parsing ``GPUHEDGE_*`` environment variables: the one place, with ``settings.py``, that
+reads them (``tests/test_settings_reads.py`` holds the package to that).
 
-Shared by the settings classes (race/settings.py, webhooks/settings.py, tasks/janitor.py):
-each says what it expects, so a bad value's :class:`ConfigError` reads ``expected <what>,
-got '<value>'`` with the variable as its key.
+The ``read_*`` functions build each section of :class:`~gpuhedge_celery.settings.Env` from a
+mapping; ``env_number`` / ``env_flag`` each say what they expect, so a bad value's
+:class:`ConfigError` reads ``expected <what>, got '<value>'`` with the variable as its key.
+The variables are listed, once, in docs/configuration.md (*Environment variables*).
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import shlex
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .race.settings import RaceSettings
+    from .settings import JanitorSettings, MetricsSettings, Settings
+    from .tasks.config import GlueConfig
+    from .tasks.message_signing import Signing
+    from .webhooks.settings import WebhookSettings
 
 N = TypeVar("N", int, float)
 D = TypeVar("D")
@@ -55,3 +67,385 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}", key=name)
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    return env_number(
+        env, name, default, cast=float, kind="a number", valid=lambda v: v > minimum,
+        bound=f"a number > {minimum:g}",
+    )  # fmt: skip
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    return env_number(
+        env, name, default, cast=int, kind="a whole number", valid=lambda v: 1 <= v <= 1024,
+        bound="a number from 1 to 1024",
+    )  # fmt: skip
+
+
+def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
+    return env_number(
+        env, name, default, cast=int, kind="a whole number (0: off)", valid=lambda v: v >= 0,
+        bound="a whole number >= 0 (0: off)",
+    )  # fmt: skip
+
+
+def _positive(env: Mapping[str, str], name: str, default: D) -> float | D:
+    return env_number(
+        env, name, default, cast=float, kind="a number", valid=lambda v: v > 0,
+        bound="a positive number",
+    )  # fmt: skip
+
+
+COORD_LOOPS = ("threads", "batched")
+TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
+
+
+def receipt_ttl_s(env: Mapping[str, str]) -> float:
+    """``GPUHEDGE_RECEIPT_TTL_S``: also how long Celery keeps a race's result (tasks/app.py)."""
+    return _float(env, "GPUHEDGE_RECEIPT_TTL_S", 86400.0)
+
+
+def read_race(env: Mapping[str, str]) -> RaceSettings:
+    """The race coordinator's section (:class:`~gpuhedge_celery.race.settings.RaceSettings`)."""
+    from .plugins import MODULE_RE
+    from .race.settings import RaceSettings
+
+    namespace = (env.get("GPUHEDGE_TIMER_NAMESPACE") or "races").strip()
+    if not TIMER_NAMESPACE_RE.match(namespace):
+        raise ConfigError(
+            f"expected letters, digits, '_', '-' or '.', got {namespace!r}",
+            key="GPUHEDGE_TIMER_NAMESPACE",
+        )
+    plugins = tuple(p.strip() for p in (env.get("GPUHEDGE_PLUGINS") or "").split(",") if p.strip())
+    for module in plugins:
+        if not MODULE_RE.match(module):
+            raise ConfigError(f"expected a module path, got {module!r}", key="GPUHEDGE_PLUGINS")
+    coord_loop = (env.get("GPUHEDGE_COORD_LOOP") or "batched").strip().lower()
+    if coord_loop not in COORD_LOOPS:
+        raise ConfigError(
+            f"expected one of {', '.join(COORD_LOOPS)}, got {coord_loop!r}",
+            key="GPUHEDGE_COORD_LOOP",
+        )
+    return RaceSettings(
+        receipt_ttl_s=receipt_ttl_s(env),
+        payload_inline_max=int(_float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)),
+        payload_by_ref=env_flag(env, "GPUHEDGE_PAYLOAD_BY_REF", True),
+        request_max_bytes=int(_float(env, "GPUHEDGE_REQUEST_MAX_BYTES", 1_048_576)),
+        watch_interval_s=_float(env, "GPUHEDGE_WATCH_INTERVAL_S", 1.0),
+        events=env_flag(env, "GPUHEDGE_RACE_EVENTS", True),
+        event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 100.0, minimum=-1),
+        ack_linger_ms=_float(env, "GPUHEDGE_ACK_LINGER_MS", 250.0, minimum=-1),
+        timer_namespace=namespace,
+        submit_primary_inline=env_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
+        launch_inline=env_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
+        launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
+        timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 16),
+        timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 25.0, minimum=-1)),
+        coord_loop=coord_loop,
+        cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
+        cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
+        switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),
+        plugins=plugins,
+        records_maxlen=_maxlen(env, "GPUHEDGE_RECORDS_MAXLEN", 100_000),
+        events_show_request=env_flag(env, "GPUHEDGE_EVENTS_SHOW_REQUEST", False),
+    )
+
+
+def read_webhooks(env: Mapping[str, str]) -> WebhookSettings:
+    """The webhook section (:class:`~gpuhedge_celery.webhooks.settings.WebhookSettings`)."""
+    from .webhooks.settings import MIN_SECRET, WebhookSettings, loopback
+
+    url = (env.get("GPUHEDGE_WEBHOOK_URL") or "").strip().rstrip("/")
+    secret = env.get("GPUHEDGE_WEBHOOK_SECRET") or ""
+    previous = env.get("GPUHEDGE_WEBHOOK_SECRET_PREVIOUS") or ""
+    if url and not url.startswith(("https://", "http://")):
+        raise ConfigError(f"expected an http(s):// URL, got {url!r}", key="GPUHEDGE_WEBHOOK_URL")
+    if url.startswith("http://") and not loopback(url):
+        raise ConfigError(
+            "expected https:// (each attempt's URL is its credential, so it must not "
+            f"cross a network in the clear; http:// only on a loopback host), got {url!r}",
+            key="GPUHEDGE_WEBHOOK_URL",
+        )
+    if url and len(secret) < MIN_SECRET:
+        raise ConfigError(
+            f"needs at least {MIN_SECRET} characters when GPUHEDGE_WEBHOOK_URL is set",
+            key="GPUHEDGE_WEBHOOK_SECRET",
+        )
+    if previous and len(previous) < MIN_SECRET:
+        raise ConfigError(
+            f"needs at least {MIN_SECRET} characters", key="GPUHEDGE_WEBHOOK_SECRET_PREVIOUS"
+        )
+    return WebhookSettings(
+        url=url,
+        secret=secret,
+        fallback_s=_positive(env, "GPUHEDGE_WEBHOOK_FALLBACK_S", 30.0),
+        max_bytes=int(_positive(env, "GPUHEDGE_WEBHOOK_MAX_BYTES", 4 * 1024 * 1024)),
+        previous_secret=previous,
+    )
+
+
+def read_janitor(env: Mapping[str, str]) -> JanitorSettings:
+    """The janitor's section (:class:`~gpuhedge_celery.settings.JanitorSettings`)."""
+    from .settings import JanitorSettings
+
+    values: dict[str, Any] = {}
+    for name, attr, cast in (
+        ("GPUHEDGE_JANITOR_STALE_S", "stale_s", float),
+        ("GPUHEDGE_JANITOR_LIMIT", "limit", int),
+    ):
+        value = env_number(
+            env, name, None, cast=cast, kind="a positive number", valid=lambda v: v > 0,
+            bound="a positive number",
+        )  # fmt: skip
+        if value is not None:
+            values[attr] = value
+    return JanitorSettings(**values)
+
+
+METRICS_PORT_VAR, METRICS_ADDR_VAR = "GPUHEDGE_METRICS_PORT", "GPUHEDGE_METRICS_ADDR"
+METRICS_OFF = ("0", "false", "no", "off")
+
+
+def metrics_enabled(env: Mapping[str, str]) -> bool:
+    """Whether ``GPUHEDGE_METRICS`` leaves metrics on (the default)."""
+    return (env.get("GPUHEDGE_METRICS") or "1").strip().lower() not in METRICS_OFF
+
+
+def parse_port(raw: str | None, key: str) -> int | None:
+    """A TCP port (None when unset or blank); ConfigError naming ``key`` if bad."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"expected a TCP port number, got {raw!r}", key=key) from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"expected a TCP port number 1-65535, got {raw!r}", key=key)
+    return port
+
+
+def metrics_port(env: Mapping[str, str]) -> int | None:
+    """``GPUHEDGE_METRICS_PORT``: a worker's ``/metrics`` port, None when unset (none)."""
+    return parse_port(env.get(METRICS_PORT_VAR), METRICS_PORT_VAR)
+
+
+def metrics_addr(env: Mapping[str, str], default: str) -> str:
+    """``GPUHEDGE_METRICS_ADDR``: the address a worker's ``/metrics`` binds."""
+    return (env.get(METRICS_ADDR_VAR) or default).strip()
+
+
+def read_metrics(env: Mapping[str, str]) -> MetricsSettings:
+    """A worker's endpoint (:class:`~gpuhedge_celery.settings.MetricsSettings`)."""
+    from .settings import MetricsSettings
+
+    port = metrics_port(env)
+    return MetricsSettings(
+        enabled=metrics_enabled(env), port=port, addr=metrics_addr(env, MetricsSettings.addr)
+    )
+
+
+RUNNER_ENV_VAR = "GPUHEDGE_RUNNER_ENV"
+
+
+def runner_env_names(env: Mapping[str, str]) -> frozenset[str]:
+    """``GPUHEDGE_RUNNER_ENV``: more names a model command inherits (run_context.py)."""
+    names = (env.get(RUNNER_ENV_VAR) or "").split(",")
+    return frozenset(n.strip() for n in names if n.strip())
+
+
+PROBE_DIR_VAR, PROBE_SITES_VAR = "GPUHEDGE_BENCH_PROBE_DIR", "GPUHEDGE_BENCH_PROBE_SITES"
+
+
+def probe_dir(env: Mapping[str, str]) -> str | None:
+    """``GPUHEDGE_BENCH_PROBE_DIR``: where a bench worker writes its Redis counts (bench only)."""
+    return env.get(PROBE_DIR_VAR) or None
+
+
+def probe_sites(env: Mapping[str, str]) -> bool:
+    """``GPUHEDGE_BENCH_PROBE_SITES``: count each Redis round trip by call site (bench only)."""
+    return env.get(PROBE_SITES_VAR, "").lower() in ("1", "on", "true", "yes")
+
+
+def read_core(env: Mapping[str, str], overrides: Mapping[str, str | None]) -> Settings:
+    """The shared section (:class:`~gpuhedge_celery.settings.Settings`); ``overrides`` (the
+    CLI's options) win over the environment where not None."""
+    from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, Settings
+
+    values = {
+        "redis_url": env.get("GPUHEDGE_REDIS_URL") or DEFAULT_REDIS_URL,
+        "prefix": env.get("GPUHEDGE_PREFIX") or DEFAULT_PREFIX,
+        "config_path": env.get("GPUHEDGE_CONFIG") or None,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
+    """The prefix of Celery's own keys (queues, results, remote control): ``GPUHEDGE_BROKER_PREFIX``
+    when it is set (to anything, "" included), else ``<GPUHEDGE_PREFIX>:`` for a prefix other
+    than the default, so two deployments with their own prefixes never share queues; the
+    default prefix keeps Celery's plain layout (what other Celery apps calling our tasks by
+    name, and every deployment that never set a prefix, use)."""
+    from .settings import DEFAULT_PREFIX
+
+    if "GPUHEDGE_BROKER_PREFIX" in env:
+        return env["GPUHEDGE_BROKER_PREFIX"]
+    return "" if prefix == DEFAULT_PREFIX else f"{prefix}:"
+
+
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: float | None,
+    *,
+    minimum: float = 0.0,
+    integer: bool = False,
+    strict: bool = True,
+) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "" or raw.strip().lower() == "none":
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"expected {kind}, got {raw!r}", key=name) from None
+    if value < minimum or (strict and value == minimum):
+        sign = ">" if strict else ">="
+        raise ConfigError(f"expected a value {sign} {minimum:g}, got {raw!r}", key=name)
+    return value
+
+
+def _optional_int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def pool_direct(env: Mapping[str, str]) -> bool:
+    """``GPUHEDGE_POOL_DIRECT``: a caller may send a job straight to a free GPU."""
+    return env_flag(env, "GPUHEDGE_POOL_DIRECT", True)
+
+
+def read_glue(env: Mapping[str, str]) -> GlueConfig:
+    """The Celery glue's section (:class:`~gpuhedge_celery.tasks.config.GlueConfig`)."""
+    from .gpus import default_host, parse_labels
+    from .runners import runner_from_spec
+    from .settings import redact_url
+    from .tasks.config import (
+        BROKER_SCHEMES,
+        GPU_RE,
+        GlueConfig,
+        default_schedule,
+        parse_coord_queues,
+    )
+
+    settings = read_core(env, {})
+    gpu = (env.get("GPUHEDGE_GPU") or "").strip() or None
+    if gpu is not None and not GPU_RE.match(gpu):
+        raise ConfigError(
+            f"expected a GPU index or id like 'host:0', got {gpu!r}", key="GPUHEDGE_GPU"
+        )
+    runner = (env.get("GPUHEDGE_RUNNER") or "cpu").strip()
+    if gpu is not None:
+        runner_from_spec(runner)  # fail at start-up, not at the first job
+    pool = (env.get("GPUHEDGE_POOL") or "default").strip()
+    if not pool or any(c in pool for c in " :*?[]"):
+        raise ConfigError(
+            f"expected a pool name without spaces or ':', got {pool!r}", key="GPUHEDGE_POOL"
+        )
+    pool_ttl = _number(env, "GPUHEDGE_POOL_TTL_MS", None, integer=True)
+    acquire = _number(env, "GPUHEDGE_ACQUIRE_TIMEOUT_S", None)
+    broker_url = (env.get("GPUHEDGE_BROKER_URL") or "").strip() or None
+    scheme, sep, _ = (broker_url or "").partition("://")
+    if broker_url is not None and (not sep or scheme.lower() not in BROKER_SCHEMES):
+        raise ConfigError(
+            f"expected an amqp://, amqps:// or redis:// URL, got {redact_url(broker_url)!r}",
+            key="GPUHEDGE_BROKER_URL",
+        )
+    health = (env.get("GPUHEDGE_HEALTH") or "auto").strip().lower()
+    if health not in ("auto", "on", "off"):
+        raise ConfigError(f"expected auto, on or off, got {health!r}", key="GPUHEDGE_HEALTH")
+    xids = (env.get("GPUHEDGE_XID_IGNORE") or "13,31,43,45").replace(" ", "")
+    if not all(x.isdigit() for x in filter(None, xids.split(","))):
+        raise ConfigError(
+            f"expected Xid numbers like 13,31, got {xids!r}", key="GPUHEDGE_XID_IGNORE"
+        )
+    server_cmd = (env.get("GPUHEDGE_SERVER_CMD") or "").strip() or None
+    if server_cmd is not None:
+        try:
+            shlex.split(server_cmd)
+        except ValueError as e:
+            raise ConfigError(f"cannot parse the command: {e}", key="GPUHEDGE_SERVER_CMD") from None
+    per_child = _number(env, "GPUHEDGE_MAX_TASKS_PER_CHILD", None, integer=True)
+    per_child_mb = _number(env, "GPUHEDGE_MAX_MEMORY_PER_CHILD_MB", None, integer=True)
+    return GlueConfig(
+        settings=settings,
+        broker_prefix=broker_prefix(env, settings.prefix),
+        broker_url=broker_url,
+        visibility_timeout_s=_number(env, "GPUHEDGE_VISIBILITY_TIMEOUT_S", 3600.0),
+        restore_interval_s=_number(env, "GPUHEDGE_RESTORE_INTERVAL_S", 10.0),
+        reconcile_interval_s=_number(env, "GPUHEDGE_RECONCILE_INTERVAL_S", 30.0),
+        reconcile_grace_s=_number(env, "GPUHEDGE_RECONCILE_GRACE_S", 10.0, strict=False),
+        control_timeout_s=_number(env, "GPUHEDGE_CONTROL_TIMEOUT_S", 1.0),
+        host_ttl_ms=int(_number(env, "GPUHEDGE_HOST_TTL_MS", 15_000, integer=True)),
+        coord_concurrency=int(_number(env, "GPUHEDGE_COORD_CONCURRENCY", 32, integer=True)),
+        coord_queues=parse_coord_queues(env.get("GPUHEDGE_COORD_QUEUES")),
+        acquire_timeout_s=acquire,
+        max_attempts=int(_number(env, "GPUHEDGE_MAX_ATTEMPTS", 3, integer=True)),
+        pool_direct=pool_direct(env),
+        gpu=gpu,
+        pool=pool,
+        labels=parse_labels(env.get("GPUHEDGE_GPU_LABELS")),
+        host=(env.get("GPUHEDGE_HOST") or "").strip() or default_host(),
+        runner=runner,
+        pool_ttl_ms=_optional_int(pool_ttl),
+        beat_schedule=(env.get("GPUHEDGE_BEAT_SCHEDULE") or "").strip()
+        or default_schedule(env, settings.prefix),
+        runner_retry_s=_number(env, "GPUHEDGE_RUNNER_RETRY_S", 1.0),
+        runner_retry_max_s=_number(env, "GPUHEDGE_RUNNER_RETRY_MAX_S", 60.0),
+        runner_wait_s=_number(env, "GPUHEDGE_RUNNER_WAIT_S", 30.0, strict=False),
+        server_cmd=server_cmd,
+        max_tasks_per_child=_optional_int(per_child),
+        max_memory_per_child_mb=_optional_int(per_child_mb),
+        health=health,
+        health_interval_s=_number(env, "GPUHEDGE_HEALTH_INTERVAL_S", 5.0),
+        foreign_memory_mb=_number(env, "GPUHEDGE_FOREIGN_MEMORY_MB", 256.0, strict=False),
+        xid_ignore=tuple(sorted({int(x) for x in xids.split(",") if x})),
+        nvml_replay=(env.get("GPUHEDGE_NVML_REPLAY") or "").strip() or None,
+    )
+
+
+SIGNING_PATHS = (
+    ("key", "GPUHEDGE_SECURITY_KEY"),
+    ("certificate", "GPUHEDGE_SECURITY_CERTIFICATE"),
+    ("cert_store", "GPUHEDGE_SECURITY_CERT_STORE"),
+)
+
+
+def read_signing(env: Mapping[str, str]) -> Signing | None:
+    """Celery message signing (:class:`~gpuhedge_celery.tasks.message_signing.Signing`); None
+    when it is off (no variable set)."""
+    from .tasks.message_signing import Signing
+
+    values = {name: (env.get(var) or "").strip() for name, var in SIGNING_PATHS}
+    if not any(values.values()):
+        return None
+    for name, var in SIGNING_PATHS:
+        if not values[name]:
+            others = ", ".join(v for n, v in SIGNING_PATHS if values[n])
+            raise ConfigError(f"message signing needs it too ({others} is set)", key=var)
+    for name, var in SIGNING_PATHS[:2]:
+        if not os.path.isfile(values[name]):
+            raise ConfigError(f"no such file: {values[name]!r}", key=var)
+    if not (glob.glob(values["cert_store"]) or os.path.exists(values["cert_store"])):
+        raise ConfigError(
+            f"no certificate at {values['cert_store']!r}", key="GPUHEDGE_SECURITY_CERT_STORE"
+        )
+    digest = (env.get("GPUHEDGE_SECURITY_DIGEST") or "sha256").strip()
+    return Signing(
+        key=values["key"],
+        certificate=values["certificate"],
+        cert_store=values["cert_store"],
+        key_password=env.get("GPUHEDGE_SECURITY_KEY_PASSWORD") or None,
+        digest=digest,
+    )

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import envvars
 from .errors import GpuHedgeError
 from .secrets import SECRET_NAME
 
@@ -27,7 +28,7 @@ CHILD_ENV_NAMES = frozenset({
 })  # fmt: skip
 CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
                       "NCCL_", "XLA_")  # fmt: skip
-RUNNER_ENV_VAR = "GPUHEDGE_RUNNER_ENV"
+RUNNER_ENV_VAR = envvars.RUNNER_ENV_VAR
 
 
 def child_env(extra: Mapping[str, str] | None = None,
@@ -37,7 +38,7 @@ def child_env(extra: Mapping[str, str] | None = None,
     ``extra``. A name under an allowed prefix that looks like a credential (``HF_TOKEN``)
     passes only when listed by name."""
     env = os.environ if environ is None else environ
-    listed = {n.strip() for n in (env.get(RUNNER_ENV_VAR) or "").split(",") if n.strip()}
+    listed = envvars.runner_env_names(env)
     found = {
         name: value for name, value in env.items()
         if name in listed or name in CHILD_ENV_NAMES

@@ -41,8 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "GPUHEDGE_BENCH_PROBE_DIR"
-SITES_ENV = "GPUHEDGE_BENCH_PROBE_SITES"
+from .. import envvars
+from .. import settings as process_settings
+
+DIR_ENV, SITES_ENV = envvars.PROBE_DIR_VAR, envvars.PROBE_SITES_VAR
 WRITE_INTERVAL_S = 0.2
 _PACKAGE = __name__.rsplit(".", 2)[0]  # gpuhedge_celery
 _SKIP = (f"{_PACKAGE}.bench.redis_probe", f"{_PACKAGE}.store.connection")
@@ -121,7 +123,7 @@ def install() -> None:
         from redis.connection import AbstractConnection
 
         original = AbstractConnection.send_packed_command
-        by_site = os.environ.get(SITES_ENV, "").lower() in ("1", "on", "true", "yes")
+        by_site = process_settings.current().probe_sites
 
         def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
             size = _size(command)
@@ -185,7 +187,7 @@ def read_totals(directory: Path) -> dict[str, Any]:
 
 
 def _start_in_worker() -> None:
-    directory = os.environ.get(DIR_ENV)
+    directory = process_settings.current().probe_dir
     if not directory:
         return
     path = Path(directory)

@@ -131,13 +131,13 @@ def gated_request(request: str, policy: str | None, providers: str | None,
                   ) -> tuple[Any, dict[str, Any], list[str] | None]:  # fmt: skip
     """The config, the request and the providers asked for, once the --go gate let them
     through (a dry run prints the race's worst case and exits 2)."""
+    from .. import settings as process_settings
     from ..cli import root_config
-    from ..race.settings import RaceSettings
     from ..race.spec import build_spec, check_request
 
     body = _request(request)
     # refused here, as hedged_infer.delay() refuses it, rather than by the worker after a send
-    check_request(body, RaceSettings.from_env().request_max_bytes)
+    check_request(body, process_settings.current().race.request_max_bytes)
     cfg = root_config()
     names = [n.strip() for n in providers.split(",")] if providers else None
     spec = build_spec(cfg, policy, names, None, budget_key)

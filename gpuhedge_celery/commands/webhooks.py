@@ -33,10 +33,10 @@ def command(host: str, port: int, workers: int, threads: int) -> None:
     except ImportError:
         raise ConfigError("the webhook receiver needs uvicorn: pip install "
                           "'gpuhedge-celery[webhooks]'", key="webhooks") from None  # fmt: skip
+    from .. import settings as process_settings
     from ..webhooks.serve import serve
-    from ..webhooks.settings import WebhookSettings
 
-    settings = WebhookSettings.from_env()
+    settings = process_settings.current().webhooks
     if not settings.secret:
         raise ConfigError("is not set: the receiver cannot check tokens",
                           key="GPUHEDGE_WEBHOOK_SECRET")  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from .. import settings as process_settings
 from ..core.budget import REFUSED_PREFIX
 
 Echo = Callable[[str], None]
@@ -254,6 +255,7 @@ def run_config_demo(
     env = demo_env(redis_url, prefix)
     env["GPUHEDGE_CONFIG"] = str(path)
     os.environ.update({k: v for k, v in env.items() if k.startswith("GPUHEDGE_")})
+    process_settings.reload()  # this process's tasks run with the demo's settings too
     workers = LocalWorkers(env)
     workers.start("coord")
     try:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import settings as process_settings
 from ..core.stats import misses, nearest_rank
 from .cleanup import RECEIPT_TTL_S, clean_up
 from .workers import LocalWorkers
@@ -146,6 +147,7 @@ def run_demo(
     prefix = f"demo{os.getpid()}"
     env = demo_env(redis_url, prefix)
     os.environ.update({k: v for k, v in env.items() if k.startswith("GPUHEDGE_")})
+    process_settings.reload()  # this process's tasks run with the demo's settings too
     workers = LocalWorkers(env)
     from ..settings import redact_url
 
@@ -165,7 +167,7 @@ def run_demo(
         from ..store.races import RaceStore
         from ..tasks.races import hedged_infer
 
-        cfg = load_config(env["GPUHEDGE_CONFIG"])
+        cfg = load_config(process_settings.current().core.config_path)
         store = RaceStore(client_for(redis_url), prefix)
         workers.wait_ready()
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")

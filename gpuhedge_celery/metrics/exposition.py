@@ -38,13 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from .. import envvars
+from .. import settings as process_settings
 from ..errors import ConfigError
 from . import record
-from .record import enabled_by_env
 
 log = logging.getLogger(__name__)
 
-PORT_VAR, ADDR_VAR = "GPUHEDGE_METRICS_PORT", "GPUHEDGE_METRICS_ADDR"
+PORT_VAR, ADDR_VAR = envvars.METRICS_PORT_VAR, envvars.METRICS_ADDR_VAR
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
 INSTALL_HINT = "pip install 'gpuhedge-celery[metrics]'"
 DEFAULT_ADDR = "127.0.0.1"
@@ -113,15 +114,7 @@ def _not_ready(environ: Any, start_response: Any) -> list[bytes]:
 
 def parse_port(raw: str | None, key: str = PORT_VAR) -> int | None:
     """A TCP port from the environment (None when unset); ConfigError naming ``key`` if bad."""
-    if raw is None or not raw.strip():
-        return None
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigError(f"expected a TCP port number, got {raw!r}", key=key) from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"expected a TCP port number 1-65535, got {raw!r}", key=key)
-    return port
+    return envvars.parse_port(raw, key)
 
 
 class WorkerEndpoint:
@@ -170,16 +163,17 @@ def start_worker_endpoint(
     ConfigError (one line naming the variable) when the port is bad or taken, or when
     ``prometheus_client`` is not installed.
     """
-    env = os.environ if environ is None else environ
-    port = parse_port(env.get(PORT_VAR))
+    env = os.environ if environ is None else environ  # also PROMETHEUS_MULTIPROC_DIR
+    metrics = process_settings.current().metrics if environ is None else envvars.read_metrics(env)
+    port = metrics.port
     if port is None:
         return None
-    if not enabled_by_env(env):
+    if not metrics.enabled:
         log.warning("%s is set but GPUHEDGE_METRICS turns metrics off: no endpoint", PORT_VAR)
         return None
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError(f"metrics need prometheus_client: {INSTALL_HINT}", key=PORT_VAR)
-    addr = (env.get(ADDR_VAR) or DEFAULT_ADDR).strip()
+    addr = metrics.addr
     try:  # bound first: a worker whose port is taken must not touch another's files
         server = make_http_server(None, addr, port)
     except OSError as e:

@@ -12,15 +12,16 @@ exports them too; Celery workers serve them with :mod:`.exposition`.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
+from .. import settings
 from ..core.budget import cap_kind
+from ..envvars import METRICS_OFF, metrics_enabled
 from .definitions import COUNTER, HISTOGRAM, WORKER_METRICS
 
-OFF_VALUES = ("0", "false", "no", "off")
+OFF_VALUES = METRICS_OFF
 
 # failure reasons of a race without a winner (a small fixed set: a label's values)
 INVALID, TIMEOUT, SUBMIT_FAILED, PROVIDER_FAILED, OTHER = (
@@ -60,9 +61,11 @@ class _Metrics:
 
 
 def enabled_by_env(environ: Any = None) -> bool:
-    """Whether ``GPUHEDGE_METRICS`` leaves metrics on (the default)."""
-    env = os.environ if environ is None else environ
-    return (env.get("GPUHEDGE_METRICS") or "1").strip().lower() not in OFF_VALUES
+    """Whether ``GPUHEDGE_METRICS`` leaves metrics on (the default): this process's settings,
+    or those of ``environ``."""
+    if environ is None:
+        return settings.current().metrics_enabled
+    return metrics_enabled(environ)
 
 
 def _load() -> Any:

@@ -140,10 +140,10 @@ def default_limiter() -> Limiter:
         with _default_lock:
             found = _default.get("limiter")
             if found is None or _default.get("pid") != pid:
-                from ..settings import Settings
+                from .. import settings as process_settings
                 from ..store.connection import client_for
 
-                settings = Settings.from_env()
+                settings = process_settings.current().core
                 found = RedisLimiter(client_for(settings.redis_url), settings.prefix)
                 _default.update(limiter=found, pid=pid)
     return found

@@ -32,7 +32,7 @@ import os
 from celery import Celery
 from kombu import Queue
 
-from ..race.settings import receipt_ttl_s
+from .. import settings as process_settings
 from .config import GlueConfig
 from .message_signing import Signing
 from .message_signing import enable as enable_signing
@@ -117,7 +117,7 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         "redis_socket_connect_timeout": 5,
         # A race's result is one of its keys: kept as long as its receipt, not Celery's 1 day
         # (else a short receipt TTL leaves Redis growing by each race's payload).
-        "result_expires": max(1, round(receipt_ttl_s(os.environ))),
+        "result_expires": max(1, round(process_settings.current().receipt_ttl_s)),
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -165,7 +165,7 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
 def create_app(config: GlueConfig | None = None, signing: Signing | None = None) -> Celery:
     """Build the gpuhedge Celery app from ``config`` (default: the environment, read once);
     ``signing`` (default: ``GPUHEDGE_SECURITY_*`` of the environment) signs its messages."""
-    config = config or GlueConfig.from_env()
+    config = config or process_settings.current().glue
     if config.is_gpu_worker and config.gpu is not None and config.gpu.isdigit():
         # Pin before anything can initialise CUDA; the forked child inherits it.
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", config.gpu)
@@ -175,7 +175,7 @@ def create_app(config: GlueConfig | None = None, signing: Signing | None = None)
     # loads only what that task needs, in an order free of cycles.
     celery_app = Celery("gpuhedge_celery", include=task_modules())
     celery_app.conf.update(celery_conf(config))
-    signing = signing or Signing.from_env(os.environ)
+    signing = signing or process_settings.current().signing
     if signing is not None:  # tasks and remote control signed, results and events JSON
         celery_app.conf.update(signing.celery_conf())
         enable_signing(celery_app, signing)

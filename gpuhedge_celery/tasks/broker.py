@@ -35,7 +35,6 @@ tasks (pooled GPU jobs, the janitor) are acknowledged at once, as kombu does.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from functools import lru_cache
@@ -58,16 +57,16 @@ LINGERING_TASKS = frozenset(
 @lru_cache(maxsize=1)
 def ack_linger_s() -> float:
     """``GPUHEDGE_ACK_LINGER_MS`` in seconds (read once per process)."""
-    from ..race.settings import RaceSettings
+    from .. import settings
 
-    return RaceSettings.from_env().ack_linger_ms / 1000.0
+    return settings.current().race.ack_linger_ms / 1000.0
 
 
 @lru_cache(maxsize=1)
 def _receipt_ttl_s() -> float:
-    from ..race.settings import receipt_ttl_s
+    from .. import settings
 
-    return receipt_ttl_s(os.environ)
+    return settings.current().receipt_ttl_s
 
 
 class QoS(kombu_redis.QoS):

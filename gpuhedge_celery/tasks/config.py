@@ -1,109 +1,26 @@
-"""The Celery side's settings (``GPUHEDGE_*`` environment variables), read once and validated.
+"""The Celery side's settings (the glue section of :func:`gpuhedge_celery.settings.current`).
 
-Each value is mirrored into the Celery configuration as ``gpuhedge_<name>`` so ``celery inspect
-conf`` shows what a worker runs with. Bad values raise :class:`ConfigError` naming the variable.
-
-=================================  ==========  ===============================================
-variable                           default     meaning
-=================================  ==========  ===============================================
-GPUHEDGE_REDIS_URL, _PREFIX        (Settings)  results and leases (and the broker unless
-                                               GPUHEDGE_BROKER_URL is set); lease key prefix
-GPUHEDGE_BROKER_URL                none        the Celery broker when it is not that Redis:
-                                               amqp:// (RabbitMQ) or another redis:// URL
-GPUHEDGE_BROKER_PREFIX             (derived)   prefix of Celery's own keys (broker, results,
-                                               remote control); unset: "<GPUHEDGE_PREFIX>:"
-                                               for a prefix other than the default, else "";
-                                               "" keeps Celery's layout so other Celery apps
-                                               can call our tasks by name
-GPUHEDGE_VISIBILITY_TIMEOUT_S      3600        Redis-broker redelivery of a message whose whole
-                                               worker died (see docs/gpu-workers.md); RabbitMQ
-                                               redelivers when the connection drops instead
-GPUHEDGE_RESTORE_INTERVAL_S        10          how often workers sweep for such messages
-GPUHEDGE_RECONCILE_INTERVAL_S      30          beat period of the reconcile pass
-GPUHEDGE_BEAT_SCHEDULE             (state dir) beat's schedule file; default
-                                               $XDG_STATE_HOME (~/.local/state)/gpuhedge-celery/
-                                               celerybeat-schedule-<prefix>, never the cwd
-GPUHEDGE_RECONCILE_GRACE_S         10          a lease on an idle GPU younger than this is left
-GPUHEDGE_CONTROL_TIMEOUT_S         1.0         how long reconcile waits for GPU workers' replies
-GPUHEDGE_HOST_TTL_MS               15000       a GPU worker's heartbeat lifetime (renewed at 1/3)
-GPUHEDGE_COORD_CONCURRENCY         32          threads of a coordination worker (waiters block)
-GPUHEDGE_COORD_QUEUES              all three   queues a coordination worker consumes, comma-
-                                               separated: gpuhedge.coord (races, reconcile),
-                                               gpuhedge.attempts, gpuhedge.pool (pooled waits)
-GPUHEDGE_ACQUIRE_TIMEOUT_S         none        pooled_infer gives up waiting after this
-GPUHEDGE_MAX_ATTEMPTS              3           times a request may go back to waiting after its
-                                               lease was lost or refused
-GPUHEDGE_POOL_DIRECT               on          a caller that finds a GPU free and nobody
-                                               waiting sends the job straight to that GPU
-                                               (tasks/pooled_direct.py); off: always through
-                                               a coordination worker's wait
-GPUHEDGE_GPU                       none        makes this worker a GPU worker for that GPU:
-                                               an index (0) or a full id (host:0)
-GPUHEDGE_POOL                      default     the GPU's pool
-GPUHEDGE_GPU_LABELS                ""          k=v,k2=v2 labels a router may match on
-GPUHEDGE_HOST                      hostname    host part of default GPU ids
-GPUHEDGE_RUNNER                    cpu         runner spec (gpuhedge_celery.runners)
-GPUHEDGE_POOL_TTL_MS               none        sets the pool's lease TTL at registration
-GPUHEDGE_RUNNER_RETRY_S            1.0         first retry of a failed model load (doubles)
-GPUHEDGE_RUNNER_RETRY_MAX_S        60          longest retry delay (loads and server restarts)
-GPUHEDGE_RUNNER_WAIT_S             30          how long a job waits for a loading model before
-                                               it frees its lease and waits for a GPU again
-GPUHEDGE_SERVER_CMD                none        starts the server: runner's model server
-GPUHEDGE_MAX_TASKS_PER_CHILD       none        recycle the GPU worker's child after N jobs
-GPUHEDGE_MAX_MEMORY_PER_CHILD_MB   none        ... or once its resident memory passes this
-GPUHEDGE_HEALTH                    auto        GPU health from NVML: auto (when NVML answers),
-                                               on (a missing NVML is logged as an error), off
-GPUHEDGE_HEALTH_INTERVAL_S         5           how often the GPU worker samples its GPU
-GPUHEDGE_FOREIGN_MEMORY_MB         256         memory another process may hold on the GPU
-                                               before the GPU leaves the pool
-GPUHEDGE_XID_IGNORE                13,31,43,45 Xid errors that do not drain the GPU (raised by
-                                               applications, not hardware)
-GPUHEDGE_NVML_REPLAY               none        read NVML's answers from this JSON file instead
-                                               (recorded with python -m gpuhedge_celery.nvml)
-=================================  ==========  ===============================================
+Parsed from ``GPUHEDGE_*`` variables by :func:`gpuhedge_celery.envvars.read_glue`; each is
+described in docs/configuration.md (*Environment variables*). Each value is mirrored into the
+Celery configuration as ``gpuhedge_<name>`` so ``celery inspect conf`` shows what a worker runs
+with. Bad values raise :class:`ConfigError` naming the variable.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from ..envvars import env_flag
 from ..errors import ConfigError
-from ..gpus import default_host, parse_labels
-from ..runners import runner_from_spec
-from ..settings import Settings, broker_prefix, redact_url
+from ..gpus import default_host
+from ..settings import Settings, redact_url
 
 BROKER_SCHEMES = {"redis": "redis", "rediss": "redis", "amqp": "amqp", "amqps": "amqp",
                   "pyamqp": "amqp"}  # fmt: skip
-_GPU_RE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?$")
-
-
-def _number(
-    env: Mapping[str, str],
-    name: str,
-    default: float | None,
-    *,
-    minimum: float = 0.0,
-    integer: bool = False,
-    strict: bool = True,
-) -> float | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "" or raw.strip().lower() == "none":
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"expected {kind}, got {raw!r}", key=name) from None
-    if value < minimum or (strict and value == minimum):
-        sign = ">" if strict else ">="
-        raise ConfigError(f"expected a value {sign} {minimum:g}, got {raw!r}", key=name)
-    return value
+GPU_RE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?$")
 
 
 def default_schedule(env: Mapping[str, str], prefix: str) -> str:
@@ -219,81 +136,8 @@ class GlueConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GlueConfig:
-        """Read and validate every ``GPUHEDGE_*`` variable of the table above."""
-        env = os.environ if environ is None else environ
-        settings = Settings.from_env(dict(env))
-        gpu = (env.get("GPUHEDGE_GPU") or "").strip() or None
-        if gpu is not None and not _GPU_RE.match(gpu):
-            raise ConfigError(
-                f"expected a GPU index or id like 'host:0', got {gpu!r}", key="GPUHEDGE_GPU"
-            )
-        runner = (env.get("GPUHEDGE_RUNNER") or "cpu").strip()
-        if gpu is not None:
-            runner_from_spec(runner)  # fail at start-up, not at the first job
-        pool = (env.get("GPUHEDGE_POOL") or "default").strip()
-        if not pool or any(c in pool for c in " :*?[]"):
-            raise ConfigError(
-                f"expected a pool name without spaces or ':', got {pool!r}", key="GPUHEDGE_POOL"
-            )
-        pool_ttl = _number(env, "GPUHEDGE_POOL_TTL_MS", None, integer=True)
-        acquire = _number(env, "GPUHEDGE_ACQUIRE_TIMEOUT_S", None)
-        broker_url = (env.get("GPUHEDGE_BROKER_URL") or "").strip() or None
-        scheme, sep, _ = (broker_url or "").partition("://")
-        if broker_url is not None and (not sep or scheme.lower() not in BROKER_SCHEMES):
-            raise ConfigError(
-                f"expected an amqp://, amqps:// or redis:// URL, got {redact_url(broker_url)!r}",
-                key="GPUHEDGE_BROKER_URL",
-            )
-        health = (env.get("GPUHEDGE_HEALTH") or "auto").strip().lower()
-        if health not in ("auto", "on", "off"):
-            raise ConfigError(f"expected auto, on or off, got {health!r}", key="GPUHEDGE_HEALTH")
-        xids = (env.get("GPUHEDGE_XID_IGNORE") or "13,31,43,45").replace(" ", "")
-        if not all(x.isdigit() for x in filter(None, xids.split(","))):
-            raise ConfigError(
-                f"expected Xid numbers like 13,31, got {xids!r}", key="GPUHEDGE_XID_IGNORE"
-            )
-        server_cmd = (env.get("GPUHEDGE_SERVER_CMD") or "").strip() or None
-        if server_cmd is not None:
-            try:
-                shlex.split(server_cmd)
-            except ValueError as e:
-                raise ConfigError(
-                    f"cannot parse the command: {e}", key="GPUHEDGE_SERVER_CMD"
-                ) from None
-        per_child = _number(env, "GPUHEDGE_MAX_TASKS_PER_CHILD", None, integer=True)
-        per_child_mb = _number(env, "GPUHEDGE_MAX_MEMORY_PER_CHILD_MB", None, integer=True)
-        return cls(
-            settings=settings,
-            broker_prefix=broker_prefix(env, settings.prefix),
-            broker_url=broker_url,
-            visibility_timeout_s=_number(env, "GPUHEDGE_VISIBILITY_TIMEOUT_S", 3600.0),
-            restore_interval_s=_number(env, "GPUHEDGE_RESTORE_INTERVAL_S", 10.0),
-            reconcile_interval_s=_number(env, "GPUHEDGE_RECONCILE_INTERVAL_S", 30.0),
-            reconcile_grace_s=_number(env, "GPUHEDGE_RECONCILE_GRACE_S", 10.0, strict=False),
-            control_timeout_s=_number(env, "GPUHEDGE_CONTROL_TIMEOUT_S", 1.0),
-            host_ttl_ms=int(_number(env, "GPUHEDGE_HOST_TTL_MS", 15_000, integer=True)),
-            coord_concurrency=int(_number(env, "GPUHEDGE_COORD_CONCURRENCY", 32, integer=True)),
-            coord_queues=parse_coord_queues(env.get("GPUHEDGE_COORD_QUEUES")),
-            acquire_timeout_s=acquire,
-            max_attempts=int(_number(env, "GPUHEDGE_MAX_ATTEMPTS", 3, integer=True)),
-            pool_direct=env_flag(env, "GPUHEDGE_POOL_DIRECT", True),
-            gpu=gpu,
-            pool=pool,
-            labels=parse_labels(env.get("GPUHEDGE_GPU_LABELS")),
-            host=(env.get("GPUHEDGE_HOST") or "").strip() or default_host(),
-            runner=runner,
-            pool_ttl_ms=None if pool_ttl is None else int(pool_ttl),
-            beat_schedule=(env.get("GPUHEDGE_BEAT_SCHEDULE") or "").strip()
-            or default_schedule(env, settings.prefix),
-            runner_retry_s=_number(env, "GPUHEDGE_RUNNER_RETRY_S", 1.0),
-            runner_retry_max_s=_number(env, "GPUHEDGE_RUNNER_RETRY_MAX_S", 60.0),
-            runner_wait_s=_number(env, "GPUHEDGE_RUNNER_WAIT_S", 30.0, strict=False),
-            server_cmd=server_cmd,
-            max_tasks_per_child=None if per_child is None else int(per_child),
-            max_memory_per_child_mb=None if per_child_mb is None else int(per_child_mb),
-            health=health,
-            health_interval_s=_number(env, "GPUHEDGE_HEALTH_INTERVAL_S", 5.0),
-            foreign_memory_mb=_number(env, "GPUHEDGE_FOREIGN_MEMORY_MB", 256.0, strict=False),
-            xid_ignore=tuple(sorted({int(x) for x in xids.split(",") if x})),
-            nvml_replay=(env.get("GPUHEDGE_NVML_REPLAY") or "").strip() or None,
-        )
+        """Read and validate them from ``environ`` now (this process's environment by
+        default); code running in a worker takes ``settings.current().glue`` instead."""
+        from ..envvars import read_glue
+
+        return read_glue(os.environ if environ is None else environ)

@@ -6,13 +6,8 @@ overlap), build a :class:`~gpuhedge_celery.race.janitor.Janitor` over this worke
 runtime and run one pass. Even without the lock each race is cleaned under its own ownership
 lease and every step is idempotent.
 
-=============================  ========  ==================================================
-variable                       default   meaning
-=============================  ========  ==================================================
-GPUHEDGE_JANITOR_STALE_S       30        a race whose heartbeat is older than this, that
-                                         nobody owns and that has no timer waiting, is dead
-GPUHEDGE_JANITOR_LIMIT         100       most races looked at per pass
-=============================  ========  ==================================================
+Its settings are ``settings.current().janitor`` (``GPUHEDGE_JANITOR_STALE_S``,
+``GPUHEDGE_JANITOR_LIMIT``: docs/configuration.md, *Environment variables*).
 
 Beat schedules it on the reconcile period (``GPUHEDGE_RECONCILE_INTERVAL_S``).
 """
@@ -20,16 +15,16 @@ Beat schedules it on the reconcile period (``GPUHEDGE_RECONCILE_INTERVAL_S``).
 from __future__ import annotations
 
 import logging
-import os
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from ..envvars import env_number
+from .. import settings as process_settings
 from ..race.janitor import Janitor
+from ..settings import JanitorSettings
 from .app import TASK_JANITOR, app
 from .race_runtime import CeleryEffects, runtime
+
+__all__ = ["JanitorSettings", "build_janitor", "janitor", "lock_key"]
 
 log = logging.getLogger(__name__)
 
@@ -40,30 +35,6 @@ return 0
 """
 
 
-@dataclass(frozen=True)
-class JanitorSettings:
-    """The janitor's ``GPUHEDGE_JANITOR_*`` settings, validated."""
-
-    stale_s: float = 30.0
-    limit: int = 100
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> JanitorSettings:
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, attr, cast in (
-            ("GPUHEDGE_JANITOR_STALE_S", "stale_s", float),
-            ("GPUHEDGE_JANITOR_LIMIT", "limit", int),
-        ):
-            value = env_number(
-                env, name, None, cast=cast, kind="a positive number", valid=lambda v: v > 0,
-                bound="a positive number",
-            )  # fmt: skip
-            if value is not None:
-                values[attr] = value
-        return cls(**values)
-
-
 def lock_key(prefix: str) -> str:
     """The short lock that keeps two janitor passes from running at once."""
     return f"{prefix}:janitor:lock"
@@ -71,7 +42,7 @@ def lock_key(prefix: str) -> str:
 
 def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
     """A janitor over this process's race runtime (its store, timers, providers)."""
-    settings = settings or JanitorSettings.from_env()
+    settings = settings or process_settings.current().janitor
     rt = runtime()
 
     def alive() -> bool:
@@ -95,7 +66,7 @@ def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
 @app.task(name=TASK_JANITOR, acks_late=True, reject_on_worker_lost=True)
 def janitor() -> dict[str, Any]:
     """One janitor pass; returns what it did (``{"races": [...], "cancelled", ...}``)."""
-    settings = JanitorSettings.from_env()
+    settings = process_settings.current().janitor
     rt = runtime()
     token = uuid.uuid4().hex
     key = lock_key(rt.prefix)

@@ -1,19 +1,9 @@
 """Celery message signing (the ``auth`` serializer), turned on from the environment.
 
 A fleet whose broker others can write to signs every task and remote-control message with a
-private key and accepts only messages signed by a certificate it trusts (docs/security.md):
-
-=================================  ==========  ===============================================
-variable                           default     meaning
-=================================  ==========  ===============================================
-GPUHEDGE_SECURITY_KEY              none        PEM private key this process signs with
-GPUHEDGE_SECURITY_CERTIFICATE      none        PEM certificate of that key
-GPUHEDGE_SECURITY_CERT_STORE       none        trusted certificates: a directory, a file or a
-                                               glob (``/etc/gpuhedge/certs/*.pem``)
-GPUHEDGE_SECURITY_KEY_PASSWORD     none        the key's passphrase, if it has one
-GPUHEDGE_SECURITY_DIGEST           sha256      the signature's digest
-=================================  ==========  ===============================================
-
+private key and accepts only messages signed by a certificate it trusts (docs/security.md).
+Turned on by the ``GPUHEDGE_SECURITY_*`` variables (``settings.current().signing``, parsed by
+:func:`gpuhedge_celery.envvars.read_signing`; docs/configuration.md, *Environment variables*).
 All three paths or none: signing half-configured is refused at start-up, naming what is
 missing. Results and task events stay JSON (they are not commands); a worker refuses any task
 or remote-control message that is not signed by a trusted certificate.
@@ -21,19 +11,13 @@ or remote-control message that is not signed by a trusted certificate.
 
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..envvars import SIGNING_PATHS
 
-PATHS = (
-    ("key", "GPUHEDGE_SECURITY_KEY"),
-    ("certificate", "GPUHEDGE_SECURITY_CERTIFICATE"),
-    ("cert_store", "GPUHEDGE_SECURITY_CERT_STORE"),
-)
+PATHS = SIGNING_PATHS  # (field, variable) of the three paths
 # decoders left on besides ``auth``: results and task events are JSON
 ALLOWED_SERIALIZERS = ["json"]
 
@@ -51,28 +35,9 @@ class Signing:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Signing | None:
         """The signing settings of ``env``; None when signing is off (no variable set)."""
-        values = {name: (env.get(var) or "").strip() for name, var in PATHS}
-        if not any(values.values()):
-            return None
-        for name, var in PATHS:
-            if not values[name]:
-                others = ", ".join(v for n, v in PATHS if values[n])
-                raise ConfigError(f"message signing needs it too ({others} is set)", key=var)
-        for name, var in PATHS[:2]:
-            if not os.path.isfile(values[name]):
-                raise ConfigError(f"no such file: {values[name]!r}", key=var)
-        if not (glob.glob(values["cert_store"]) or os.path.exists(values["cert_store"])):
-            raise ConfigError(
-                f"no certificate at {values['cert_store']!r}", key="GPUHEDGE_SECURITY_CERT_STORE"
-            )
-        digest = (env.get("GPUHEDGE_SECURITY_DIGEST") or "sha256").strip()
-        return cls(
-            key=values["key"],
-            certificate=values["certificate"],
-            cert_store=values["cert_store"],
-            key_password=env.get("GPUHEDGE_SECURITY_KEY_PASSWORD") or None,
-            digest=digest,
-        )
+        from ..envvars import read_signing
+
+        return read_signing(env)
 
     def celery_conf(self) -> dict[str, Any]:
         """The Celery settings that sign what this process sends and verify what it takes."""

@@ -20,10 +20,10 @@ from ..store import codec
 
 @lru_cache(maxsize=1)
 def request_max_bytes() -> int:
-    """``GPUHEDGE_REQUEST_MAX_BYTES`` of this process, read as the race settings read it."""
-    from ..race.settings import RaceSettings
+    """``GPUHEDGE_REQUEST_MAX_BYTES`` of this process (its race settings)."""
+    from .. import settings
 
-    return RaceSettings.from_env().request_max_bytes
+    return settings.current().race.request_max_bytes
 
 
 def check_request_size(request: Any, max_bytes: int | None = None) -> None:

@@ -23,7 +23,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
-from ..envvars import env_flag
+from .. import settings as process_settings
 from ..errors import ConfigError, GpuHedgeError, StoreUnavailable
 from ..store.direct import DirectClaims
 from ..store.pooled import PooledRecords
@@ -36,12 +36,12 @@ DIRECT_KWARGS = frozenset({"pool", "labels", "timeout_s"})  # pooled_infer's, as
 
 
 def direct_enabled(app: Any) -> bool:
-    """``GPUHEDGE_POOL_DIRECT`` of the app's configuration (else the environment's): on unless
-    ``off``."""
+    """``GPUHEDGE_POOL_DIRECT`` of the app's configuration (else this process's settings): on
+    unless ``off``."""
     config = getattr(app, "gpuhedge_config", None)
     if config is not None:
         return bool(config.pool_direct)
-    return env_flag(os.environ, "GPUHEDGE_POOL_DIRECT", True)
+    return process_settings.current().pool_direct
 
 
 def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwargs: Any,

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
+from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
 from ..errors import BudgetExceeded, RaceFailed
 from ..providers.base import Provider
@@ -53,7 +54,7 @@ def _app() -> Any:
 @lru_cache(maxsize=1)
 def race_settings() -> RaceSettings:
     """This process's race settings (read from the environment once)."""
-    return RaceSettings.from_env()
+    return process_settings.current().race
 
 
 class CeleryEffects:

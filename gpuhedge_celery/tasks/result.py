@@ -144,9 +144,9 @@ def _settings(app: Any) -> Any:
     config = getattr(app, "gpuhedge_config", None)
     if config is not None:
         return config.settings
-    from ..settings import Settings
+    from .. import settings
 
-    return Settings.from_env()
+    return settings.current().core
 
 
 @lru_cache(maxsize=16)

@@ -128,10 +128,11 @@ def _line(text: str, limit: int = 200) -> str:
 
 def build_app(settings: WebhookSettings | None = None, *, threads: int = 16) -> WebhookApp:
     """The receiver of this process's race runtime (its driver, config and Celery effects)."""
+    from .. import settings as process_settings
     from ..tasks.race_runtime import runtime
     from .apply import apply_delivery
 
-    settings = settings or WebhookSettings.from_env()
+    settings = settings or process_settings.current().webhooks
     runtime()  # built now: a bad config or Redis URL fails at start, not on the first delivery
 
     def apply(race_id: str, attempt_id: str, body: Any) -> tuple[int, dict[str, Any]]:

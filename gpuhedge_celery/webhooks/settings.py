@@ -1,22 +1,7 @@
-"""Webhook settings from the environment (read once per process, validated).
+"""Webhook settings (the webhooks section of :func:`gpuhedge_celery.settings.current`).
 
-=================================  ==========  ===============================================
-variable                           default     meaning
-=================================  ==========  ===============================================
-GPUHEDGE_WEBHOOK_URL               ""          the receiver's public base URL (``https://``,
-                                               behind the TLS ingress; ``http://`` only on
-                                               a loopback host); empty: webhooks off, every
-                                               job is polled
-GPUHEDGE_WEBHOOK_SECRET            ""          the HMAC key of the per-attempt tokens (at
-                                               least 16 characters; required with a URL);
-                                               the same on every worker and the receiver
-GPUHEDGE_WEBHOOK_SECRET_PREVIOUS   ""          while rotating: the secret before, whose
-                                               tokens the receiver still accepts (workers
-                                               mint with GPUHEDGE_WEBHOOK_SECRET only)
-GPUHEDGE_WEBHOOK_FALLBACK_S        30          with webhooks on, a job is polled only before
-                                               its race's policy decisions and this often
-GPUHEDGE_WEBHOOK_MAX_BYTES         4194304     a larger delivery body is refused (413)
-=================================  ==========  ===============================================
+Parsed from ``GPUHEDGE_WEBHOOK_*`` variables by :func:`gpuhedge_celery.envvars.read_webhooks`;
+each is described in docs/configuration.md (*Environment variables*).
 
 The secret is kept out of ``repr`` and out of the Celery configuration (it is not a
 :class:`~gpuhedge_celery.race.settings.RaceSettings` field, which ``inspect conf`` shows).
@@ -29,9 +14,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
-
-from ..envvars import env_number
-from ..errors import ConfigError
 
 MIN_SECRET = 16
 
@@ -55,39 +37,15 @@ class WebhookSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WebhookSettings:
-        env = os.environ if environ is None else environ
-        url = (env.get("GPUHEDGE_WEBHOOK_URL") or "").strip().rstrip("/")
-        secret = env.get("GPUHEDGE_WEBHOOK_SECRET") or ""
-        previous = env.get("GPUHEDGE_WEBHOOK_SECRET_PREVIOUS") or ""
-        if url and not url.startswith(("https://", "http://")):
-            raise ConfigError(
-                f"expected an http(s):// URL, got {url!r}", key="GPUHEDGE_WEBHOOK_URL"
-            )
-        if url.startswith("http://") and not _loopback(url):
-            raise ConfigError(
-                "expected https:// (each attempt's URL is its credential, so it must not "
-                f"cross a network in the clear; http:// only on a loopback host), got {url!r}",
-                key="GPUHEDGE_WEBHOOK_URL",
-            )
-        if url and len(secret) < MIN_SECRET:
-            raise ConfigError(
-                f"needs at least {MIN_SECRET} characters when GPUHEDGE_WEBHOOK_URL is set",
-                key="GPUHEDGE_WEBHOOK_SECRET",
-            )
-        if previous and len(previous) < MIN_SECRET:
-            raise ConfigError(
-                f"needs at least {MIN_SECRET} characters", key="GPUHEDGE_WEBHOOK_SECRET_PREVIOUS"
-            )
-        return cls(
-            url=url,
-            secret=secret,
-            fallback_s=_number(env, "GPUHEDGE_WEBHOOK_FALLBACK_S", 30.0),
-            max_bytes=int(_number(env, "GPUHEDGE_WEBHOOK_MAX_BYTES", 4 * 1024 * 1024)),
-            previous_secret=previous,
-        )
+        """Read and validate them from ``environ`` now (this process's environment by
+        default); code running in a worker takes ``settings.current().webhooks`` instead."""
+        from ..envvars import read_webhooks
+
+        return read_webhooks(os.environ if environ is None else environ)
 
 
-def _loopback(url: str) -> bool:
+def loopback(url: str) -> bool:
+    """Whether ``url``'s host is this machine (where ``http://`` is allowed)."""
     host = urlsplit(url).hostname or ""
     if host == "localhost":
         return True
@@ -95,10 +53,3 @@ def _loopback(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _number(env: Mapping[str, str], name: str, default: float) -> float:
-    return env_number(
-        env, name, default, cast=float, kind="a number", valid=lambda v: v > 0,
-        bound="a positive number",
-    )  # fmt: skip
