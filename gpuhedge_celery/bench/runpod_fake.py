@@ -21,7 +21,8 @@ Jobs go ``IN_QUEUE`` -> ``IN_PROGRESS`` -> ``COMPLETED`` (or the ``outcome``) on
 clock, each phase's length drawn from a distribution (a number, ``[low, high]`` uniform, or
 ``{"lognormal": {"median", "sigma"}}``) or forced by the request:
 ``{"runpod_fake": {"<ep>" or "*": {"queue_s", "run_s", "outcome", "output", "error"}}}``. A cancel
-removes a queued job at once (0 ms execution) and stops a running one after ``cancel_stop_s``.
+removes a queued job at once (0 ms execution) and stops a running one after ``cancel_stop_s``;
+a job whose ``policy.executionTimeout`` (ms) is shorter than its run ends ``TIMED_OUT`` then.
 A terminal job's result expires after ``result_ttl_s`` (404 afterwards, as RunPod's 30 min).
 Requests over ``limits`` per ``window_s`` (sliding, per endpoint and route) get 429 with
 ``Retry-After``. ``faults.<route>``: ``errors_next`` / ``error_rate`` (HTTP ``error_code``),
@@ -299,6 +300,9 @@ class Fake:
             forced.get("outcome", c["outcome"]), forced.get("output", c["output"]),
         )  # fmt: skip
         job.options = {k: v for k, v in request.items() if k != "input"}
+        limit_ms = (job.options.get("policy") or {}).get("executionTimeout")
+        if isinstance(limit_ms, (int, float)) and limit_ms / 1000.0 < job.run_s:
+            job.run_s, job.outcome = limit_ms / 1000.0, "TIMED_OUT"  # RunPod stops it itself
         if "error" in forced:  # the text a FAILED job reports (a job may echo its input)
             job.options["_error"] = str(forced["error"])
         self.jobs[job.id] = job

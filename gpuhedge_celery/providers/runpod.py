@@ -24,11 +24,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
@@ -112,6 +114,7 @@ class _Health:
         return value
 
 
+EXECUTION_TIMEOUT_MIN_MS = 5001  # RunPod refuses an executionTimeout of 5 s or less
 WEBHOOK_READ_S = 5.0  # how long a delivery's verifying /status read may wait for a token
 
 
@@ -156,7 +159,8 @@ class RunpodProvider(Provider):
             raise ConfigError("the runpod adapter needs a runpod block", file=cfg.source,
                               key=f"providers.{cfg.name}.runpod")  # fmt: skip
         kwargs.pop("ledger", None)  # the sim's build argument
-        return cls(cfg.name, cfg.spec, billed_rate_per_s=cfg.billed_rate_per_s,
+        spec = with_cap_as_timeout(cfg.spec, cfg.timeout_s)
+        return cls(cfg.name, spec, billed_rate_per_s=cfg.billed_rate_per_s,
                    idle_billed_seconds=cfg.idle_billed_seconds, **kwargs)  # fmt: skip
 
     def close(self) -> None:
@@ -448,6 +452,16 @@ class RunpodProvider(Provider):
         else:
             receipt.scope = CancelScope.UNKNOWN  # it ended by itself first
             receipt.note = f"ended {state} before the cancel took effect"
+
+
+def with_cap_as_timeout(spec: RunpodSpec, cap_s: float | None) -> RunpodSpec:
+    """``spec`` whose job policy also carries the provider's cap as RunPod's own
+    ``executionTimeout`` (unless the policy sets one): RunPod then stops a job that outruns
+    the cap itself, with no ``/cancel`` to wait for a rate-limit token."""
+    if cap_s is None or "executionTimeout" in spec.policy:
+        return spec
+    timeout_ms = max(EXECUTION_TIMEOUT_MIN_MS, math.ceil(cap_s * 1000.0))
+    return replace(spec, policy={**spec.policy, "executionTimeout": timeout_ms})
 
 
 def _state(data: dict[str, Any]) -> JobState:
