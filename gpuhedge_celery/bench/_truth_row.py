@@ -22,7 +22,7 @@ from .money_truth import compare, gather, rates_from_config
 
 WINDOW_S = 10.0  # every race is submitted within this many seconds
 SETTLE_LIMIT_S = 90.0  # from the last submit to every job ended and every receipt written
-GRACE_S = 20.0  # then this long at most for the last reservations to settle
+GRACE_S = 10.0  # then this long at most for the last reservations to settle
 POLICY = "cutover:rp->rh@q0.5s+s1.5s"
 BUDGET = """budget:
   max_usd_per_request: 0.2
@@ -80,12 +80,14 @@ def wait_settled(
     deadline = t0 + limit_s
     pending, running, open_now = set(ids), [""], -1
     ended_at = None
+    open_when_done = None
     while time.monotonic() < deadline:
         pending = {i for i in pending if store.receipt(i) is None}
         running = [k for f in fakes for k, t in f.truth().items() if not t["ended"]]
         open_now = budget.open_count()
         if not pending and not running:
-            ended_at = ended_at or time.monotonic()
+            if ended_at is None:
+                ended_at, open_when_done = time.monotonic(), open_now
             if open_now == 0:
                 break
             deadline = min(deadline, ended_at + grace_s)
@@ -93,6 +95,7 @@ def wait_settled(
     return {
         "waited_s": round(time.monotonic() - t0, 2),
         "jobs_and_receipts_done_after_s": None if ended_at is None else round(ended_at - t0, 2),
+        "open_reservations_when_jobs_and_receipts_done": open_when_done,
         "races_without_receipt": len(pending),
         "jobs_running": len(running),
         "open_reservations": open_now,
