@@ -55,7 +55,7 @@ def render(receipt: dict[str, Any]) -> str:
     times as simulated provider seconds, as the demo narrates them, and says so.
     """
     scale = float(receipt.get("time_scale") or 1.0)
-    names = ("hedged", "cut_over", "escalated", "budget_refused", "leaked")
+    names = ("hedged", "cut_over", "cutover_late", "escalated", "budget_refused", "leaked")
     flags = [f for f in names if receipt.get(f)]
     lines = [
         f"race      {receipt['race_id']}" + ("" if receipt.get("finished") else "  (in flight)"),

@@ -202,9 +202,32 @@ class Outcome:
     billed_usd: float | None = None
     wasted_usd: float | None = None
     budget_refused: bool = False  # the budget refused an attempt: it was never sent
+    # a cutover whose cancel found the primary already running: a hedge with both billed
+    cutover_late: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def _cutover_cancel_found_it_running(race: Race) -> bool:
+    return any(
+        (a.cancel_reason or "").startswith("cutover")
+        and a.receipt is not None
+        and a.receipt.was_running is True
+        for a in race.attempts
+    )
+
+
+def cut_over(race: Race) -> bool:
+    """Whether the race cut over: cancelled its primary while still queued. A cutover whose
+    cancel reached the provider only after the job had started (it waited for a rate-limit
+    token, say) is no cutover: both jobs ran, as in a hedge (:func:`cutover_late`)."""
+    return "cut_over" in race.flags and not _cutover_cancel_found_it_running(race)
+
+
+def cutover_late(race: Race) -> bool:
+    """Whether the race decided a cutover whose cancel found the primary already running."""
+    return "cut_over" in race.flags and _cutover_cancel_found_it_running(race)
 
 
 def race_outcome(
@@ -227,7 +250,8 @@ def race_outcome(
         winner_provider=won.provider if won else None,
         latency_s=race.latency(),
         hedged=hedged(race.attempts),
-        cut_over="cut_over" in race.flags,
+        cut_over=cut_over(race),
+        cutover_late=cutover_late(race),
         escalated=escalated(race.attempts),
         escalation_waited="escalation_waited" in race.flags,
         finished=race.finished,

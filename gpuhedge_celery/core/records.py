@@ -105,6 +105,7 @@ def build_record(
         "winner_ms": _r(winner_ms, 1),
         "hedged": bool(receipt.get("hedged")),
         "cut_over": bool(receipt.get("cut_over")),
+        "cutover_late": bool(receipt.get("cutover_late")),
         "escalated": bool(receipt.get("escalated")),
         "budget_refused": bool(receipt.get("budget_refused")),
         "attempts": attempts,

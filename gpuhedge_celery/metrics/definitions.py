@@ -64,7 +64,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
        "provider", "role"),
     _c("gpuhedge_races_failed", "Races that ended without a valid result, by reason.", "reason"),
     _c("gpuhedge_races_hedged", "Races whose hedge was sent to its provider.", "policy"),
-    _c("gpuhedge_races_cut_over", "Races that cancelled a still-queued primary.", "policy"),
+    _c("gpuhedge_races_cut_over", "Races that decided to cancel a still-queued primary.", "policy"),
     _c("gpuhedge_races_escalated", "Races whose fallback was sent to its provider.", "policy"),
     _h("gpuhedge_race_e2e_seconds", "From the race's creation to its valid result being known.",
        RACE_S, "policy"),
