@@ -105,7 +105,31 @@ def lazy_group(package: str, **kwargs):
     return click.group(cls=LazyGroup, package=package, **kwargs)
 
 
+def _log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """``--log-level``: the package's log lines on stderr from this level up (the webhook
+    receiver's too); httpx's request lines stay off, they carry credentials in URLs."""
+    if value is None:
+        return
+    import logging
+
+    from .secrets import quiet_http_client_logs
+
+    logging.basicConfig(
+        level=value.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    quiet_http_client_logs()
+
+
 @lazy_group("gpuhedge_celery.commands", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default=None,
+    expose_value=False,
+    callback=_log_level,
+    help="Log the package's lines on stderr from this level up (default: warnings only).",
+)
 @click.option(
     "--redis-url",
     envvar="GPUHEDGE_REDIS_URL",

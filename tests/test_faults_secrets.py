@@ -1,16 +1,24 @@
-"""No secret anywhere: a distinctive API key is set in the environment, races that win and races
-that fail run on a real worker against a loopback provider that demands that key, every CLI
-command runs, and then receipts, records, every Redis value under the test's prefixes, worker
-logs, task events, CLI output and exported files are searched for it: 0 occurrences.
+"""No secret anywhere, with every process logging at DEBUG: races run on a real worker
+(``celery worker -l DEBUG``) through three adapters, each with credentials of its own:
 
-The provider puts the key in its error replies (as some real APIs echo headers), so a failure
-path that copied a provider's error text verbatim would leak it.
+* an ``http`` provider whose API key is a header and whose URL carries a ``${VAR}`` token, on a
+  loopback server that demands the key and puts it in its error replies (as some real APIs
+  echo headers), so a failure path that copied a provider's error text verbatim would leak it;
+* the ``runpod`` adapter against the RunPod fake, and the ``cerebrium`` adapter against the
+  Cerebrium fake, both with webhooks on: the receiver (``gpuhedge-celery --log-level DEBUG
+  webhooks``) applies their deliveries, each attempt's URL holding its own token;
+* a Redis that wants a password (in every process's Redis URL).
+
+Every CLI command then runs at ``--log-level DEBUG``. Receipts, records, every Redis value
+under the test's prefixes, the whole worker and receiver logs, task events, CLI output and
+exported files are searched for each API key, the URL token, the webhook secret, every
+attempt's webhook token and the Redis password: 0 occurrences.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,12 +26,20 @@ import time
 
 import pytest
 
-from tests.support.faults import start_fault_cluster
+from tests.support.cerebrium_fake import KEY as CB_KEY
+from tests.support.cerebrium_fake import FakeCerebrium
+from tests.support.faults import RestartableRedis, start_fault_cluster
 from tests.support.http_provider_server import HttpProviderServer, Knobs
+from tests.support.runpod_fake import KEY as RP_KEY
+from tests.support.runpod_fake import FakeRunpod
+from tests.support.webhook_server import free_port
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(300)]
 
 SECRET = "sk-live-9Q4z7XgW2pLmT8vRcJ5n"  # distinctive: any hit is this test's key
+URL_TOKEN = "urltok-Hq82mZp0aLx7Vd4k"  # the http provider's ${VAR} in its URL
+HOOK_SECRET = "whsec-4Yt9bQ2nR7cW1xZp"  # GPUHEDGE_WEBHOOK_SECRET
+REDIS_PASSWORD = "redispw-K3v8Lq1sNd6Tf0Bj"
 
 HTTP_CONFIG = """
 providers:
@@ -32,7 +48,7 @@ providers:
     adapter: http
     billed_rate_per_s: 0.0003
     http:
-      base_url: "{base}"
+      base_url: "{base}/v2/${{HTTP_TEST_URL_TOKEN}}"
       headers: {{authorization: "${{GPUHEDGE_TEST_SECRET_KEY}}"}}
       timeouts: {{connect_s: 2, read_s: 5}}
       poll_interval_s: 0.05
@@ -41,6 +57,32 @@ providers:
       status: {{method: GET, url: "/status/{{job_id}}", state: status,
                payload: output.audio_base64, error: error}}
       cancel: {{method: POST, url: "/cancel/{{job_id}}"}}
+  rpd:
+    role: hedge
+    adapter: runpod
+    billed_rate_per_s: 0.0003
+    runpod:
+      endpoint_id: sec-rp
+      api_key: "${{RUNPOD_TEST_KEY}}"
+      base_url: "{runpod}"
+      payload: output.audio_base64
+      timeouts: {{connect_s: 2, read_s: 5}}
+      poll: {{min_s: 0.05, max_s: 0.5, fraction: 0.25}}
+      cancel_confirm_s: 5
+      cancel_poll_s: 0.05
+  cb:
+    role: fallback
+    adapter: cerebrium
+    billed_rate_per_s: 0.0005
+    cerebrium:
+      project_id: p-sec
+      app: tts
+      function: predict
+      api_key: "${{CEREBRIUM_TEST_KEY}}"
+      api_url: "{cerebrium}"
+      rest_url: "{cerebrium}"
+      payload: result.audio_base64
+      timeouts: {{connect_s: 2, read_s: 5}}
 policy:
   name: single
 # a race whose status replies stay malformed fails at its cap (its error text is searched too)
@@ -75,81 +117,180 @@ class EventLog:
         return list(self.events)
 
 
-def test_no_api_key_in_receipts_records_redis_logs_events_or_cli_output(redis_url, tmp_path):
+def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
+    from gpuhedge_celery.webhooks.token import token
+
     knobs = Knobs(api_key=SECRET)
-    with HttpProviderServer(knobs) as server:
+    redis = RestartableRedis(password=REDIS_PASSWORD).start()
+    runpod = FakeRunpod({"api_key": RP_KEY, "webhook_gap_s": 0.2})
+    cerebrium = FakeCerebrium({"webhook_gap_s": 0.2})
+    server = HttpProviderServer(knobs).__enter__()
+    cluster = receiver = None
+    credentials = {
+        "http key": SECRET, "http URL token": URL_TOKEN, "RunPod key": RP_KEY,
+        "Cerebrium key": CB_KEY, "webhook secret": HOOK_SECRET, "Redis password": REDIS_PASSWORD,
+    }  # fmt: skip
+    try:
         config = tmp_path / "secret.yaml"
-        config.write_text(HTTP_CONFIG.format(base=server.base_url("ep1")))
+        config.write_text(HTTP_CONFIG.format(base=server.url, runpod=runpod.base_url,
+                                             cerebrium=cerebrium.url))  # fmt: skip
+        port = free_port()
         cluster = start_fault_cluster(
-            redis_url, tmp_path, deadline_s=5.0, coordinators=0, beat=False,
+            redis.url, tmp_path, deadline_s=20.0, coordinators=0, beat=False,
             GPUHEDGE_CONFIG=str(config), GPUHEDGE_TEST_SECRET_KEY=SECRET,
+            HTTP_TEST_URL_TOKEN=URL_TOKEN, RUNPOD_TEST_KEY=RP_KEY, CEREBRIUM_TEST_KEY=CB_KEY,
+            GPUHEDGE_WEBHOOK_URL=f"http://127.0.0.1:{port}/hooks",
+            GPUHEDGE_WEBHOOK_SECRET=HOOK_SECRET, GPUHEDGE_WEBHOOK_FALLBACK_S="20",
         )  # fmt: skip
-        os.environ["GPUHEDGE_TEST_SECRET_KEY"] = SECRET  # as the CLI's shell would have it
-        try:
-            cluster.wait_ready(cluster.start_coordinator(wait=False))
-            events = EventLog(cluster.app)
-            time.sleep(0.5)
-            send = cluster.app.send_task
-            won = send("gpuhedge.hedged_infer", ({"text": "hi"},), queue="gpuhedge.coord")
-            assert won.get(timeout=60)["winner"] == "rp"
-            outcomes = []
-            for knob in ("submit_errors", "status_errors", "malformed"):
-                # a few of each: every error path is taken (each status error is polled again
-                # after a backoff, so 50 took 50 s)
-                setattr(knobs, knob, {"status"} if knob == "malformed" else 5)
-                r = send("gpuhedge.hedged_infer", ({"text": "x"},), queue="gpuhedge.coord")
-                try:
-                    r.get(timeout=60)
-                    outcomes.append("won")
-                except Exception as e:  # RaceFailed: its text and receipt are searched too
-                    outcomes.append(f"{type(e).__name__}: {e} {getattr(e, 'receipt', '')}")
-                setattr(knobs, knob, set() if knob == "malformed" else 0)
-            env = {**cluster.env, "PYTHONPATH": cluster.env["PYTHONPATH"]}
-            out_dir = tmp_path / "out"
-            out_dir.mkdir()
-            records = out_dir / "records.jsonl"
-            cli = [sys.executable, "-m", "gpuhedge_celery"]
-            runs = [
-                [*cli, "receipt", won.id],
-                [*cli, "receipt", won.id, "--json"],
-                [*cli, "records", "export"],
-                [*cli, "config", "check", str(config)],
-                [*cli, "leases"],
-                [*cli, "watch", "--once"],
-            ]
-            outputs = []
-            for argv in runs:
-                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-                outputs.append(f"$ {' '.join(argv)}\n{done.stdout}\n{done.stderr}")
-                if argv[-1] == "export":
-                    records.write_text(done.stdout)
-            report = subprocess.run(
-                [*cli, "report", str(records)],
-                env=env, capture_output=True, text=True, timeout=120,
+        cluster.loglevel = "DEBUG"
+        cli = [sys.executable, "-m", "gpuhedge_celery", "--log-level", "DEBUG"]
+        receiver_log = tmp_path / "receiver.log"
+        with open(receiver_log, "wb") as log:
+            receiver = subprocess.Popen(
+                [*cli, "webhooks", "--port", str(port)], env=cluster.env, stdout=log,
+                stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True,
             )  # fmt: skip
-            outputs.append(report.stdout + report.stderr)
-            captured = events.stop()
-            places = {
-                "redis": dump_redis(cluster),
-                "worker logs": cluster.logs(),
-                "task events": json.dumps(captured, default=str),
-                "cli output": "\n".join(outputs),
-                "exported files": "\n".join(
-                    p.read_text(errors="replace") for p in out_dir.rglob("*") if p.is_file()
-                ),
-                "caller errors": "\n".join(outcomes),
-            }
-            found = {where: text.count(SECRET) for where, text in places.items()}
-            assert sum(found.values()) == 0, found
-            # the searches saw what they were meant to see
-            assert won.id in places["redis"] and won.id in places["cli output"]
-            assert any(e.get("type") == "task-won" for e in captured), "no task events seen"
-            assert records.read_text().strip(), "records export wrote nothing"
-            assert knobs.api_key in SECRET and any(o != "won" for o in outcomes)
-            print(json.dumps({"fault": "secrets", "places": found, "events": len(captured)}))
-        finally:
-            os.environ.pop("GPUHEDGE_TEST_SECRET_KEY", None)
+        cluster.wait_ready(cluster.start_coordinator(wait=False))
+        wait_healthy(port, receiver, receiver_log)
+        events = EventLog(cluster.app)
+        time.sleep(0.5)
+        send = cluster.app.send_task
+        won = send("gpuhedge.hedged_infer", ({"text": "hi"},), queue="gpuhedge.coord")
+        assert won.get(timeout=60)["winner"] == "rp"
+        sent = [won]
+        outcomes = []
+        for knob in ("submit_errors", "status_errors", "malformed"):
+            # a few of each: every error path is taken (each status error is polled again
+            # after a backoff, so 50 took 50 s)
+            setattr(knobs, knob, {"status"} if knob == "malformed" else 5)
+            r = send("gpuhedge.hedged_infer", ({"text": "x"},), queue="gpuhedge.coord")
+            sent.append(r)
+            outcomes.append(outcome(r))
+            setattr(knobs, knob, set() if knob == "malformed" else 0)
+        # RunPod hedged by Cerebrium, both through webhooks: Cerebrium wins, RunPod's job is
+        # cancelled; then a Cerebrium run that fails
+        fast_cb = {"text": "hello", "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 4}},
+                   "cerebrium_fake": {"queue_s": 0, "run_s": 0.2}}  # fmt: skip
+        failing = {"text": "hello",
+                   "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 0.5, "outcome": "FAILED"}},
+                   "cerebrium_fake": {"queue_s": 0, "run_s": 0.2, "outcome": "FAILED"}}  # fmt: skip
+        for request in (fast_cb, failing):
+            r = send("gpuhedge.hedged_infer", (request,), {"policy": "hedge:rpd->cb@0.3s"},
+                     queue="gpuhedge.coord")  # fmt: skip
+            sent.append(r)
+            outcomes.append(outcome(r))
+        env = dict(cluster.env)
+        out_dir = tmp_path / "out"
+        out_dir.mkdir()
+        records = out_dir / "records.jsonl"
+        runs = [
+            *[[*cli, "receipt", r.id] for r in sent],
+            [*cli, "receipt", won.id, "--json"],
+            [*cli, "records", "export"],
+            [*cli, "config", "check", str(config)],
+            [*cli, "config", "show", str(config)],
+            [*cli, "leases"],
+            [*cli, "watch", "--once"],
+        ]
+        outputs = []
+        for argv in runs:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+            outputs.append(f"$ {' '.join(argv)}\n{done.stdout}\n{done.stderr}")
+            if argv[-1] == "export":
+                records.write_text(done.stdout)
+        report = subprocess.run(
+            [*cli, "report", str(records)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        outputs.append(report.stdout + report.stderr)
+        captured = events.stop()
+        receipts = [cluster_receipt(cluster, r.id) for r in sent]
+        hooked = [a for rc in receipts for a in rc["attempts"] if a["provider"] in ("rpd", "cb")]
+        for a in hooked:  # each webhook attempt's own URL token is a credential too
+            rid = next(rc["race_id"] for rc in receipts if a in rc["attempts"])
+            credentials[f"webhook token of {rid}/{a['id']}"] = token(HOOK_SECRET, rid, a["id"])
+        places = {
+            "redis": dump_redis(cluster),
+            "worker logs": "\n".join(w.log() for w in cluster.workers),  # whole, not tails
+            "receiver log": receiver_log.read_text(errors="replace"),
+            "task events": json.dumps(captured, default=str),
+            "cli output": "\n".join(outputs),
+            "exported files": "\n".join(
+                p.read_text(errors="replace") for p in out_dir.rglob("*") if p.is_file()
+            ),
+            "caller errors": "\n".join(outcomes),
+        }
+        found = {
+            f"{what} in {where}": text.count(value)
+            for what, value in credentials.items()
+            for where, text in places.items()
+            if value in text
+        }
+        assert not found, found
+        logs = places["worker logs"] + places["receiver log"] + places["cli output"]
+        hook_url = re.compile(r"(/|%2F)[0-9a-f]{32}(\b|$)")  # any attempt's token in a URL
+        assert not hook_url.search(logs), hook_url.search(logs)
+        # the searches saw what they were meant to see
+        assert "DEBUG/MainProcess" in places["worker logs"], "the worker did not log at DEBUG"
+        assert " DEBUG " in places["cli output"], "no CLI command logged at DEBUG"
+        assert won.id in places["redis"] and won.id in places["cli output"]
+        assert any(e.get("type") == "task-won" for e in captured), "no task events seen"
+        assert records.read_text().strip(), "records export wrote nothing"
+        assert any(URL_TOKEN in r.raw_path for r in server.requests), "URL token never used"
+        winners = [winner_provider(rc) for rc in receipts]
+        assert winners[-2:] == ["cb", None], winners  # a webhook won, then both failed
+        assert len(hooked) >= 4 and any(o != "won" for o in outcomes)
+        print(json.dumps({"fault": "secrets", "credentials": len(credentials),
+                          "places": list(places), "events": len(captured),
+                          "log_bytes": len(logs)}))  # fmt: skip
+    finally:
+        if receiver is not None:
+            receiver.kill()
+            receiver.wait(10)
+        if cluster is not None:
             cluster.close()
+        server.__exit__(None, None, None)
+        runpod.stop()
+        cerebrium.stop()
+        redis.close()
+
+
+def outcome(result) -> str:
+    """``won``, or the caller's error with its receipt (whose text is searched too)."""
+    try:
+        result.get(timeout=60)
+        return "won"
+    except Exception as e:  # RaceFailed
+        return f"{type(e).__name__}: {e} {getattr(e, 'receipt', '')}"
+
+
+def winner_provider(receipt: dict) -> str | None:
+    won = [a["provider"] for a in receipt["attempts"] if a["id"] == receipt["winner"]]
+    return won[0] if won else None
+
+
+def cluster_receipt(cluster, race_id: str) -> dict:
+    from gpuhedge_celery.store.races import RaceStore
+    from tests.support.faults import wait_until
+
+    store = RaceStore(cluster.client, cluster.prefix)
+    return wait_until(lambda: store.receipt(race_id), 30, what=f"the receipt of {race_id}")
+
+
+def wait_healthy(port: int, receiver, log_path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if receiver.poll() is not None:
+            break
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the receiver did not start:\n{log_path.read_text()}")
 
 
 def dump_redis(cluster) -> str:

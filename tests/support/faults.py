@@ -39,13 +39,16 @@ class RestartableRedis:
     process: subprocess.Popen | None = None
     starts: int = 0
     tls: bool = False
+    password: str | None = None  # requirepass: the URL carries it
 
     @property
     def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
         if self.tls:
             ca = os.path.join(self.workdir, "tls", "redis.pem")
-            return f"rediss://127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
-        return f"redis://127.0.0.1:{self.port}/0"
+            return (f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required"
+                    f"&ssl_ca_certs={ca}")  # fmt: skip
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _listen_args(self) -> list[str]:
         if not self.tls:
@@ -70,8 +73,9 @@ class RestartableRedis:
             if self.aof
             else ["--appendonly", "no"]
         )
+        auth = ["--requirepass", self.password] if self.password else []
         return [
-            binary, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
+            binary, "--bind", "127.0.0.1", *self._listen_args(), *auth, "--save", "",
             "--dir", self.workdir, "--notify-keyspace-events", "Egx", *persistence, *self.extra,
         ]  # fmt: skip
 

@@ -115,6 +115,7 @@ class CeleryCluster:
         self.store = LeaseStore(self.client, prefix)
         self.workers: list[CeleryWorker] = []
         self._count = 0
+        self.loglevel = "INFO"  # of the workers and beat started from now on
 
     def gpu_id(self, index: int | str) -> str:
         return f"{self.host}:{index}"
@@ -126,7 +127,7 @@ class CeleryCluster:
         log_path = self.tmp_path / f"{role}{self._count}.log"
         argv = [
             sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "worker",
-            "-n", nodename, "--loglevel", "INFO",
+            "-n", nodename, "--loglevel", self.loglevel,
             "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_argv,
         ]  # fmt: skip
         with open(log_path, "wb") as log_file:
@@ -189,7 +190,7 @@ class CeleryCluster:
         self._count += 1
         log_path = self.tmp_path / f"beat{self._count}.log"
         argv = [sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "beat", "--loglevel",
-                "INFO", "--schedule", str(self.tmp_path / "beat-schedule")]  # fmt: skip
+                self.loglevel, "--schedule", str(self.tmp_path / "beat-schedule")]  # fmt: skip
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 argv, env={**self.env, **extra}, stdout=log_file, stderr=subprocess.STDOUT,
