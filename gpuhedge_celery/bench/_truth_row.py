@@ -145,7 +145,9 @@ def truth_row(
             **waited,
             "total_s": round(time.monotonic() - t0, 2),
         }
-    return {"row": "truth", "policy": POLICY, **report}
+    # its own cluster: the run's --webhooks and time scale do not apply to it
+    row_setup = {"webhooks": "on", "time_scale": 1.0, "budget": "capped", "fake": "runpod"}
+    return {"row": "truth", "policy": POLICY, "row_setup": row_setup, **report}
 
 
 __all__ = [
