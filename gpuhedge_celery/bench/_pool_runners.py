@@ -42,6 +42,8 @@ from typing import Any
 
 import click
 
+from ..store.keys import all_keys
+
 DEFAULT_REQUEST = {"x": [0.5, 1.0], "prompt": "hello", "max_tokens": 1}
 HARNESS = (
     "real celery workers (1 coordinator, 1 GPU worker per runner, prefork, 1 child) on the real "
@@ -184,7 +186,7 @@ def run_overhead(
             )
     finally:
         workers.stop()
-        for key in client.scan_iter(f"{prefix}:*", count=1000):
+        for key in client.scan_iter(all_keys(prefix), count=1000):
             client.delete(key)
     return {
         "bench": "pool-runners",

@@ -29,14 +29,15 @@ import functools
 import time
 from typing import Any
 
+from ..names import QUEUE_COORD, TASK_BENCH_CELERY_FLOOR
 from ..tasks.app import app
 from . import redis_probe
 from .race_capacity import _traffic, cpu_snapshot, payload_bytes, still_missing, traffic_fields
 
 Bench = Any  # bench/races.py's Bench
 
-TASK_NAME = "gpuhedge.bench.celery_floor"
-QUEUE = "gpuhedge.coord"  # the queue hedged_infer is sent to
+TASK_NAME = TASK_BENCH_CELERY_FLOOR
+QUEUE = QUEUE_COORD  # the queue hedged_infer is sent to
 SETTLE_S = 1.0
 
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import click
 
+from ..store.keys import Keys, all_keys
+
 POOL = "bench"
 GPU = "bench-host:0"
 WAITER = "bench-waiter"
@@ -166,7 +168,7 @@ def bench_keyspace(url: str, prefix: str, n: int) -> list[float]:
 
 def bench_poll(url: str, prefix: str, interval_s: float, n: int) -> list[float]:
     client = _client(url)
-    key = f"{prefix}:bench:poll"
+    key = Keys(prefix).bench_poll()
     proc, conn = _spawn(_poller, url, key, interval_s)
     out = []
     rng = random.Random(1)
@@ -202,7 +204,7 @@ def bench_expiry(
     pipe = client.pipeline(transaction=False)
     for i in range(background):
         # Long TTLs: they stay volatile for the whole run, as a result backend's keys do.
-        pipe.set(f"{prefix}:bench:bg:{i}", "x", ex=600 + i % 3000)
+        pipe.set(Keys(prefix).bench_background(i), "x", ex=600 + i % 3000)
         if i % 1000 == 999:
             pipe.execute()
     pipe.execute()
@@ -348,7 +350,7 @@ def command(
             shutil.rmtree(private[2], ignore_errors=True)
         else:
             client = _client(url)
-            for key in client.scan_iter(f"{prefix}:*", count=1000):
+            for key in client.scan_iter(all_keys(prefix), count=1000):
                 client.delete(key)
     report = {
         "bench": "handoff",

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..store.keys import all_keys
 from ._pool_runners import run_from_cli, runner_options
 
 SCHEDULERS = ("lease", "round_robin", "least_connections", "ideal")
@@ -278,7 +279,7 @@ def _bench_store(settings, k: int):
 
 
 def _drop(store) -> None:
-    keys = list(store.client.scan_iter(f"{store.prefix}:*", count=1000))
+    keys = list(store.client.scan_iter(all_keys(store.prefix), count=1000))
     for start in range(0, len(keys), 500):
         store.client.delete(*keys[start : start + 500])
 

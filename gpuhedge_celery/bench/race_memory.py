@@ -18,6 +18,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from ..store.keys import all_keys
+from ..store.race_keys import race_keys
+
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -32,7 +35,7 @@ def _kind(key: str, race_id: str) -> str:
 def _race_keys(client: Any, prefix: str, race_ids: set[str]) -> dict[str, list[str]]:
     """Race id -> every key under ``prefix`` that names it (one SCAN of the prefix)."""
     found: dict[str, list[str]] = defaultdict(list)
-    for key in client.scan_iter(f"{prefix}:*", count=1000):
+    for key in client.scan_iter(all_keys(prefix), count=1000):
         match = _UUID.search(key)
         if match and match.group(0) in race_ids:
             found[match.group(0)].append(key)
@@ -103,9 +106,7 @@ def memory_row(bench: Any, races: int, request_bytes: int, scale: float) -> dict
     for want, at in (("primary_running", 0.5), ("both_running", 1.5)):
         time.sleep(max(0.0, t0 + at * hedge_s + sent_s - time.monotonic()))
         phases[want] = sample(bench, ids, used0, want)
-        request_size = request_size or bench.client.strlen(
-            f"{bench.prefix}:race:{{{ids[0]}}}:request"
-        )
+        request_size = request_size or bench.client.strlen(race_keys(bench.prefix, ids[0]).request)
     for race_id in ids:
         bench.app.AsyncResult(race_id).get(timeout=60 + 4 * hedge_s)
     deadline = time.monotonic() + 60

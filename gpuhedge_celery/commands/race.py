@@ -75,12 +75,12 @@ def celery_app() -> Any:
 def start_race(app: Any, body: dict[str, Any], **kwargs: Any) -> Any:
     """Send one ``hedged_infer`` (kwargs: policy, providers, budget_key, arm); its AsyncResult,
     whose id is the race id."""
-    from ..tasks.race_runtime import TASK_HEDGED_INFER
+    from ..names import QUEUE_COORD, TASK_HEDGED_INFER
     from ..tasks.sending import broker_errors
 
     sent = {k: v for k, v in kwargs.items() if v is not None}
     with broker_errors(app):
-        return app.send_task(TASK_HEDGED_INFER, (body,), sent, queue="gpuhedge.coord")
+        return app.send_task(TASK_HEDGED_INFER, (body,), sent, queue=QUEUE_COORD)
 
 
 def check_redis() -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..store.keys import all_keys
+from ..store.race_keys import race_key_part
+
 RECEIPT_TTL_S = 3600  # on a real Redis, how long the demo's receipts stay readable
 
 
@@ -20,9 +23,9 @@ def clean_up(redis_url: str, prefix: str) -> dict[str, Any]:
     client = client_for(redis_url)
     deleted, kept = 0, 0
     batch: list[Any] = []
-    for key in client.scan_iter(f"{prefix}:*", count=1000):
+    for key in client.scan_iter(all_keys(prefix), count=1000):
         name = key.decode() if isinstance(key, bytes) else key
-        if name.startswith(f"{prefix}:race:{{") and name.endswith("}:receipt"):
+        if (race_key_part(prefix, name) or ("", ""))[1] == "receipt":
             ttl_ms = client.pttl(key)
             if ttl_ms < 0 or ttl_ms > RECEIPT_TTL_S * 1000:
                 client.pexpire(key, RECEIPT_TTL_S * 1000)

@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import settings as process_settings
 from ..core.stats import misses, nearest_rank
+from ..store.keys import all_keys
 from .cleanup import RECEIPT_TTL_S, clean_up
 from .workers import LocalWorkers
 
@@ -195,8 +196,8 @@ def run_demo(
         if not embedded:
             report.cleanup = clean_up(redis_url, prefix)
             echo(
-                f"removed the demo's {report.cleanup['deleted']} keys under {prefix}:*; its "
-                f"{report.cleanup['receipts_kept']} receipts expire within "
+                f"removed the demo's {report.cleanup['deleted']} keys under "
+                f"{all_keys(prefix)}; its {report.cleanup['receipts_kept']} receipts expire within "
                 f"{RECEIPT_TTL_S // 60} minutes"
             )
     report.wall_s = time.monotonic() - t0

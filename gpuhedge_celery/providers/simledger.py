@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+from ..store.keys import under
+
 
 class SimLedger(Protocol):
     """Shared memory of sim job fates across processes: string keys, small JSON string values.
@@ -104,7 +106,7 @@ class RedisLedger:
         self.prefix = prefix
 
     def _key(self, key: str) -> str:
-        return f"{self.prefix}:{key}"
+        return under(self.prefix, key)
 
     def get(self, key: str) -> str | None:
         return self.client.get(self._key(key))

@@ -1,12 +1,24 @@
-"""Every Redis key and channel name the lease store uses, in one place.
+"""Every Redis key and channel name the lease store and the Celery glue use, in one place.
 
 All names live under one configurable prefix so several deployments (or test runs) can share a
-Redis without seeing each other's keys.
+Redis without seeing each other's keys. The keys of races, timers and the budget ledger are in
+:mod:`.race_keys`; Celery's queue and task names in :mod:`gpuhedge_celery.names`
+(``tests/test_names.py`` fails when a key is built anywhere else).
 """
 
 from __future__ import annotations
 
 LEASE_SEGMENT = "lease"
+
+
+def under(prefix: str, name: str) -> str:
+    """``name`` under ``prefix`` (``<prefix>:<name>``): how every key of a deployment is named."""
+    return f"{prefix}:{name}"
+
+
+def all_keys(prefix: str) -> str:
+    """The SCAN pattern of every key under ``prefix`` (clean-ups and memory counts)."""
+    return under(prefix, "*")
 
 
 class Keys:
@@ -18,7 +30,7 @@ class Keys:
         self.prefix = prefix
 
     def _k(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
+        return under(self.prefix, ":".join(parts))
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, gpu_id: str) -> str:
@@ -143,6 +155,27 @@ class Keys:
     def reconcile_lock(self) -> str:
         """Short lock so two reconcile passes never run at once."""
         return self._k("reconcile", "lock")
+
+    def dead_since(self) -> str:
+        """Hash host -> epoch ms when a reconcile pass first saw the host without a heartbeat."""
+        return self._k("reconcile", "dead_since")
+
+    def janitor_lock(self) -> str:
+        """Short lock so two janitor passes never run at once."""
+        return self._k("janitor", "lock")
+
+    def stop(self, task_id: str) -> str:
+        """The stop flag of one pooled request (``tasks/cancel.py``)."""
+        return self._k("stop", task_id)
+
+    # -- benchmarks (bench/handoff.py) ------------------------------------------------------
+    def bench_poll(self) -> str:
+        """The key a benchmark's poller process watches."""
+        return self._k("bench", "poll")
+
+    def bench_background(self, index: int) -> str:
+        """One of the volatile background keys a benchmark fills Redis with."""
+        return self._k("bench", "bg", str(index))
 
     # -- provider request budgets -----------------------------------------------------------
     def rate_bucket(self, scope: str, route: str) -> str:

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .keys import under
+
 # A race id or timer namespace becomes part of a hash tag: braces would break the tag, and
 # whitespace or control characters make keys unreadable in redis-cli.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
@@ -45,7 +47,7 @@ class TimerKeys:
 def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
     """Key names of the timer namespace ``namespace`` under ``prefix``."""
     check_name(namespace, "timer namespace")
-    base = f"{prefix}:{{{namespace}}}"
+    base = under(prefix, f"{{{namespace}}}")
     return TimerKeys(
         due=f"{base}:due",
         inflight=f"{base}:inflight",
@@ -77,10 +79,24 @@ class RaceKeys:
         )  # fmt: skip
 
 
+def race_key_head(prefix: str) -> str:
+    """What every key of every race under ``prefix`` starts with; the race id follows."""
+    return under(prefix, "race:{")
+
+
+def race_key_part(prefix: str, key: str) -> tuple[str, str] | None:
+    """``(race id, part)`` of a race's key (part: ``state``, ``receipt``...), else None."""
+    head = race_key_head(prefix)
+    if not key.startswith(head):
+        return None
+    race_id, sep, rest = key[len(head) :].partition("}:")
+    return (race_id, rest) if sep else None
+
+
 def race_keys(prefix: str, race_id: str) -> RaceKeys:
     """Key names of race ``race_id`` under ``prefix``."""
     check_name(race_id, "race id")
-    base = f"{prefix}:race:{{{race_id}}}"
+    base = f"{race_key_head(prefix)}{race_id}}}"
     return RaceKeys(
         state=f"{base}:state",
         winner=f"{base}:winner",
@@ -94,18 +110,18 @@ def race_keys(prefix: str, race_id: str) -> RaceKeys:
 
 def live_races_key(prefix: str) -> str:
     """ZSET race id -> last heartbeat epoch ms, read by the janitor (its own slot)."""
-    return f"{prefix}:{{races}}:live"
+    return under(prefix, "{races}:live")
 
 
 def records_key(prefix: str) -> str:
     """STREAM of finished races' compact records (one entry per race; its own slot)."""
-    return f"{prefix}:{{records}}:stream"
+    return under(prefix, "{records}:stream")
 
 
 def finished_races_key(prefix: str) -> str:
     """ZSET race id -> finish epoch ms of recently finished races (``watch --all``, receipt
     lookups by id prefix); trimmed to the newest ``RECENT_FINISHED`` and to the receipt TTL."""
-    return f"{prefix}:{{races}}:finished"
+    return under(prefix, "{races}:finished")
 
 
 RECENT_FINISHED = 1000  # finished races the index above remembers
@@ -131,7 +147,7 @@ class BudgetKeys:
 
 def budget_keys(prefix: str) -> BudgetKeys:
     """Key names of the budget ledger under ``prefix``."""
-    base = f"{prefix}:{{budget}}"
+    base = under(prefix, "{budget}")
     return BudgetKeys(
         totals=f"{base}:totals", open=f"{base}:open", ledger=f"{base}:ledger", base=base
     )

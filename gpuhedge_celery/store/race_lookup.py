@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .race_keys import check_name
+from .race_keys import check_name, race_key_head, race_key_part
 from .timers import as_text, store_errors
 
 
@@ -37,11 +37,10 @@ def races_starting_with(store: Any, id_prefix: str, limit: int = 10) -> list[str
             for member, _ in store.client.zscan_iter(key, match=pattern, count=1000):
                 found.add(as_text(member))
         if not found:
-            head = f"{store.prefix}:race:{{"
+            head = race_key_head(store.prefix)
             for raw in store.client.scan_iter(f"{head}{pattern}", count=1000):
-                key = as_text(raw)
-                race_id = key[len(head) :].split("}", 1)[0]
-                if race_id.startswith(id_prefix) and key.endswith(("}:state", "}:receipt")):
+                race_id, part = race_key_part(store.prefix, as_text(raw)) or ("", "")
+                if race_id.startswith(id_prefix) and part in ("state", "receipt"):
                     found.add(race_id)
                 if len(found) > limit:
                     break

@@ -33,6 +33,17 @@ from celery import Celery
 from kombu import Queue
 
 from .. import settings as process_settings
+from ..names import GPU_QUEUE_PREFIX as GPU_QUEUE_PREFIX
+from ..names import QUEUE_ATTEMPTS as QUEUE_ATTEMPTS
+from ..names import (
+    QUEUE_COORD,
+    QUEUE_POOL,
+    TASK_JANITOR,
+    TASK_POOLED_INFER,
+    TASK_RECONCILE,
+    gpu_queue,
+)
+from ..names import TASK_GPU_RUN as TASK_GPU_RUN
 from .config import GlueConfig
 from .message_signing import Signing
 from .message_signing import enable as enable_signing
@@ -42,17 +53,8 @@ RACE_BACKEND_ALIASES = {
     "rediss": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
 }
 
-QUEUE_COORD = "gpuhedge.coord"
-QUEUE_ATTEMPTS = "gpuhedge.attempts"
-QUEUE_POOL = "gpuhedge.pool"  # pooled_infer: requests waiting for a GPU of a pool
-GPU_QUEUE_PREFIX = "gpuhedge.gpu."
-
-TASK_POOLED_INFER = "gpuhedge.pooled_infer"
-TASK_GPU_RUN = "gpuhedge.gpu_run"
 # the worker request of a task that carries a caller's request (tasks/redaction.py)
 REDACTED_REQUEST = "gpuhedge_celery.tasks.redaction:RedactedRequest"
-TASK_RECONCILE = "gpuhedge.reconcile"
-TASK_JANITOR = "gpuhedge.janitor"
 BEAT_SCHEDULER = "gpuhedge_celery.tasks.beat:Scheduler"  # makes the schedule file's directory
 
 # Task modules a worker must import to know every task; optional ones belong to other features.
@@ -67,11 +69,6 @@ TASK_MODULES = [
     "gpuhedge_celery.tasks.metrics",
 ]
 OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races", "gpuhedge_celery.tasks.janitor"]
-
-
-def gpu_queue(gpu_id: str) -> str:
-    """The queue only the worker of ``gpu_id`` consumes."""
-    return f"{GPU_QUEUE_PREFIX}{gpu_id}"
 
 
 def celery_conf(config: GlueConfig) -> dict[str, object]:

@@ -45,13 +45,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
+from ..names import RACE_TASKS
+
 log = logging.getLogger(__name__)
 
 TRANSPORT = "gpuhedge_celery.tasks.broker:Transport"
-# the race tasks (tasks/race_runtime.py names them): idempotent, a rerun resumes its race
-LINGERING_TASKS = frozenset(
-    {"gpuhedge.hedged_infer", "gpuhedge.race_step", "gpuhedge.race_submit", "gpuhedge.race_cancel"}
-)
+LINGERING_TASKS = RACE_TASKS  # idempotent: a rerun resumes its race
 
 
 @lru_cache(maxsize=1)

@@ -26,7 +26,7 @@ STOP_TTL_MS = 3_600_000
 
 def stop_key(store: LeaseStore, task_id: str) -> str:
     """The stop flag of one pooled request."""
-    return f"{store.keys.prefix}:stop:{task_id}"
+    return store.keys.stop(task_id)
 
 
 def stop_requested(store: LeaseStore, task_id: str) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import ConfigError
 from ..gpus import default_host
+from ..names import COORD_QUEUES
 from ..settings import Settings, redact_url
 
 BROKER_SCHEMES = {"redis": "redis", "rediss": "redis", "amqp": "amqp", "amqps": "amqp",
@@ -31,9 +32,6 @@ def default_schedule(env: Mapping[str, str], prefix: str) -> str:
         home = env.get("HOME") or os.path.expanduser("~")
         base = os.path.join(home, ".local", "state") if home != "~" else tempfile.gettempdir()
     return os.path.join(base, "gpuhedge-celery", f"celerybeat-schedule-{prefix}")
-
-
-COORD_QUEUES = ("gpuhedge.coord", "gpuhedge.attempts", "gpuhedge.pool")
 
 
 def parse_coord_queues(text: str | None) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from typing import Any
 from .. import settings as process_settings
 from ..race.janitor import Janitor
 from ..settings import JanitorSettings
+from ..store.keys import Keys
 from .app import TASK_JANITOR, app
 from .race_runtime import CeleryEffects, runtime
 
@@ -37,7 +38,7 @@ return 0
 
 def lock_key(prefix: str) -> str:
     """The short lock that keeps two janitor passes from running at once."""
-    return f"{prefix}:janitor:lock"
+    return Keys(prefix).janitor_lock()
 
 
 def build_janitor(settings: JanitorSettings | None = None) -> Janitor:

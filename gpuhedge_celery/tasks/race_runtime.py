@@ -19,6 +19,10 @@ from typing import Any
 from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
 from ..errors import BudgetExceeded, RaceFailed
+from ..names import QUEUE_ATTEMPTS, TASK_RACE_SUBMIT
+from ..names import TASK_HEDGED_INFER as TASK_HEDGED_INFER
+from ..names import TASK_RACE_CANCEL as TASK_RACE_CANCEL
+from ..names import TASK_RACE_STEP as TASK_RACE_STEP
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
 from ..race.backstops import launch_backstop_id
@@ -37,11 +41,6 @@ from ..store.timers import TimerStore
 
 log = logging.getLogger(__name__)
 
-TASK_HEDGED_INFER = "gpuhedge.hedged_infer"
-TASK_RACE_SUBMIT = "gpuhedge.race_submit"
-TASK_RACE_CANCEL = "gpuhedge.race_cancel"
-TASK_RACE_STEP = "gpuhedge.race_step"
-QUEUE_ATTEMPTS = "gpuhedge.attempts"  # the same names as tasks.app (checked by the tests)
 EVENT_BATCH = 200  # task events published together at most
 
 

@@ -48,7 +48,7 @@ return 0
 
 def dead_since_key(store: LeaseStore) -> str:
     """Hash host -> epoch ms when a pass first saw the host without a heartbeat."""
-    return f"{store.keys.prefix}:reconcile:dead_since"
+    return store.keys.dead_since()
 
 
 def gpu_worker_nodes(store: LeaseStore) -> list[str]:

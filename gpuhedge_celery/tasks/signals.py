@@ -53,6 +53,7 @@ from celery import signals
 
 from ..errors import ConfigError, GpuHedgeError
 from ..gpus import query_nvidia_smi
+from ..names import TASK_PREFIX
 from ..secrets import quiet_http_client_logs
 from ..store.connection import reset_clients
 from ..store.leases import GpuInfo
@@ -283,7 +284,6 @@ def _nothing() -> None:
 
 
 # -- a caller's bad arguments: one WARNING line, no traceback ---------------------------------
-TASK_PREFIX = "gpuhedge."
 
 
 def _ours(name: Any) -> bool:

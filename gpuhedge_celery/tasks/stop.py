@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 from ..core.race_events import StopRequested
+from ..names import QUEUE_COORD
 from ..race.stop import PENDING, StopAnswer, check_by, read_stop
 from .race_runtime import TASK_RACE_STEP
 
-QUEUE_COORD = "gpuhedge.coord"  # tasks.app's name (not imported: it builds the default app)
 POLL_S = 0.05  # how often a waiting stopper re-reads the race
 
 
