@@ -326,6 +326,9 @@ def pool_direct(env: Mapping[str, str]) -> bool:
     return env_flag(env, "GPUHEDGE_POOL_DIRECT", True)
 
 
+GPU_VAR = "GPUHEDGE_GPU"  # makes a worker a GPU worker: a helper starting others drops it
+
+
 def read_glue(env: Mapping[str, str]) -> GlueConfig:
     """The Celery glue's section (:class:`~gpuhedge_celery.tasks.config.GlueConfig`)."""
     from .gpus import default_host, parse_labels
@@ -340,11 +343,9 @@ def read_glue(env: Mapping[str, str]) -> GlueConfig:
     )
 
     settings = read_core(env, {})
-    gpu = (env.get("GPUHEDGE_GPU") or "").strip() or None
+    gpu = (env.get(GPU_VAR) or "").strip() or None
     if gpu is not None and not GPU_RE.match(gpu):
-        raise ConfigError(
-            f"expected a GPU index or id like 'host:0', got {gpu!r}", key="GPUHEDGE_GPU"
-        )
+        raise ConfigError(f"expected a GPU index or id like 'host:0', got {gpu!r}", key=GPU_VAR)
     runner = (env.get("GPUHEDGE_RUNNER") or "cpu").strip()
     if gpu is not None:
         runner_from_spec(runner)  # fail at start-up, not at the first job
