@@ -40,6 +40,7 @@ SECRET = "sk-live-9Q4z7XgW2pLmT8vRcJ5n"  # distinctive: any hit is this test's k
 URL_TOKEN = "urltok-Hq82mZp0aLx7Vd4k"  # the http provider's ${VAR} in its URL
 HOOK_SECRET = "whsec-4Yt9bQ2nR7cW1xZp"  # GPUHEDGE_WEBHOOK_SECRET
 REDIS_PASSWORD = "redispw-K3v8Lq1sNd6Tf0Bj"
+REQUEST_TEXT = "caller-says-Mw4pX9rTq2"  # a caller's request: its size in logs, never its text
 
 HTTP_CONFIG = """
 providers:
@@ -155,7 +156,7 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
         events = EventLog(cluster.app)
         time.sleep(0.5)
         send = cluster.app.send_task
-        won = send("gpuhedge.hedged_infer", ({"text": "hi"},), queue="gpuhedge.coord")
+        won = send("gpuhedge.hedged_infer", ({"text": REQUEST_TEXT},), queue="gpuhedge.coord")
         assert won.get(timeout=60)["winner"] == "rp"
         sent = [won]
         outcomes = []
@@ -163,15 +164,15 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
             # a few of each: every error path is taken (each status error is polled again
             # after a backoff, so 50 took 50 s)
             setattr(knobs, knob, {"status"} if knob == "malformed" else 5)
-            r = send("gpuhedge.hedged_infer", ({"text": "x"},), queue="gpuhedge.coord")
+            r = send("gpuhedge.hedged_infer", ({"text": REQUEST_TEXT},), queue="gpuhedge.coord")
             sent.append(r)
             outcomes.append(outcome(r))
             setattr(knobs, knob, set() if knob == "malformed" else 0)
         # RunPod hedged by Cerebrium, both through webhooks: Cerebrium wins, RunPod's job is
         # cancelled; then a Cerebrium run that fails
-        fast_cb = {"text": "hello", "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 4}},
+        fast_cb = {"text": REQUEST_TEXT, "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 4}},
                    "cerebrium_fake": {"queue_s": 0, "run_s": 0.2}}  # fmt: skip
-        failing = {"text": "hello",
+        failing = {"text": REQUEST_TEXT,
                    "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 0.5, "outcome": "FAILED"}},
                    "cerebrium_fake": {"queue_s": 0, "run_s": 0.2, "outcome": "FAILED"}}  # fmt: skip
         for request in (fast_cb, failing):
@@ -228,6 +229,8 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
         }
         assert not found, found
         logs = places["worker logs"] + places["receiver log"] + places["cli output"]
+        for where in ("worker logs", "receiver log", "task events"):
+            assert REQUEST_TEXT not in places[where], f"a caller's request in the {where}"
         hook_url = re.compile(r"(/|%2F)[0-9a-f]{32}(\b|$)")  # any attempt's token in a URL
         assert not hook_url.search(logs), hook_url.search(logs)
         # the searches saw what they were meant to see

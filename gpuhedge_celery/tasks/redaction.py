@@ -9,7 +9,8 @@ instead:
 * ``before_task_publish`` (the sending process: a client, a worker dispatching to a GPU)
   rewrites the headers before the message leaves;
 * ``task_received`` (the worker, before its ``task-received`` event) does the same for a
-  message a foreign app sent by name with Celery's default ``argsrepr``;
+  message a foreign app sent by name with Celery's default ``argsrepr`` (in the headers the
+  worker hands its pool too, which a ``-l DEBUG`` worker logs);
 * :class:`RedactedRequest`, these tasks' request class, answers ``inspect active`` /
   ``reserved`` (Flower's worker page) with the same summaries instead of the raw arguments.
 
@@ -88,3 +89,8 @@ def _redact_received(request: Any = None, **_: Any) -> None:
         request._kwargsrepr = summarised_kwargs(request.kwargs)  # noqa: SLF001
     except Exception:  # never the request in the clear
         request._argsrepr = request._kwargsrepr = "<redacted>"  # noqa: SLF001
+    # the headers go to the pool as they came: its DEBUG line ("TaskPool: Apply") prints them
+    headers = getattr(request, "_request_dict", None)
+    if isinstance(headers, dict):
+        headers["argsrepr"] = request._argsrepr  # noqa: SLF001
+        headers["kwargsrepr"] = request._kwargsrepr  # noqa: SLF001
