@@ -2,12 +2,14 @@
 
 Tiers: pure tables (no fixtures), ``fake_redis`` (fakeredis, no expiry or events), ``redis_url`` /
 ``redis_client`` (a real redis-server: the machine's, or one started here; never skipped), and
-real Celery worker processes (fixtures in tests/support/fixtures_*.py).
+real Celery worker processes (fixtures in tests/support/fixtures_*.py). Each test is marked by
+what it uses (tests/support/tiers.py); ``--fast`` runs only those that need no server or process.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import pathlib
 import threading
 import uuid
@@ -15,6 +17,7 @@ import uuid
 import pytest
 
 from tests.support.redis_server import shared_redis_url, start_redis_server
+from tests.support.tiers import TIER_MARKS, ProcessGuard, tier_marks
 
 # CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in state that every thread
 # shares: two threads parsing at once (a test server's thread formatting a traceback, which 3.11
@@ -37,6 +40,52 @@ pytest_plugins = sorted(
     f"tests.support.{p.stem}"
     for p in (pathlib.Path(__file__).parent / "support").glob("fixtures_*.py")
 )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the fast tier: no redis-server, RabbitMQ, Celery workers or other processes",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Mark each test ``redis``/``celery``/``server`` by what it uses; ``fast`` when none and not
+    ``slow`` (tests/support/tiers.py). ``--fast`` keeps only ``fast``."""
+    for item in items:
+        for mark in sorted(tier_marks(item)):
+            if item.get_closest_marker(mark) is None:
+                item.add_marker(mark)
+        if not any(item.get_closest_marker(m) for m in (*TIER_MARKS, "slow")):
+            item.add_marker("fast")
+    if config.getoption("--fast"):
+        deselected = [item for item in items if item.get_closest_marker("fast") is None]
+        items[:] = [item for item in items if item.get_closest_marker("fast") is not None]
+        config.hook.pytest_deselected(items=deselected)
+
+
+def _guarded(config):
+    return ProcessGuard() if config.getoption("--fast") else contextlib.nullcontext()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item.config):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    with _guarded(item.config):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -337,7 +337,8 @@ class FakeModalServer:
     def __init__(self, knobs: Knobs | None = None, port: int = 0):
         self.httpd = _Server(("127.0.0.1", port), _Handler)
         self.httpd.state = FakeModalState(knobs)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # a short poll so that stopping does not wait out serve_forever's default half second
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     @property
