@@ -24,6 +24,8 @@ from tests.support.faults import (
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
 
+FORGED_TEXT = "unsigned-request-Vb8qLz3x"  # in the refused message's body
+
 
 @pytest.fixture
 def kombu_registry():
@@ -91,11 +93,14 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         unsigned = create_app(cluster.config)
         assert unsigned.conf.task_serializer == "json"
         forged_id = f"forged-{uuid.uuid4().hex}"
-        unsigned.send_task("gpuhedge.hedged_infer", (QUICK_REQUEST,), queue="gpuhedge.coord",
+        forged = {**QUICK_REQUEST, "text": FORGED_TEXT}
+        unsigned.send_task("gpuhedge.hedged_infer", (forged,), queue="gpuhedge.coord",
                            task_id=forged_id)  # fmt: skip
         worker = cluster.workers[0]
         refused = "Refusing to deserialize untrusted content of type json"
         wait_until(lambda: refused in worker.log(), 30, what="the worker to refuse the message")
+        # the refusal names the message's size, not its body (a caller's request)
+        assert FORGED_TEXT not in worker.log() and "bytes, not shown>" in worker.log()
         # a signed race after it still runs: the worker stayed up and took it
         assert send_race(cluster, QUICK_REQUEST).get(timeout=30)["winner"]
         time.sleep(1.0)

@@ -17,11 +17,16 @@ instead:
 Celery's ``task-sent`` event (off unless ``task_send_sent_event`` is set) is built before the
 publish signal and still carries Celery's repr: leave it off where Flower is shared.
 
+A message a worker refuses (unsigned where signing is on, unregistered, malformed) is logged by
+Celery with its body and headers: :class:`RefusedMessageFilter` logs their size instead.
+
 ``GPUHEDGE_EVENTS_SHOW_REQUEST=1`` keeps Celery's own reprs (a trusted, private Flower).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from celery import signals
@@ -65,6 +70,36 @@ class RedactedRequest(Request):
         if _redacting():
             found["args"], found["kwargs"] = self._argsrepr, self._kwargsrepr
         return found
+
+
+# Celery's consumer writes a message's body as "<repr> (<size>b)" (celery's dump_body)
+_BODY_DUMP = re.compile(r"\((\d+)b\)")
+CONSUMER_LOGGER = "celery.worker.consumer.consumer"
+
+
+class RefusedMessageFilter(logging.Filter):
+    """The body and headers of a message the worker refused, as their size: the message may
+    carry a caller's request (an unsigned client's task, a task of another app's version)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args and _redacting():
+            record.args = tuple(_hidden(a) for a in record.args)
+        return True
+
+
+def _hidden(arg: Any) -> Any:
+    if isinstance(arg, dict) and "argsrepr" in arg:  # the headers: what names the message
+        return {k: arg[k] for k in ("id", "task") if k in arg}
+    if isinstance(arg, str):
+        found = _BODY_DUMP.search(arg)
+        if found:
+            return f"<message body of {found.group(1)} bytes, not shown>"
+        if "argsrepr" in arg:
+            return "<message headers, not shown>"
+    return arg
+
+
+logging.getLogger(CONSUMER_LOGGER).addFilter(RefusedMessageFilter())
 
 
 @signals.before_task_publish.connect
