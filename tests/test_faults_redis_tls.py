@@ -5,7 +5,8 @@ through a ``rediss://`` URL that trusts that certificate.
 
 Checked: every race's caller gets a winner or an explicit RaceFailed, each race's receipt and
 winner claim agree and nothing is left running, and no worker stops ("Unrecoverable error"):
-every one is alive at the end and a fresh race completes on each coordinator.
+every one is alive at the end and a fresh race completes on each coordinator; and what they
+log of the outage names the Redis ``rediss://``, not ``redis://``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def test_redis_server_speaks_tls():
     tls.close()
 
 
+def test_errors_name_a_tls_redis_by_its_scheme():
+    import redis as redis_py
+
+    from gpuhedge_celery.store.connection import client_location
+    from gpuhedge_celery.store.leases import LeaseStore
+
+    tls = redis_py.Redis.from_url("rediss://:pw@db.example:6380/2?ssl_cert_reqs=required")
+    assert LeaseStore(tls).where == client_location(tls) == "rediss://db.example:6380/2"
+    plain = redis_py.Redis.from_url("redis://:pw@db.example:6379/0")
+    assert client_location(plain) == "redis://db.example:6379/0"
+
+
 def test_a_rediss_restart_under_load_ends_every_race_and_no_worker_stops(tmp_path):
     redis = RestartableRedis(aof=True, tls=True).start()
     cluster = None
@@ -75,6 +88,9 @@ def test_a_rediss_restart_under_load_ends_every_race_and_no_worker_stops(tmp_pat
         assert sorted(j["output"]["id"] for j in jobs) == [f"job{i}" for i in range(POOLED)]
         logs = "\n".join(w.log() for w in cluster.workers)  # whole logs, not their tails
         assert "Unrecoverable error" not in logs, cluster.logs()
+        # what the workers said of the outage names the TLS Redis as such
+        assert f"rediss://127.0.0.1:{redis.port}" in logs
+        assert f"redis://127.0.0.1:{redis.port}" not in logs, "a TLS Redis named as plain redis://"
         stopped = [w.nodename for w in cluster.workers if not w.alive()]
         assert not stopped, f"workers stopped: {stopped}\n{cluster.logs()}"
         # every coordinator still takes work: more fresh races than coordinators, all won

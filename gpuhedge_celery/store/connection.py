@@ -31,6 +31,20 @@ def client_for(url: str, *, decode_responses: bool = True, **kwargs: Any) -> red
     return client
 
 
+def client_location(client: Any) -> str:
+    """Where ``client`` connects, as a URL without credentials: ``rediss://`` for TLS, so an
+    error about a TLS Redis does not name a plain ``redis://`` one."""
+    pool = client.connection_pool
+    kw = pool.connection_kwargs
+    if kw.get("path"):
+        return f"unix://{kw['path']}?db={kw.get('db', 0)}"
+    tls = isinstance(pool.connection_class, type) and issubclass(
+        pool.connection_class, redis.SSLConnection
+    )
+    scheme = "rediss" if tls else "redis"
+    return f"{scheme}://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
 def reset_clients() -> None:
     """Forget cached clients (call in ``worker_process_init`` after a fork)."""
     _clients.clear()

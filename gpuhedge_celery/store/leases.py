@@ -42,7 +42,7 @@ from ..core.lease_rules import (
     validate_ttl_ms,
 )
 from ..errors import ConfigError, EmptyPool, UnknownPool
-from .connection import client_for, translate_errors
+from .connection import client_for, client_location, translate_errors
 from .keeper import LeaseKeeper
 from .keys import Keys
 from .scripts import OK, UNKNOWN_GPU, raise_for_code, scripts_for
@@ -96,9 +96,7 @@ class LeaseStore:
         self.prefix = prefix
         self.keys = Keys(prefix)
         self.scripts = scripts_for(client)
-        kw = client.connection_pool.connection_kwargs
-        where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
-        self.where = f"redis://{where}/{kw.get('db', 0)}"  # never holds the password
+        self.where = client_location(client)  # never holds the password
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LeaseStore:

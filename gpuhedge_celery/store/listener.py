@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from ..errors import NotificationsUnavailable, StoreUnavailable
+from .connection import client_location
 from .keys import Keys
 from .liveness import ProcessBeat
 
@@ -43,9 +44,7 @@ def _text(value: Any) -> str:
 
 
 def _where(client: redis.Redis) -> str:
-    kw = client.connection_pool.connection_kwargs
-    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
-    return f"redis://{where}/{kw.get('db', 0)}"
+    return client_location(client)
 
 
 def merged_flags(current: str) -> str | None:
