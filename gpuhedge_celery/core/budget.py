@@ -197,7 +197,7 @@ def cap_conflicts(caps: BudgetCaps, attempts: list[PlannedAttempt]) -> list[CapC
                 counted.setdefault(name, (usd, []))[1].append(a)
     found: list[CapConflict] = []
     for name, (usd, applies) in counted.items():
-        used, admitted = 0, []
+        used, admitted = 0, list[PlannedAttempt]()
         for a in applies:
             amount = to_nano(a.worst_case_usd, round_up=True)
             if used + amount > to_nano(usd):

@@ -221,8 +221,11 @@ def schedule(plan: Prereg) -> list[Slot]:
 
 def primary_value(row: Mapping[str, Any], metric: str, deadline_s: float) -> float | None:
     """The primary metric from one ``report`` row (seconds, a rate or USD; None: not known)."""
+    value: float | None
     if metric in PERCENTILES:
-        return row[f"{metric}_s"]
-    if metric == "miss_rate":
-        return row["miss_rate"][format(deadline_s, "g")]
-    return row[metric]
+        value = row[f"{metric}_s"]
+    elif metric == "miss_rate":
+        value = row["miss_rate"][format(deadline_s, "g")]
+    else:
+        value = row[metric]
+    return value

@@ -9,7 +9,7 @@ the same :class:`~gpuhedge_celery.core.policy_base.Policy` interface a custom po
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import ConfigError
 from .jobs import JobState
@@ -108,7 +108,7 @@ class FixedHedgePolicy(Policy):
     """
 
     kind = "hedge"
-    aliases = ("fixed",)
+    aliases: ClassVar[tuple[str, ...]] = ("fixed",)
 
     def __init__(self, primary: str, hedge: str, hedge_after_ms: int = 10_000):
         self.primary = primary
@@ -164,7 +164,7 @@ class StateAwarePolicy(Policy):
     ``safety_hedge_ms`` if there is still no valid result."""
 
     kind = "cutover"
-    aliases = ("state_aware",)
+    aliases: ClassVar[tuple[str, ...]] = ("state_aware",)
 
     def __init__(
         self,
@@ -259,7 +259,7 @@ class CascadePolicy(StateAwarePolicy):
     wait and retries whenever a job ends). The fallback is launched at most once."""
 
     kind = "cascade"
-    aliases = ()
+    aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

@@ -104,7 +104,7 @@ class Policy:
         return f"<{type(self).__name__} {self.name}>"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.params() == other.params()  # type: ignore[attr-defined]
+        return type(self) is type(other) and self.params() == other.params()
 
     def __hash__(self) -> int:
         return hash(self.name)

@@ -182,7 +182,7 @@ def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild an event from :meth:`Event.to_dict` output (e.g. a Celery message body)."""
     data = dict(data)
     kind = data.pop("kind", None)
-    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise ValueError(f"unknown race event kind {kind!r}")
     if data.get("state") is not None and "state" in _field_names(cls):
@@ -282,7 +282,7 @@ ACTION_TYPES: dict[str, type[Action]] = {
 def action_from_dict(data: dict[str, Any]) -> Action:
     """Rebuild an action from :meth:`Action.to_dict` output."""
     data = dict(data)
-    cls = ACTION_TYPES.get(data.pop("kind", None))  # type: ignore[arg-type]
+    cls = ACTION_TYPES.get(data.pop("kind", None))
     if cls is None:
         raise ValueError("unknown race action kind")
     return cls(**data)

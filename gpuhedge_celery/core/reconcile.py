@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class GpuReport:
 
     gpu_id: str
     running: tuple[RunningJob, ...] = ()
-    health: dict | None = field(default=None, compare=False)  # the worker's latest reading
+    # the worker's latest reading
+    health: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Action:
     token: int
     holder: str = ""
     reason: str = ""
-    detail: dict = field(default_factory=dict, compare=False)
+    detail: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def plan(

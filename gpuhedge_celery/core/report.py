@@ -185,7 +185,7 @@ class RequestSet:
 
     ours: dict[str, Request] = field(default_factory=dict)  # by race id: the last record wins
     theirs: list[Request] = field(default_factory=list)
-    skipped: Counter = field(default_factory=Counter)  # kind -> lines that are not requests
+    skipped: Counter[str] = field(default_factory=Counter)  # kind -> lines that are not requests
     duplicates: int = 0  # our records replaced by a later one of the same race
 
     def add(self, objects: Iterable[tuple[str, Any]]) -> None:
@@ -225,6 +225,7 @@ class RequestSet:
 
 def group_key(request: Request, by: str) -> str:
     """The group ``request`` belongs to under ``--by by``."""
+    value: str | None
     if by == "policy":
         value = request.policy
     elif by == "provider":
@@ -279,7 +280,7 @@ def summarise_group(
     row["active_usd_per_request"] = _mean_if_all([r.active_usd for r in requests])
     row["billed_usd_per_request"] = _mean_if_all([r.billed_usd for r in requests])
     wasted = [r.wasted_usd for r in requests]
-    row["wasted_usd"] = None if any(w is None for w in wasted) else sum(wasted)  # type: ignore[misc]
+    row["wasted_usd"] = None if any(w is None for w in wasted) else sum(wasted)
     known = [r.leaked for r in requests if r.leaked is not None]
     row["leaks"] = sum(1 for x in known if x) if known else None
     return row

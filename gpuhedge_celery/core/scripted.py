@@ -138,7 +138,9 @@ def run_race(
     return race
 
 
-def _cancel(push, aid: str, arm: Arm, submitted_at: float, t: float) -> None:
+def _cancel(
+    push: Callable[[float, int, Event], None], aid: str, arm: Arm, submitted_at: float, t: float
+) -> None:
     if arm.cancel_raises:
         push(t, _REPLY, CancelFailed(aid, "cancel call raised"))
         return

@@ -62,7 +62,7 @@ class EmbeddedRedisProcess:
 
     url: str
     port: int
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from ..core.lease_rules import (
     DEFAULT_POOL_TTL_MS,
@@ -62,6 +62,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+@overload
+def _text(value: None) -> None: ...
+@overload
+def _text(value: str | bytes | int | float) -> str: ...
 def _text(value: Any) -> str | None:
     if value is None:
         return None

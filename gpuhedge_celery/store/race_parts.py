@@ -131,7 +131,8 @@ def decode_fields(fields: dict[Any, Any], parts: dict[str, str] | None = None) -
     leaves the parts; this version's full write drops ``data``)."""
     legacy = whole(fields)
     if legacy is not None:
-        return codec.loads(legacy)
+        state: dict[str, Any] = codec.loads(legacy)
+        return state
     parts = parts_of(fields) if parts is None else parts
     return decode(parts) if parts else {}  # {}: an empty state has no parts
 

@@ -148,7 +148,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         ``also``, ``scripts``, ``save_id`` and ``took``: as for :meth:`save` (the first timers
         and the first submit's intent ride in this round trip).
         """
-        more = {"also": also, "scripts": scripts, "save_id": save_id, "took": took}
+        more: dict[str, Any] = {"also": also, "scripts": scripts, "save_id": save_id, "took": took}
         if request is None:
             return self.save(race_id, state, 0, **more)
         key = race_keys(self.prefix, race_id).request
@@ -241,7 +241,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         keys = race_keys(self.prefix, race_id)
         base = self.copies.base(race_id, expected_version)
         if base is None:
-            base_id, changed, gone = "", [x for kv in data.parts.items() for x in kv], []
+            base_id, changed, gone = "", [x for kv in data.parts.items() for x in kv], list[str]()
         else:
             base_id = base.save_id
             changed, gone = race_parts.delta(base.parts, data.parts)
@@ -293,7 +293,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         state = race_keys(self.prefix, race_id).state
         return SaveMark(state, f"{expected_version + 1}:{save_id}")
 
-    def _send_save(self, race_id: str, build: Callable[[Any], None], scripts: list[Any]) -> list:
+    def _send_save(
+        self, race_id: str, build: Callable[[Any], None], scripts: list[Any]
+    ) -> list[Any]:
         """Run a save's pipeline; while Redis is unreachable, send it again (the same save id)
         for up to ``SAVE_RETRY_S``. A save that reached Redis but whose answer was lost must
         not be reported as failed: its step would be re-applied as a duplicate and its actions

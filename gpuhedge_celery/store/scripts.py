@@ -41,7 +41,7 @@ SCRIPT_NAMES = (
 
 @cache
 def _lua_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    return resources.files(__package__).joinpath("lua").joinpath(f"{name}.lua").read_text("utf-8")
 
 
 _scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -77,7 +77,7 @@ def run_pipeline(
         pipe = client.pipeline(transaction=False)
         build(pipe)
         try:
-            replies = pipe.execute(raise_on_error=raise_on_error)
+            replies: list[Any] = pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
             if attempt == 2:
                 raise

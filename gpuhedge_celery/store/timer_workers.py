@@ -8,6 +8,7 @@ timers, which ride in the service thread's next claim.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -51,6 +52,7 @@ class TimerWorkers:
     _finished: list[Timer]
     _ack_by: float | None
     _early: list[tuple[int, int, Timer]]
+    _early_seq: itertools.count[int]
 
     def now_ms(self) -> int:
         raise NotImplementedError

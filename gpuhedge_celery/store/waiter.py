@@ -37,6 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import AcquireTimeout, ConfigError
 from .leases import Lease, LeaseStore, _check_name, _text, _ttl, now_ms
@@ -168,7 +169,7 @@ class LeaseWaiter:
 
     def _check(
         self, pool: str, holder: str, ttl: int, gpu_ids: list[str], accepted: str, first: bool
-    ) -> tuple[list, int]:
+    ) -> tuple[list[Any], int]:
         k = self.store.keys
         keys = [k.waiters(pool), k.waitinfo(pool), k.waitseq(pool), k.procs(), k.freeat(pool)]
         for gpu_id in gpu_ids:
