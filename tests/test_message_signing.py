@@ -5,6 +5,9 @@ task message that is not signed, sent to the same queue, is refused by the worke
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 import uuid
 
@@ -89,6 +92,13 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         assert won["winner"], won
         job = signed.send_task(TASK_POOLED_INFER, ({"id": "job0", "duration_s": 0.1},))
         assert job.get(timeout=60)["output"]["id"] == "job0"
+        # the CLI's own app signs too (it builds one from the same environment)
+        cli = subprocess.run(
+            [sys.executable, "-m", "gpuhedge_celery", "race", json.dumps(QUICK_REQUEST), "--go",
+             "--json", "--timeout", "60"],
+            env=cluster.env, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        assert cli.returncode == 0 and json.loads(cli.stdout)["winner"], cli.stdout + cli.stderr
         # the same task, sent as plain JSON by an app that does not sign
         unsigned = create_app(cluster.config)
         assert unsigned.conf.task_serializer == "json"
