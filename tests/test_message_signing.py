@@ -28,6 +28,15 @@ from tests.support.faults import (
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
 
 FORGED_TEXT = "unsigned-request-Vb8qLz3x"  # in the refused message's body
+# sends one hedged_infer (argv: request JSON, task id) with this process's signing settings
+SEND_ONE = """
+import json, sys
+from gpuhedge_celery.tasks.app import create_app
+from gpuhedge_celery.tasks.config import GlueConfig
+app = create_app(GlueConfig.from_env())
+app.send_task("gpuhedge.hedged_infer", (json.loads(sys.argv[1]),), queue="gpuhedge.coord",
+              task_id=sys.argv[2])
+"""
 
 
 @pytest.fixture
@@ -109,18 +118,35 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         worker = cluster.workers[0]
         refused = "Refusing to deserialize untrusted content of type json"
         wait_until(lambda: refused in worker.log(), 30, what="the worker to refuse the message")
-        # the refusal names the message's size, not its body (a caller's request)
-        assert FORGED_TEXT not in worker.log() and "bytes, not shown>" in worker.log()
-        # a signed race after it still runs: the worker stayed up and took it
+        # signed, but by a key whose certificate the fleet does not trust (another process:
+        # the auth serializer is one per process)
+        rogue_key, rogue_cert = self_signed(tmp_path / "rogue", "rogue")
+        rogue_id = f"rogue-{uuid.uuid4().hex}"
+        rogue_env = {**cluster.env, "GPUHEDGE_SECURITY_KEY": str(rogue_key),
+                     "GPUHEDGE_SECURITY_CERTIFICATE": str(rogue_cert),
+                     "GPUHEDGE_SECURITY_CERT_STORE": str(rogue_cert)}  # fmt: skip
+        sent = subprocess.run(
+            [sys.executable, "-c", SEND_ONE, json.dumps(forged), rogue_id],
+            env=rogue_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        wait_until(lambda: "Can't decode message body" in worker.log(), 30,
+                   what="the worker to refuse the message of an untrusted signer")  # fmt: skip
+        # a signed race after them still runs: the worker stayed up and took it
         assert send_race(cluster, QUICK_REQUEST).get(timeout=30)["winner"]
         time.sleep(1.0)
         store = RaceStore(cluster.client, cluster.prefix)
-        assert store.receipt(forged_id) is None, "the unsigned task ran"
-        assert not list(cluster.client.scan_iter(f"{cluster.prefix}:race:{{{forged_id}}}*"))
-        assert signed.AsyncResult(forged_id).state == "PENDING"
+        for refused_id in (forged_id, rogue_id):
+            assert store.receipt(refused_id) is None, f"{refused_id} ran"
+            assert not list(cluster.client.scan_iter(f"{cluster.prefix}:race:{{{refused_id}}}*"))
+            assert signed.AsyncResult(refused_id).state == "PENDING"
         assert worker.alive() and "Unrecoverable error" not in worker.log()
+        # each refusal names the message's size, not its body (a caller's request)
+        assert FORGED_TEXT not in worker.log()
+        assert worker.log().count("bytes, not shown>") >= 2, worker.log()[-3000:]
         logs = "\n".join(w.log() for w in cluster.workers)
         assert logs.count("Received invalid task message") == 1, cluster.logs()  # ours only
+        assert logs.count("Can't decode message body") == 1, cluster.logs()
         assert "gpuhedge.reconcile" in logs  # beat's signed passes were taken and run
     finally:
         cluster.close()
