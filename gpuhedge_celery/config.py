@@ -363,12 +363,12 @@ def _parse_policy(
     name = block.string("name", "fixed" if has_hedge or not providers else "single")
     cls = _policy_class(name, block, unchecked=unchecked)
     if cls is None:  # a plugin's kind under config check: its parameters are not checked
-        params = dict(block.mapping("params").data)
+        params: dict[str, Any] = dict(block.mapping("params").data)
         block.finish()
         return PolicyConfig(name=name, params=params)
     allowed = _policy_args(cls)
     params_block = block.mapping("params")
-    params: dict[str, Any] = {}
+    params = {}
     for key in params_block.data:
         if key not in allowed:
             continue  # reported by finish() below with the list of known parameters

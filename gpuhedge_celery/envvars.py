@@ -14,7 +14,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .errors import ConfigError
 
@@ -294,6 +294,26 @@ def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
     return "" if prefix == DEFAULT_PREFIX else f"{prefix}:"
 
 
+@overload
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    minimum: float = ...,
+    integer: bool = ...,
+    strict: bool = ...,
+) -> float: ...
+@overload
+def _number(
+    env: Mapping[str, str],
+    name: str,
+    default: None,
+    *,
+    minimum: float = ...,
+    integer: bool = ...,
+    strict: bool = ...,
+) -> float | None: ...
 def _number(
     env: Mapping[str, str],
     name: str,

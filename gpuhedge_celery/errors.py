@@ -209,6 +209,8 @@ class RaceFailed(GpuHedgeError):
     import this class) says the same.
     """
 
+    race_id: str  # set by the command that ran the race (commands/race.py), never by __init__
+
     def __init__(
         self, message: str, receipt: dict[str, Any] | None = None, reason: str = "no_valid_result"
     ):

@@ -57,7 +57,8 @@ __all__ = [
 class Runner(Protocol):
     """Runs one request on the GPU this process owns."""
 
-    spec: str
+    @property
+    def spec(self) -> str: ...  # read-only: runners may be frozen dataclasses
 
     def run(self, request: Any, ctx: RunContext) -> Any: ...
 
@@ -233,6 +234,7 @@ class PythonRunner:
             if inspect.isclass(target):
                 target = target()  # the model object: one per child
             loader = getattr(target, "load", None)
+            run: Any
             if inspect.isfunction(target) or inspect.isbuiltin(target):
                 run, loader = target, None
             else:

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
@@ -68,7 +68,8 @@ def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
     parts = urlsplit(url)
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return cls(parts.hostname, parts.port, timeout=timeout_s), path
+    host = cast(str, parts.hostname)  # _check_url refused a URL without one
+    return cls(host, parts.port, timeout=timeout_s), path
 
 
 def http_get(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int, str]:
@@ -129,10 +130,12 @@ class ServerRunner:
             if not sep or not value:
                 raise ConfigError(f"expected key=value, got {option!r}", key="server")
             if key in ("timeout", "drain", "boot"):
-                runner = replace(runner, **{f"{key}_s": _positive(value, f"server {key}")})
+                seconds: dict[str, Any] = {f"{key}_s": _positive(value, f"server {key}")}
+                runner = replace(runner, **seconds)
             elif key in ("ready", "idle"):
                 field = "ready_url" if key == "ready" else "idle_url"
-                runner = replace(runner, **{field: _check_url(value, f"server {key}")})
+                url_field: dict[str, Any] = {field: _check_url(value, f"server {key}")}
+                runner = replace(runner, **url_field)
             elif key == "idle_metric":
                 runner = replace(runner, idle_metric=value)
             else:

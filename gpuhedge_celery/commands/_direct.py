@@ -161,6 +161,7 @@ class LiveJobs:
             jobs, self._jobs = list(self._jobs.values()), {}
         lines = []
         for provider, handle in jobs:
+            receipt: object
             try:
                 receipt = provider.cancel(handle)
                 leaked = receipt.leaked

@@ -133,7 +133,7 @@ def write_plot(
 
     chosen = select(rounds, subset)
     styles = {"single": ":", "race": "-.", "fixed": "--", "cutover": "-", "cascade": "-"}
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]  # tab20 is a ListedColormap
     fig, ax = plt.subplots(figsize=(10, 6))
     by_policy: dict[str, list[float]] = {}
     for i, policy in enumerate(policies):

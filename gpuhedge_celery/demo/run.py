@@ -294,7 +294,7 @@ def _batch_summary(
             active.append(float(r.get("active_usd") or 0.0))
             hedged += bool(r.get("hedged"))
             leaks += bool(r.get("leaked"))
-        row = {
+        row: dict[str, Any] = {
             "policy": policy, "n": len(lat), "p50_s": nearest_rank(lat, 0.5),
             "p95_s": nearest_rank(lat, 0.95),
             "misses": {str(d): misses(lat, d) for d in deadlines},

@@ -157,7 +157,7 @@ def _webhook(block: Block) -> str | None:
     return url
 
 
-def _timeouts(block: Block) -> dict[str, float]:
+def _timeouts(block: Block) -> dict[str, Any]:
     out = {
         "connect_timeout_s": block.number("connect_s", 5.0, positive=True),
         "read_timeout_s": block.number("read_s", 30.0, positive=True),

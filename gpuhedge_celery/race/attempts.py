@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.attempts import Attempt, Phase
 from ..core.jobs import JobHandle
@@ -159,7 +159,8 @@ class AttemptWork(CancelWork, WatchWork):
                 return
             known, intent, request = claim
         if known is None:  # the claim is ours (just made, or riding in the create): submit
-            handle = self._submit_claimed(race_id, a, record.state, intent, request, drop)
+            claimed_intent = cast("dict[str, Any]", intent)  # recorded with the claim
+            handle = self._submit_claimed(race_id, a, record.state, claimed_intent, request, drop)
             if handle is None:
                 return
         elif known.get("submitting"):

@@ -36,7 +36,8 @@ from ..core.race_events import (
 from ..errors import StoreError
 from ..metrics import record as metrics
 from ..providers.base import Provider
-from ..store.races import RaceStore, SaveMark, VersionConflict, new_save_id
+from ..store.race_keys import SaveMark
+from ..store.races import RaceStore, VersionConflict, new_save_id
 from ..store.timers import TimerStore
 from ..webhooks.settings import WebhookSettings
 from .attempts import AttemptWork

@@ -17,7 +17,8 @@ from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import RaceFinished
 from ..metrics import record as metrics
-from ..store.races import RaceStore, ResultWrite, SaveMark, WinnerClaim
+from ..store.race_keys import ResultWrite, SaveMark
+from ..store.races import RaceStore, WinnerClaim
 from .base import Effects, find_attempt
 from .receipt import (
     assemble_receipt,

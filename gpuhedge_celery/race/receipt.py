@@ -88,8 +88,8 @@ def winner_result(
     payload = stored.get("payload")
     size = 0
     if inline_max >= 0:  # measured once, when the result was stored (else: measured now)
-        size = stored.get("payload_bytes")
-        size = codec.size(payload) if size is None else int(size)
+        stored_size = stored.get("payload_bytes")
+        size = codec.size(payload) if stored_size is None else int(stored_size)
     if size > inline_max >= 0:
         result["payload_ref"] = ref
         result["payload_bytes"] = size

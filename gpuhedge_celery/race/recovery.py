@@ -12,6 +12,7 @@ left undone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..core.attempts import Phase
@@ -30,6 +31,17 @@ class RecoveryWork:
     store: Any
     timers: Any
     clock: Any
+    # the driver's own work it calls (race/driver.py, attempts.py, outcome.py)
+    step: Callable[..., Any]
+    cancel_attempt: Callable[..., Any]
+    submit_attempt: Callable[..., Any]
+    watch: Callable[..., Any]
+    request_cancel: Callable[..., Any]
+    arm_watch_if_idle: Callable[..., Any]
+    _declare: Callable[..., Any]
+    _launch: Callable[..., Any]
+    _give_up: Callable[..., Any]
+    _finish: Callable[..., Any]
 
     def on_timer(self, timer: Timer) -> None:
         """The TimerService handler: a policy timer steps the race, a watch timer polls a job."""

@@ -266,7 +266,7 @@ class WatchWork(ResultWork):
         The id names the due millisecond, so arming the same poll twice (a step that retried
         after a version conflict) arms it once.
         """
-        payload = {
+        payload: dict[str, Any] = {
             "race": race_id,
             "kind": "watch",
             "attempt": attempt_id,

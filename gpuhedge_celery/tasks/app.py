@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import cast
 
 from celery import Celery
 from kombu import Queue
@@ -93,7 +94,7 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
             transport["global_keyprefix"] = config.broker_prefix
         results["global_keyprefix"] = config.broker_prefix
     if config.is_gpu_worker:
-        queues = [Queue(gpu_queue(config.gpu_id))]
+        queues = [Queue(gpu_queue(cast(str, config.gpu_id)))]  # a GPU worker's is set
         pool, concurrency = "prefork", 1
     else:
         queues = [Queue(name) for name in config.coord_queues]

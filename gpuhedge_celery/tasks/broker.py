@@ -69,6 +69,9 @@ def _receipt_ttl_s() -> float:
 
 
 class QoS(kombu_redis.QoS):
+    # delivery tag -> message: kombu declares None on the class and sets a dict per instance
+    _delivered: dict[Any, Any]  # type: ignore[assignment]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acks_lock = threading.Lock()  # Celery's pool threads acknowledge
@@ -177,6 +180,7 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    cycle: Any  # kombu's MultiChannelPoller, set up by kombu's Transport
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)

@@ -47,7 +47,7 @@ class PooledResult(AsyncResult):
         self.recorded = recorded  # whether its record was written (else it is never "lost")
         self._gone_since: float | None = None
 
-    def get(  # type: ignore[override]
+    def get(
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
         **kwargs: Any,
     ) -> Any:  # fmt: skip

@@ -146,7 +146,7 @@ class RaceTask(Task):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     @property
-    def backend(self) -> Any:  # type: ignore[override]
+    def backend(self) -> Any:
         return _DeferringBackend(self.app.backend)
 
     @backend.setter

@@ -142,7 +142,7 @@ def _rescue_queue(celery_app: Celery, conn: Any, channel: Any, view: GpuView) ->
     """Drain one dead GPU's queue back to waiting (see :func:`rescue_stranded`)."""
     name = gpu_queue(view.gpu_id)
     queue = Queue(name, channel=channel)
-    rescued = []
+    rescued: list[Any] = []
     while True:
         try:
             message = queue.get(no_ack=False, accept=["json"])

@@ -60,7 +60,7 @@ class RaceResult(AsyncResult):
         self._known_at = time.time()  # the earliest this caller could have sent it
         self._deadline: float | None = None
 
-    def get(  # type: ignore[override]
+    def get(
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
         **kwargs: Any,
     ) -> Any:  # fmt: skip

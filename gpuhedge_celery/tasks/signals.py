@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from celery import signals
 
@@ -113,7 +113,8 @@ def _check_gpu_worker(sender: str, instance: Any, **_: Any) -> None:
     if _host.get("solo"):
         return  # the solo pool already marked the GPU and started loading (_fresh_clients)
     # Before the pool forks its child: the GPU takes no lease until its model serves.
-    mark_runner_starting(lease_store(), config.gpu_id, runner_for(config.pool))
+    gpu_id = cast(str, config.gpu_id)  # a GPU worker's is set
+    mark_runner_starting(lease_store(), gpu_id, runner_for(config.pool))
 
 
 def _check_concurrency(instance: Any) -> None:
@@ -155,7 +156,9 @@ def _start_gpu_host(sender: Any = None, **_: Any) -> None:
             log.warning("keyspace notifications not enabled: %s", e)
         return
     hostname = getattr(sender, "hostname", None) or config.host
-    info = GpuInfo(config.gpu_id, config.pool, hostname, gpu_labels(config.gpu, config.labels))
+    info = GpuInfo(
+        cast(str, config.gpu_id), config.pool, hostname, gpu_labels(config.gpu, config.labels)
+    )
     _start_model_server(config, store)
     _start_health(config, store)
     _host["service"] = GpuHost(
@@ -233,8 +236,8 @@ def _fresh_clients(**_: Any) -> None:
             # it is being set up, so the GPU is marked out here, before the load starts, and
             # the model is closed at worker_shutdown (_stop_gpu_host).
             _host["solo"] = True
-            mark_runner_starting(lease_store(), config.gpu_id, runner)
-        start_child_runner(lease_store(), config.gpu_id, runner, config)
+            mark_runner_starting(lease_store(), cast(str, config.gpu_id), runner)
+        start_child_runner(lease_store(), cast(str, config.gpu_id), runner, config)
 
 
 @signals.worker_process_shutdown.connect
