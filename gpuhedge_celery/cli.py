@@ -108,17 +108,10 @@ def lazy_group(package: str, **kwargs):
 def _log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """``--log-level``: the package's log lines on stderr from this level up (the webhook
     receiver's too); httpx's request lines stay off, they carry credentials in URLs."""
-    if value is None:
-        return
-    import logging
+    if value is not None:
+        from .secrets import log_to_stderr
 
-    from .secrets import quiet_http_client_logs
-
-    logging.basicConfig(
-        level=value.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )  # fmt: skip
-    quiet_http_client_logs()
+        log_to_stderr(value.upper())
 
 
 @lazy_group("gpuhedge_celery.commands", context_settings={"help_option_names": ["-h", "--help"]})

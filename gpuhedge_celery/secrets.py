@@ -36,3 +36,15 @@ def quiet_http_client_logs() -> None:
     configures (workers, the webhook receiver, the CLI) calls this; warnings still show."""
     for name in HTTP_CLIENT_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_to_stderr(level: int | str) -> None:
+    """The package's log lines on stderr from ``level`` up (the CLI's ``--log-level``, and the
+    receiver processes it starts), httpx's request lines still off."""
+    import sys
+
+    logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT)
+    quiet_http_client_logs()

@@ -52,11 +52,11 @@ def runpod_fake():
 class Receivers:
     """The supervisor process (``proc``) of ``webhooks --workers 2`` on ``port``."""
 
-    def __init__(self, env: dict[str, str], tmp: Path):
+    def __init__(self, env: dict[str, str], tmp: Path, *options: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "receiver.log"
-        argv = [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--workers", "2",
+        argv = [sys.executable, "-m", "gpuhedge_celery", *options, "webhooks", "--workers", "2",
                 "--port", str(self.port)]  # fmt: skip
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -86,18 +86,23 @@ class Receivers:
             return None
 
 
-@pytest.fixture
-def two(runpod_fake, redis_url, redis_client, prefix, tmp_path):
-    """The receivers (``.receivers``) and a driver whose jobs' webhooks go to them."""
-    runpod_fake.reset()
-    config = tmp_path / "wh.yaml"
-    config.write_text(CONFIG.format(base=runpod_fake.base_url))
+def receiver_env(config: Path, redis_url: str, prefix: str) -> dict[str, str]:
     env = {**os.environ, "GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix,
            "GPUHEDGE_BROKER_PREFIX": f"{prefix}:", "GPUHEDGE_CONFIG": str(config),
            "GPUHEDGE_WEBHOOK_SECRET": SECRET, "RUNPOD_TEST_KEY": KEY,
            "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}  # fmt: skip
     for name in ("GPUHEDGE_BROKER_URL", "GPUHEDGE_WEBHOOK_URL", "GPUHEDGE_GPU"):
         env.pop(name, None)
+    return env
+
+
+@pytest.fixture
+def two(runpod_fake, redis_url, redis_client, prefix, tmp_path):
+    """The receivers (``.receivers``) and a driver whose jobs' webhooks go to them."""
+    runpod_fake.reset()
+    config = tmp_path / "wh.yaml"
+    config.write_text(CONFIG.format(base=runpod_fake.base_url))
+    env = receiver_env(config, redis_url, prefix)
     receivers = Receivers(env, tmp_path)
     cfg = parse_config_text(config.read_text())
     providers = {"rp": cfg.build("rp", env={"RUNPOD_TEST_KEY": KEY}, limiter=LocalLimiter())}
@@ -218,3 +223,20 @@ def test_a_port_already_taken_stops_the_command_with_one_line_per_process(tmp_pa
     said = done.stderr.strip().splitlines()
     assert any(f"cannot listen on 127.0.0.1:{port}" in line for line in said), said
     assert "did not start" in said[-1] and "Traceback" not in done.stderr
+
+
+def test_each_receiver_process_logs_at_the_commands_log_level(runpod_fake, redis_url, prefix,
+                                                              tmp_path):  # fmt: skip
+    import re
+
+    config = tmp_path / "wh.yaml"
+    config.write_text(CONFIG.format(base=runpod_fake.base_url))
+    receivers = Receivers(receiver_env(config, redis_url, prefix), tmp_path, "--log-level", "INFO")
+    try:
+        answering = receivers.pids()
+        logged = {int(p) for p in re.findall(r"INFO \S+: receiver process (\d+) serving",
+                                             receivers.log.read_text())}  # fmt: skip
+        # a spawned receiver inherits no logging set-up: the command hands its level down
+        assert len(logged) == 2 and answering <= logged, (answering, receivers.log.read_text())
+    finally:
+        receivers.stop()

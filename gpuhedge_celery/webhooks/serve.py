@@ -85,7 +85,8 @@ class Supervisor:
     def _start(self, slot: int) -> Any:
         ready = self.ctx.Event()
         proc = self.ctx.Process(
-            target=_receiver, args=(self.host, self.port, self.threads, ready, os.getpid()),
+            target=_receiver,
+            args=(self.host, self.port, self.threads, ready, os.getpid(), _log_level()),
             name=f"gpuhedge-webhooks-{slot}", daemon=False,
         )  # fmt: skip
         proc.start()
@@ -169,14 +170,26 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _receiver(host: str, port: int, threads: int, ready: Any, parent: int) -> None:
-    """One receiver process (``spawn``): its own runtime and Redis clients, its own socket."""
+def _log_level() -> int | None:
+    """The level this process logs at when ``--log-level`` configured it, else None."""
+    import logging
+
+    root = logging.getLogger()
+    return root.level if root.handlers else None
+
+
+def _receiver(host: str, port: int, threads: int, ready: Any, parent: int,
+              log_level: int | None = None) -> None:  # fmt: skip
+    """One receiver process (``spawn``): its own runtime and Redis clients, its own socket,
+    logging as the command that started it (a spawned child inherits no logging set-up)."""
     _die_with_parent(parent)
     import uvicorn
 
-    from ..secrets import quiet_http_client_logs
+    from ..secrets import log_to_stderr, quiet_http_client_logs
 
     quiet_http_client_logs()
+    if log_level is not None:
+        log_to_stderr(log_level)
 
     from ..errors import ConfigError
     from .app import build_app
@@ -194,4 +207,8 @@ def _receiver(host: str, port: int, threads: int, ready: Any, parent: int) -> No
               file=sys.stderr, flush=True)  # fmt: skip
         sys.exit(1)
     ready.set()
+    import logging
+
+    logging.getLogger(__name__).info("receiver process %d serving on %s:%d", os.getpid(), host,
+                                     port)  # fmt: skip
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
