@@ -104,10 +104,10 @@ def records_row(
                 "redis_xadd_usec_per_call": xadd.get("usec_per_call"),
             }
         )
-    off = [r["cpu_ms_per_race"] for r in runs if r["records"] == "off"]
-    on = [r["cpu_ms_per_race"] for r in runs if r["records"] == "on"]
-    deltas = [round(b - a, 2) for a, b in zip(off, on, strict=True)]  # on - off, per pair
-    mean_off, mean_on = statistics.fmean(off), statistics.fmean(on)
+    off_cpu = [r["cpu_ms_per_race"] for r in runs if r["records"] == "off"]
+    on_cpu = [r["cpu_ms_per_race"] for r in runs if r["records"] == "on"]
+    deltas = [round(b - a, 2) for a, b in zip(off_cpu, on_cpu, strict=True)]  # on - off, per pair
+    mean_off, mean_on = statistics.fmean(off_cpu), statistics.fmean(on_cpu)
     return {
         "row": "records",
         "races": races,

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -242,7 +242,7 @@ def bench_dead_head(
             conn.send("go")
             _wait_queued(store, (victim, WAITER))
             if pause:
-                os.kill(head.pid, signal.SIGSTOP)
+                os.kill(cast(int, head.pid), signal.SIGSTOP)  # started
             else:
                 head.kill()
                 head.join(10)

@@ -123,14 +123,14 @@ def alternating_pairs(run: Callable[[bool], dict[str, Any]], pairs: int) -> dict
                      "finished": row["finished"], "races": row["races"],
                      **({k: row[k] for k in ("scrapes", "scrape_failures", "scrape_wall_ms",
                                              "scrape_bytes")} if on else {})})  # fmt: skip
-    off = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "off"]
-    on = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "on"]
+    off_cpu = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "off"]
+    on_cpu = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "on"]
     ratios = [b / a - 1.0 for a, b in zip(_side(runs, "off"), _side(runs, "on"), strict=True)]
     return {
         "row": "metrics",
         "pairs": pairs,
-        "cpu_ms_per_race_off": {"median": round(statistics.median(off), 2), "runs": off},
-        "cpu_ms_per_race_on": {"median": round(statistics.median(on), 2), "runs": on},
+        "cpu_ms_per_race_off": {"median": round(statistics.median(off_cpu), 2), "runs": off_cpu},
+        "cpu_ms_per_race_on": {"median": round(statistics.median(on_cpu), 2), "runs": on_cpu},
         "extra_cpu_per_pair_pct": [round(100.0 * r, 1) for r in ratios],
         "extra_cpu_median_pct": round(100.0 * statistics.median(ratios), 1),
         "runs": runs,

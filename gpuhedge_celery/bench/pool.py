@@ -47,6 +47,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import click
 
@@ -191,7 +192,7 @@ def run_balancer(
     queues: list[queue.Queue] = [queue.Queue() for _ in range(work.k)]
     outstanding = [0] * work.k  # the truth
     lock = threading.Lock()
-    view = {"counts": [0] * work.k, "at": -math.inf}
+    view: dict[str, Any] = {"counts": [0] * work.k, "at": -math.inf}
 
     def gpu(g: int, origin: float) -> None:
         while True:

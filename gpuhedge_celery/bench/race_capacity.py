@@ -244,11 +244,11 @@ def capacity_row(
             intake_lag.append((receipt["created_at"] - sent) * 1000.0)
         won += receipt.get("winner") is not None
         by_role = {a["role"]: a for a in receipt["attempts"]}
-        primary, hedge = by_role.get("primary"), by_role.get("hedge")
-        if primary and hedge and primary.get("submitted_at_s") is not None:
+        first, second = by_role.get("primary"), by_role.get("hedge")
+        if first and second and first.get("submitted_at_s") is not None:
             hedged += 1
-            due = primary["submitted_at_s"] + hedge_after_s
-            hedge_lag.append((hedge["launched_at_s"] - due) * 1000.0)
+            due = first["submitted_at_s"] + hedge_after_s
+            hedge_lag.append((second["launched_at_s"] - due) * 1000.0)
         for a in receipt["attempts"]:
             job_s = ends.get((race_id, a.get("role")))
             if a.get("state") == "COMPLETED" and a.get("result_at_s") is not None and job_s:

@@ -57,7 +57,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -347,7 +347,8 @@ def cancel_row(bench: Bench, n: int, scale: float) -> dict[str, Any]:
     for _ in range(WARM_CANCELS + n):
         ids.append(bench.send(request, policy="hedge:p->h@0.001s").id)
         time.sleep(0.02)
-    delays, warm = [], []
+    delays: list[float] = []
+    warm: list[float] = []
     for i, race_id in enumerate(ids):
         receipt = _wait_receipt(bench, race_id, 60 + 100 * scale)
         loser = next((a for a in receipt["attempts"] if a["id"] != receipt["winner"]), None)
@@ -520,13 +521,14 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
         results.append(metrics_row(cluster, capacity_row, metrics_races, metrics_duration_s,
                                    metrics_pairs, seed))  # fmt: skip
         wanted.remove("metrics")
-    hooks = {"webhooks": webhooks == "on", "receiver_workers": receiver_workers,
+    hooks: dict[str, Any] = {"webhooks": webhooks == "on", "receiver_workers": receiver_workers,
              "webhook_senders": webhook_senders, "audio_s": audio_s}  # fmt: skip
     with (
         bench_cluster(url, workers, concurrency, scale, provider=provider, **hooks)
         if wanted
         else nullcontext()
-    ) as bench:
+    ) as maybe_bench:
+        bench = cast(Bench, maybe_bench)  # None only when no row needs the cluster
         if "overhead" in wanted:
             results.extend(overhead_rows(bench, overhead_races))
         if "cancel" in wanted:

@@ -140,7 +140,7 @@ def install() -> None:
                     _site_bytes[where] = _site_bytes.get(where, 0) + size
             return original(self, command, *args, **kwargs)
 
-        AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+        AbstractConnection.send_packed_command = send_packed_command
         _mark_ledger()
         _installed = True
 

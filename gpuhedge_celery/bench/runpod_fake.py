@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from .fake_process import FakeProcess, JsonHandler, serve_fake
@@ -116,9 +116,10 @@ class Job:
         queued_cancel = self.cancelled_at is not None and self.cancelled_at < start
         stopped = self.stop_at is not None and self.stop_at < end
         if queued_cancel:
-            started, ended_at = None, self.cancelled_at
+            started, ended_at = None, cast(float, self.cancelled_at)  # set: queued_cancel
         else:
-            started, ended_at = start, min(end, self.stop_at) if stopped else end
+            started = start
+            ended_at = min(end, cast(float, self.stop_at)) if stopped else end
         ended = ended_at is not None and now >= ended_at
         billed = 0.0 if started is None else max(0.0, min(ended_at, now) - started)
         return {
@@ -288,7 +289,7 @@ class Fake:
             return 400, {"error": "body is not JSON"}, {}
         if not isinstance(request, dict) or "input" not in request:
             return 400, {"error": "missing input"}, {}
-        forced = {}
+        forced: dict[str, Any] = {}
         if isinstance(request["input"], dict):
             options = request["input"].get("runpod_fake") or {}
             forced = options.get(ep) or options.get("*") or {}

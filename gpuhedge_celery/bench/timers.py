@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -159,7 +159,7 @@ def run_row(
                 return 0
             if b"hung" not in paths[0].read_bytes():
                 return 0
-            os.kill(procs[0].pid, signal.SIGKILL)
+            os.kill(cast(int, procs[0].pid), signal.SIGKILL)  # started
             procs[0].join(5)
             return 1
 
@@ -194,7 +194,7 @@ def run_row(
         for p in procs:
             p.join(10)
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                os.kill(cast(int, p.pid), signal.SIGKILL)  # started
                 p.join(5)
     first: dict[str, tuple[float, float, int]] = {}  # id -> (fired, lag, deliveries)
     firings = 0

@@ -33,7 +33,13 @@ class Deliverer:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fake-webhook")
-        self.counts = {"sent": 0, "attempts": 0, "failed": 0, "dropped": 0, "codes": {}}
+        self.counts: dict[str, Any] = {
+            "sent": 0,
+            "attempts": 0,
+            "failed": 0,
+            "dropped": 0,
+            "codes": {},
+        }
         self._count_lock = threading.Lock()
         threading.Thread(target=self._run, name="fake-webhook-clock", daemon=True).start()
 
@@ -67,7 +73,7 @@ class Deliverer:
 
     def _fire(self, fire: Fire, tries: int) -> None:
         try:
-            what = fire() if tries == 0 else fire
+            what: Any = fire() if tries == 0 else fire
         except Exception:
             return
         if what is None:
