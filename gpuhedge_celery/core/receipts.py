@@ -76,6 +76,8 @@ class CancelReceipt:
     billing_stop_confirmed: bool = False
     leaked: bool = True
     note: str = ""
+    #: how long the cancel waited for the fleet's rate-limit token before it was sent (ms)
+    token_wait_ms: float | None = None
 
     def upgrade(self, evidence: Evidence) -> None:
         """Raise the evidence level; never lowers it."""
@@ -112,6 +114,7 @@ class CancelReceipt:
             "billing_stop_confirmed": self.billing_stop_confirmed,
             "leaked": self.leaked,
             "note": self.note,
+            "token_wait_ms": self.token_wait_ms,
         }
 
     @classmethod

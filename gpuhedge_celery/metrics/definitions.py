@@ -107,6 +107,9 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     _c("gpuhedge_provider_requests", "Calls to a provider's job API.", "provider", "route"),
     _c("gpuhedge_provider_errors", "Failed calls to a provider's job API, by kind (rate_limited "
        "is HTTP 429).", "provider", "route", "kind"),
+    _h("gpuhedge_cancel_token_wait_seconds",
+       "How long a loser's cancel waited for the fleet's rate-limit token before it was sent.",
+       (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0), "provider"),
 )
 
 REDIS_METRICS: tuple[MetricSpec, ...] = (

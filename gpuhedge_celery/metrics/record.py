@@ -263,6 +263,13 @@ def provider_call(provider: str, route: str, error: str | None = None) -> None:
         m.child("provider_errors", provider, route, kind).inc()
 
 
+def cancel_token_wait(provider: str, seconds: float) -> None:
+    """How long one cancel waited for its rate-limit token (0: sent at once)."""
+    m = _m()
+    if m:
+        m.child("cancel_token_wait_seconds", provider).observe(max(0.0, seconds))
+
+
 def http_error_kind(status: int) -> str:
     """The error kind of an HTTP error status (429 is the provider's rate limit)."""
     return "rate_limited" if status == 429 else "http"

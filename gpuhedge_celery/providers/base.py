@@ -21,7 +21,7 @@ import abc
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ..core.clock import Clock, VirtualClock, WallClock
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
@@ -229,3 +229,12 @@ class Provider(abc.ABC):
         """Refuse a handle issued by another provider (a mix-up would poll the wrong job)."""
         if handle.provider != self.name:
             raise ValueError(f"handle of provider {handle.provider!r} given to {self.name!r}")
+
+
+@runtime_checkable
+class CancelsBehindQueued(Protocol):
+    """A provider whose cancels share a rate-limited route: the cancel of a job seen running
+    can wait behind the cancels of queued jobs (a queued job stopped now costs nothing, a
+    running one only its next seconds)."""
+
+    def cancel_running(self, handle: JobHandle) -> CancelReceipt: ...

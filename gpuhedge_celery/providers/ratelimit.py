@@ -17,6 +17,10 @@ A caller that finds the bucket empty may *reserve* the next token (the script re
 to wait) as long as that wait is within its ``max_wait_s``; a longer wait is refused without
 taking anything, and the caller decides (a status poll is deferred, a cancel waits longer).
 
+A caller that takes ``behind`` the others (the cancel of a job already running, behind the
+cancels of queued jobs: a queued job stopped now costs nothing, a running one only its next
+seconds) leaves ``hold`` tokens to them and never reserves: it is told when to come back.
+
 The script reads Redis's own clock (``TIME``), so hosts sharing a bucket never disagree about
 time. A Redis error never blocks a provider call: the limiter lets it through and logs (once a
 minute) - the provider's own 429 and ``Retry-After`` are then the only brake.
@@ -57,6 +61,12 @@ class RouteLimit:
         """Refill, tokens per second: ``capacity + rate * window_s == use * limit``."""
         return max(self.limit * self.use - self.capacity, 0.5) / self.window_s
 
+    @property
+    def hold(self) -> float:
+        """Tokens a taker ``behind`` the others leaves for them (half the burst): it is only
+        granted a token free beyond these, never a reservation (see :class:`Limiter`)."""
+        return max(1.0, self.capacity // 2)
+
     def most_per_window(self) -> float:
         """The most requests sent on time that any ``window_s`` window can hold."""
         return self.capacity + self.rate_per_s * self.window_s
@@ -72,7 +82,9 @@ class Grant:
 
 
 class Limiter(Protocol):
-    def take(self, scope: str, limit: RouteLimit, max_wait_s: float) -> Grant: ...
+    def take(
+        self, scope: str, limit: RouteLimit, max_wait_s: float, *, behind: bool = False
+    ) -> Grant: ...
 
 
 class LocalLimiter:
@@ -83,16 +95,18 @@ class LocalLimiter:
         self._lock = threading.Lock()
         self._buckets: dict[tuple[str, str], list[float]] = {}
 
-    def take(self, scope: str, limit: RouteLimit, max_wait_s: float) -> Grant:
+    def take(
+        self, scope: str, limit: RouteLimit, max_wait_s: float, *, behind: bool = False
+    ) -> Grant:
         now = self._clock()
-        cap, rate = limit.capacity, limit.rate_per_s
+        cap, rate, hold = limit.capacity, limit.rate_per_s, limit.hold if behind else 0.0
         with self._lock:
             bucket = self._buckets.setdefault((scope, limit.route), [cap, now])
             tokens, ts = bucket
             if now > ts:
                 tokens, ts = min(cap, tokens + (now - ts) * rate), now
-            wait = (1 - tokens) / rate if tokens < 1 else 0.0
-            if wait > max_wait_s:
+            wait = (1 + hold - tokens) / rate if tokens - hold < 1 else 0.0
+            if wait > max_wait_s or (hold and wait > 0):
                 return Grant(False, wait)
             bucket[0], bucket[1] = tokens - 1, ts
             return Grant(True, wait)
@@ -110,10 +124,18 @@ class RedisLimiter:
         self._script = lua_script(client, "rate_take")
         self._warned_at = 0.0
 
-    def take(self, scope: str, limit: RouteLimit, max_wait_s: float) -> Grant:
+    def take(
+        self, scope: str, limit: RouteLimit, max_wait_s: float, *, behind: bool = False
+    ) -> Grant:
         # An idle bucket refills completely within capacity / rate; keep it a little longer.
         ttl_ms = int(1000 * (limit.capacity / limit.rate_per_s + max_wait_s + limit.window_s))
-        args = [limit.capacity, limit.rate_per_s / 1000.0, max(0.0, max_wait_s) * 1000.0, ttl_ms]
+        args = [
+            limit.capacity,
+            limit.rate_per_s / 1000.0,
+            max(0.0, max_wait_s) * 1000.0,
+            ttl_ms,
+            limit.hold if behind else 0,
+        ]
         try:
             granted, wait_ms = self._script(keys=[self.keys.rate_bucket(scope, limit.route)],
                                             args=args)  # fmt: skip

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..errors import ConfigError, ProviderError, ProviderProtocolError, RateLimited, SubmitError
+from ..metrics import record as metric_record
 from . import runpod_account
 from .account import LoginCheck, SpendReport
 from .base import Provider, believable_ms, reported_ms
@@ -301,6 +302,14 @@ class RunpodProvider(Provider):
 
     def cancel(self, handle: JobHandle) -> CancelReceipt:
         """``POST /cancel``, then ``/status`` until terminal within ``cancel_confirm_s``."""
+        return self._cancel(handle, behind=False)
+
+    def cancel_running(self, handle: JobHandle) -> CancelReceipt:
+        """The cancel of a job seen running: its ``/cancel`` token waits behind the cancels of
+        queued jobs (:class:`~gpuhedge_celery.providers.base.CancelsBehindQueued`)."""
+        return self._cancel(handle, behind=True)
+
+    def _cancel(self, handle: JobHandle, *, behind: bool) -> CancelReceipt:
         self.check_handle(handle)
         receipt = CancelReceipt(provider=self.name, job_id=handle.job_id)
         known = self._terminal.get(handle.job_id)
@@ -315,7 +324,7 @@ class RunpodProvider(Provider):
             # /cancel's budget is the tightest (100 per 10 s): it may wait for a token as
             # long as the confirmation window, which starts once the call was answered
             self.api.call("cancel", "POST", "/cancel/{id}", job_id=handle.job_id,
-                          max_block_s=self.spec.cancel_confirm_s)  # fmt: skip
+                          max_block_s=self.spec.cancel_confirm_s, behind=behind)  # fmt: skip
             receipt.cancel_ack_ms = self.now_ms()
             receipt.upgrade(Evidence.PROVIDER_ACK)
         except JobUnknown as e:
@@ -323,6 +332,8 @@ class RunpodProvider(Provider):
             return receipt  # leaked, no evidence: nothing can be learnt about it any more
         except ProviderError as e:  # RateLimited included: the confirming polls still look
             notes.append(f"cancel call failed: {_text(e)}")
+        receipt.token_wait_ms = round(self.api.token_wait_s() * 1000.0, 1)
+        metric_record.cancel_token_wait(self.name, self.api.token_wait_s())
         window_end = self.clock.now() + self.spec.cancel_confirm_s
         while True:
             now = self.clock.now()

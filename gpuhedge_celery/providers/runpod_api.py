@@ -96,6 +96,7 @@ class RunpodApi:
         )  # fmt: skip
         self._sleep = sleep
         self._clock = clock
+        self._waited = threading.local()  # per thread: the token wait of its last call
         self._client: httpx.Client | None = None
         self._client_pid: int | None = None
         self._lock = threading.Lock()
@@ -123,6 +124,7 @@ class RunpodApi:
         max_block_s: float = 0.0,
         reserve_s: float = 0.0,
         prepaid: bool = False,
+        behind: bool = False,
     ) -> Any:
         """One call, as JSON.
 
@@ -131,6 +133,8 @@ class RunpodApi:
         the call raises ``RateLimited(reserved=True)``: the caller sends at its ``retry_at``
         with ``prepaid`` (that token), so deferred callers queue for distinct slots instead of
         all waking for the same one.
+        ``behind``: take tokens behind the callers without it (they go first; see
+        :mod:`.ratelimit`). :meth:`token_wait_s` is then how long this call waited for one.
         """
         where = f"{route} {method} {label}" + (f" (job {job_id!r})" if job_id else "")
         path = label.replace("{id}", quote(job_id, safe="")) if job_id else label
@@ -139,7 +143,8 @@ class RunpodApi:
         attempt = 0
         while True:
             if not prepaid:
-                self._take(limit, where, max(0.0, block_end - time.monotonic()), reserve_s)
+                left = max(0.0, block_end - time.monotonic())
+                self._take(limit, where, left, reserve_s, behind)
             prepaid = False  # a retry takes its own token
             sent = self._send(route, method, path, where, body)
             metrics.provider_call(self.provider, METRIC_ROUTES.get(route, route), sent.kind)
@@ -158,13 +163,27 @@ class RunpodApi:
             self._sleep(delay)
             attempt += 1
 
-    def _take(self, limit: RouteLimit, where: str, block_s: float, reserve_s: float) -> None:
+    def token_wait_s(self) -> float:
+        """How long this thread's last call waited for its rate-limit tokens."""
+        return getattr(self._waited, "s", 0.0)
+
+    def _take(self, limit: RouteLimit, where: str, block_s: float, reserve_s: float,
+              behind: bool = False) -> None:  # fmt: skip
         """A token for one request: waited for up to ``block_s``, reserved up to
-        ``reserve_s`` ahead (raises, see :meth:`call`), else refused (raises)."""
-        grant = self.limiter.take(self.scope, limit, max(block_s, reserve_s))
+        ``reserve_s`` ahead (raises, see :meth:`call`), else refused (raises). ``behind``:
+        asked again at each time the limiter names until granted or ``block_s`` runs out."""
+        started = self._clock()
+        grant = self.limiter.take(self.scope, limit, max(block_s, reserve_s), behind=behind)
+        while behind and not grant.granted and self._clock() + grant.wait_s <= started + block_s:
+            self._sleep(max(grant.wait_s, 0.001))
+            left = max(0.0, started + block_s - self._clock())
+            grant = self.limiter.take(self.scope, limit, left, behind=True)
+        if behind:  # what the retries left of the caller's block
+            block_s = max(0.0, started + block_s - self._clock())
         if grant.granted and grant.wait_s <= block_s:
             if grant.wait_s > 0:
                 self._sleep(grant.wait_s)
+            self._waited.s = self._clock() - started
             return
         budget = f"the fleet's budget for this endpoint ({limit.limit} per {limit.window_s:g} s)"
         at = self._clock() + grant.wait_s

@@ -17,7 +17,7 @@ from ..core.jobs import JobHandle, JobState
 from ..core.race import Race
 from ..core.race_events import CancelAcknowledged, CancelFailed
 from ..core.receipts import CancelReceipt, Evidence
-from ..providers.base import Provider
+from ..providers.base import CancelsBehindQueued, Provider
 from .backstops import BackstopDrop, cancel_backstop_id
 from .base import due_ms, find_attempt, remember
 from .conclude import ResultWork
@@ -137,7 +137,12 @@ class CancelWork(ResultWork):
         provider = self.providers(a.provider)
         handle = JobHandle.from_dict(a.handle)
         try:
-            receipt = provider.cancel(handle)
+            if a.last_state == JobState.IN_PROGRESS.value and isinstance(
+                provider, CancelsBehindQueued
+            ):  # queued jobs' cancels first: one stopped now costs nothing
+                receipt = provider.cancel_running(handle)
+            else:
+                receipt = provider.cancel(handle)
         except Exception as e:
             failure = CancelFailed(attempt_id, f"{type(e).__name__}: {e}")
             self.step(race_id, failure, None, drop.queue)

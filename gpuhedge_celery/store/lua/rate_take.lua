@@ -7,6 +7,9 @@
 -- ARGV[2] refill rate, tokens per ms
 -- ARGV[3] max wait, ms: a reservation further ahead than this is refused, nothing is taken
 -- ARGV[4] key TTL, ms (an idle bucket vanishes; a vanished bucket reads as full)
+-- ARGV[5] hold (optional, default 0): tokens kept for takers without one. A taker with a
+--         hold waits behind them: it is granted only a token free now beyond the hold, never
+--         a reservation, so it never holds a slot one of them would have had.
 -- Returns {1, wait_ms}  granted: send the request wait_ms from now (0: at once)
 --         {0, wait_ms}  refused: the next token is due in wait_ms; nothing changed
 local t = redis.call('TIME')
@@ -23,11 +26,12 @@ if now > ts then
   tokens = math.min(cap, tokens + (now - ts) * rate)
   ts = now
 end
+local hold = tonumber(ARGV[5] or '0')
 local wait = 0
-if tokens < 1 then
-  wait = (1 - tokens) / rate
+if tokens - hold < 1 then
+  wait = (1 + hold - tokens) / rate
 end
-if wait > tonumber(ARGV[3]) then
+if wait > tonumber(ARGV[3]) or (hold > 0 and wait > 0) then
   return {0, math.ceil(wait)}
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(ts))
