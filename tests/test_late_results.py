@@ -17,6 +17,7 @@ from gpuhedge_celery.core.attempts import Phase
 from gpuhedge_celery.core.budget import BudgetCaps
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.core.jobs import AttemptResult, JobHandle, JobState
+from gpuhedge_celery.core.ledger import counters_from_ledger, differences
 from gpuhedge_celery.core.policies import parse_policy
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.race_events import (
@@ -92,7 +93,9 @@ def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefi
     driver.step("r1", (CancelAcknowledged("a1", None), CancelFailed("a1", "refused")))
     receipt = driver.store.receipt("r1")
     assert receipt["finished"] and receipt["leaked"]
-    assert ledger.reservation("r1", "a1").get("settled") is None  # kept open: not shown stopped
+    # the cancel was accepted: settled at once, at its price to the acknowledgement
+    first = int(ledger.reservation("r1", "a1")["settled"]) / 1e9
+    assert first == pytest.approx(receipt["attempts"][0]["billed_usd"], abs=1e-9)
     handle = JobHandle.from_dict(driver.store.load("r1").state["race"]["attempts"][0]["handle"])
     late = AttemptResult("p", handle.job_id, JobState.COMPLETED, 9000.0, {"audio": "x"},
                          metrics={"cost_usd": 0.0123})  # fmt: skip
@@ -108,17 +111,27 @@ def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefi
     settled = int(ledger.reservation("r1", "a1")["settled"]) / 1e9
     assert settled == pytest.approx(p["billed_usd"], abs=1e-9)
     assert p["billed_usd"] == pytest.approx(0.0123 + rate["idle_s"] * rate["rate_per_s"])
+    # settled again, once: the difference joins the ledger as an adjustment
+    adjusts = [e for _, e in ledger.entries() if e.get("type") == "adjust"]
+    assert len(adjusts) == 1 and int(adjusts[0]["nano"]) / 1e9 == pytest.approx(settled - first)
+    assert ledger.reservation("r1", "a1")["late"] == "1"
+    assert ledger.settle("r1", [("a1", 1, "late")], 0) == (0, 0)  # once: a repeat is a no-op
+    assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(settled)
+    # the counters are still what replaying the ledger gives (ledger repair finds nothing)
+    totals = {k: v for k, v in ledger.totals().items() if k[:2] in ("r|", "s|", "o|")}
+    assert differences(totals, counters_from_ledger(e for _, e in ledger.entries())) == {}
     record = list(driver.store.records.read())[-1][1]  # the corrected record, last
     assert record["attempts"][0]["usd"] == 0.0123 and record["leaked"] is False
     assert "a1" not in driver.store.live_jobs("r1")  # nothing left for the janitor to cancel
 
 
 @pytest.mark.parametrize("accepted", [True, False])
-def test_a_leak_with_no_late_result_settles_once_its_window_has_passed(
+def test_a_leak_settles_at_its_acknowledgement_or_keeps_its_whole_reservation(
     redis_client, prefix, accepted
 ):
-    """An accepted cancel nothing can confirm settles at its price to the acknowledgement; a
-    refused one keeps its whole reservation (nothing shows the job was even told to stop)."""
+    """An accepted cancel nothing can confirm settles at once, at its price to the
+    acknowledgement; a refused one keeps its whole reservation until the janitor's sweep
+    (nothing shows the job was even told to stop)."""
     ledger = BudgetStore(redis_client, prefix)
     driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Recorder())
     driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
@@ -131,10 +144,20 @@ def test_a_leak_with_no_late_result_settles_once_its_window_has_passed(
                        CancelFailed("a1", "no terminal state")))  # fmt: skip
     reserved = int(ledger.reservation("r1", "a1")["amount"])
     later = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000), clock=VirtualClock(time.time() + 1e5))
-    assert later.sweep(lambda race_id: driver.store.load(race_id).state, grace_ms=0) >= 1
+    swept = later.sweep(lambda race_id: driver.store.load(race_id).state, grace_ms=0)
     settled = int(ledger.reservation("r1", "a1")["settled"])
     receipt_usd = driver.store.receipt("r1")["attempts"][0]["billed_usd"]
     if accepted:
+        assert swept == 0 and ledger.reservation("r1", "a1")["source"] == "estimated"
         assert settled < reserved and settled / 1e9 == pytest.approx(receipt_usd, abs=1e-9)
     else:
+        assert swept == 1 and ledger.reservation("r1", "a1")["source"] == "unproven"
         assert settled == reserved and receipt_usd == pytest.approx(reserved / 1e9, abs=1e-9)
+
+
+def test_a_cap_passing_after_the_finish_is_no_late_result():
+    race = leaked_race()
+    before = race.to_dict()
+    race.clock.advance(30.0)
+    assert race.handle(ResultArrived("a1", JobState.TIMEOUT, valid=False)) == []
+    assert race.to_dict() == before and race.attempt_for("primary").phase is Phase.LEAKED

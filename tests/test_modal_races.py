@@ -304,12 +304,14 @@ def test_a_budgeted_cancelled_modal_loser_settles_estimated_to_its_cancel(races)
     m = attempt(receipt, "m")
     assert m["phase"] == "cancelled" and m["cancel_receipt"]["confirmed_terminal"] is True
     records = settled_reservations(ledger(rc), receipt, [m["id"], attempt(receipt, "p")["id"]])
-    # billed from its submit until the cancel was sent, not until its end was seen, plus the
-    # idle window its start bills
+    # billed from its submit until Modal had the cancel (its acknowledgement), not until its
+    # end was seen, plus the idle window its start bills: the receipt's own figure
     cancel_s = at(m, "cancel_sent") - m["submitted_at_s"]
     ended_s = at(m, "(cancel confirmed)") - m["submitted_at_s"]
     assert 0 < cancel_s < ended_s < M_CAP_S
-    assert_estimated(records[m["id"]], cancel_s)
+    assert m["cost_source"] == "clock" and cancel_s <= m["usd"] / M_RATE <= ended_s
+    assert records[m["id"]]["source"] == "estimated"
+    assert int(records[m["id"]]["settled"]) == to_nano(m["billed_usd"])
     assert_no_unflagged_leak(rc, fake, receipt)
 
 

@@ -148,12 +148,12 @@ def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _ledger_settlements(entries: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], dict]:
     out: dict[tuple[str, str], dict] = {}
     for e in entries:
-        if e.get("type") == "settle":
+        if e.get("type") in ("settle", "adjust"):  # an adjust: a late result's difference
             key = (str(e.get("race")), str(e.get("attempt")))
             found = out.setdefault(key, {"usd": 0.0, "sources": [], "count": 0})
             found["usd"] += int(e.get("nano") or 0) / 1e9
             found["sources"].append(e.get("source"))
-            found["count"] += 1
+            found["count"] += e.get("type") == "settle"
     return out
 
 

@@ -16,8 +16,8 @@ def counters_from_ledger(entries: Iterable[Mapping[str, str]]) -> dict[str, int]
     """``r|<scope>`` (reserved) and ``s|<scope>`` (spent) nano-dollars, replayed from ledger
     entries oldest first: a ``reserve`` adds its amount to every scope's reserved counter, a
     ``settle`` moves its reservation out of reserved and its cost into spent (and one capped at
-    its reservation counts in ``o|<provider>``). Refusals and reconciliations change no
-    counter."""
+    its reservation counts in ``o|<provider>``), an ``adjust`` (a late result's price) moves
+    spent by its difference. Refusals and reconciliations change no counter."""
     totals: dict[str, int] = {}
 
     def add(field: str, nano: int) -> None:
@@ -25,12 +25,14 @@ def counters_from_ledger(entries: Iterable[Mapping[str, str]]) -> dict[str, int]
 
     for entry in entries:
         kind = entry.get("type")
-        if kind not in ("reserve", "settle"):
+        if kind not in ("reserve", "settle", "adjust"):
             continue
         charged = scopes(entry.get("day", ""), entry.get("provider", ""), entry.get("key") or None)
         for scope in charged:
             if kind == "reserve":
                 add(f"r|{scope}", int(entry["nano"]))
+            elif kind == "adjust":
+                add(f"s|{scope}", int(entry["nano"]))
             else:
                 add(f"r|{scope}", -int(entry["reserved_nano"]))
                 add(f"s|{scope}", int(entry["nano"]))

@@ -457,6 +457,8 @@ def late_result(race: Race, event: Any) -> bool:
     shown stopped (its job ran on past the cancel)."""
     if not race.finished or not isinstance(event, ResultArrived):
         return False
+    if event.state is JobState.TIMEOUT:
+        return False  # a cap passing is no sign the job ended
     a = race._attempt(event.attempt_id)
     return a is not None and a.phase is Phase.LEAKED and a.receipt is not None
 

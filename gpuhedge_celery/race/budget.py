@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CAP_S = 180.0
 MAX_USD = MAX_NANO / 1e9  # a larger reported cost converts as this (the script caps it anyway)
 Items = list[tuple[str, int, str]]  # (attempt id, cost in nano-dollars, source)
+LATE = "late"  # a second settlement, once: a late result's price (budget_settle.lua)
 
 
 def _rate(spec: Mapping[str, Any], provider: str) -> ProviderRate:
@@ -63,8 +64,8 @@ def attempt_worst_case_usd(spec: Mapping[str, Any], provider: str) -> float:
 
 
 def _accepted_leak(a: Attempt) -> bool:
-    """A leaked job whose provider accepted its cancel: past its window with no late result,
-    it settles at its price to the acknowledgement (see core/settlement.py)."""
+    """A leaked job whose provider accepted its cancel: it settles at its price to the
+    acknowledgement (see core/settlement.py), until a late result says more."""
     return a.phase is Phase.LEAKED and not unaccepted(a)
 
 
@@ -144,7 +145,13 @@ class RaceBudget:
         if not self.enabled:
             return None
         ended = [a for a in race.attempts if a.id not in before or before[a.id] in LIVE_PHASES]
-        items = self.settlements(race, state, [a for a in ended if not a.live])
+        # an accepted cancel nothing can confirm settles at once, to its acknowledgement; a
+        # late result of that job settles it again, once, at its own price
+        accepted = [a for a in ended if _accepted_leak(a) and before.get(a.id) is not Phase.LEAKED]
+        late = [a for a in ended if not a.live and before.get(a.id) is Phase.LEAKED]
+        items = self.settlements(race, state, [a for a in ended if not a.live and a not in late])
+        items += self.settlements(race, state, accepted, force=True)
+        items += [(aid, nano, LATE) for aid, nano, _ in self.settlements(race, state, late)]
         if not items:
             return None
         now_ms = int(self.clock.now() * 1000)

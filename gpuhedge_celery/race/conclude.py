@@ -123,6 +123,10 @@ class ResultWork:
             if a is None or not a.live:
                 return None
             if race.finished:  # a loser's late result: it prices the job, it can never win
+                if result.state is JobState.TIMEOUT:
+                    return None  # our cap passed: no sign of the job's end, nothing to price
+                if verified and result.state is not JobState.COMPLETED:
+                    return None  # a readable end the janitor's cancel confirms, with receipt
                 late[0] = True
                 return ResultArrived(attempt_id, result.state, False, (), verified=verified)
             if (

@@ -12,7 +12,11 @@
 --         saves (field s). A save that lost its version check was computed from an old copy
 --         of the race, and a reservation settles once: its figure would stick.
 -- ARGV[4 ..] per reservation, in KEYS order: cost in integer nano-dollars, and its source
---            (reconciled | estimated | unproven | not_submitted)
+--            (reconciled | estimated | unproven | not_submitted | late)
+-- Source 'late' settles again, once, a reservation already settled: a job settled at its price
+-- to an accepted cancel that then ran on and reported a result. Its spent counters move by
+-- the difference (the new figure, at most the reservation, less the old), an 'adjust' entry
+-- (nano: that difference, maybe negative) joins the ledger, and the record keeps 'late' 1.
 -- A cost above its reservation settles at the reservation (the worst case was the bound the
 -- caps were checked against); the figure asked for stays in the ledger entry as
 -- 'reported_nano' with 'over_reported' 1, and the provider's count of such settlements in
@@ -47,8 +51,22 @@ for k = first, #KEYS do
   local a = 4 + (k - first) * 2
   local cost, source = costs[k], ARGV[a + 1]
   local r = redis.call('HMGET', KEYS[k], 'amount', 'settled', 'scopes', 'race', 'attempt',
-    'provider', 'key', 'role', 'day')
-  if r[1] and not r[2] then
+    'provider', 'key', 'role', 'day', 'late')
+  if r[1] and r[2] and source == 'late' and not r[10] then
+    local new = math.min(cost, tonumber(r[1]))
+    local delta = new - tonumber(r[2])
+    for scope in string.gmatch(r[3], '[^,]+') do
+      redis.call('HINCRBY', KEYS[1], 's|' .. scope, delta)
+    end
+    if redis.call('EXISTS', KEYS[4]) == 1 then
+      redis.call('INCRBY', KEYS[4], delta)
+    end
+    redis.call('HSET', KEYS[k], 'settled', new, 'late', 1, 'settled_at', ARGV[2])
+    redis.call('XADD', KEYS[3], '*', 'type', 'adjust', 'id', r[4] .. '/' .. r[5], 'nano', delta,
+      'source', source, 'race', r[4], 'attempt', r[5], 'provider', r[6], 'key', r[7],
+      'role', r[8], 'day', r[9])
+    total = total + delta
+  elseif r[1] and not r[2] then
     local amount = tonumber(r[1])
     local reported = cost
     if cost > amount then
