@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
@@ -271,13 +271,14 @@ class HttpProvider(Provider):
             read = max(0.05, min(self.spec.read_timeout_s, max_wait_s))
             timeout = httpx.Timeout(read, connect=min(self.spec.connect_timeout_s, read))
         where = f"{op} {endpoint.label}" + (f" (job {job_id!r})" if job_id else "")
-        read_s = self.spec.read_timeout_s if timeout is None else timeout.read
+        read_s = self.spec.read_timeout_s if timeout is None else cast(float, timeout.read)
+        extra: dict[str, Any] = {"timeout": timeout} if timeout else {}
         try:
             with self._client_for_pid().stream(
                 endpoint.method,
                 self._url(op, job_id),
                 json=body,
-                **({"timeout": timeout} if timeout else {}),
+                **extra,
             ) as response:
                 content = self._read_body(response, read_s, where, error_cls, op)
         except httpx.TimeoutException as e:
@@ -417,5 +418,6 @@ class HttpProvider(Provider):
             receipt.estimated_cost_usd = 0.0
         else:
             receipt.scope = CancelScope(self.spec.cancel_scope)
-            elapsed_s = receipt.terminal_ms / 1000.0 - handle.submitted_at
+            terminal_ms = cast(float, receipt.terminal_ms)  # set by confirm_terminal above
+            elapsed_s = terminal_ms / 1000.0 - handle.submitted_at
             receipt.estimated_cost_usd = self.cost_usd(elapsed_s)  # upper bound: queue included

@@ -26,11 +26,12 @@ again after its lease.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.attempts import Phase
 from ..core.jobs import JobHandle
@@ -81,6 +82,16 @@ class _RaceWork:
     also: Callable[[Any], None] | None = None  # the step's timer arms and budget settlements
     scripts: tuple[Any, ...] = ()  # the scripts ``also`` sends
 
+    @property
+    def loaded(self) -> RaceRecord:
+        """The race's record, once read (every race that steps or saves was read)."""
+        return cast(RaceRecord, self.record)
+
+    @property
+    def stepped(self) -> Race:
+        """The race in memory, once its step was applied."""
+        return cast(Race, self.race)
+
     def decisions(self, poll: _Poll) -> list[float]:
         """The race's decision times as it will be saved, else as ``poll`` last saw them (for
         a provider polled just before each)."""
@@ -128,7 +139,7 @@ class WatchBatch:
         d = self.driver
         races: dict[str, _RaceWork] = {}
         for name, polls in by_provider.items():
-            provider = d.providers(name)
+            provider: Any = d.providers(name)  # the batched poll is optional: errors fall back
             try:
                 answers = provider.status_and_next_change_many([p.handle for p in polls])
             except Exception as e:  # polled again one by one, where each error is reported
@@ -193,10 +204,11 @@ class WatchBatch:
         flags = list(race.flags)
         events: list[Event] = []
         for p in changed:
-            a = find_attempt(race, p.observed.attempt_id)
+            observed = cast(StatusObserved, p.observed)  # changed: the polls that observed one
+            a = find_attempt(race, observed.attempt_id)
             if a is not None and a.phase is Phase.LAUNCHING:  # reported with its first status
                 events.append(AttemptSubmitted(a.id, p.handle.job_id, p.timer.payload["handle"]))
-            events.append(p.observed)
+            events.append(observed)
         try:
             actions = [action for e in events for action in race.handle(e)]
         except ValueError:  # an attempt this copy does not know yet: step it from Redis
@@ -238,7 +250,7 @@ class WatchBatch:
             # refuse it, that timer comes back after its lease and its race is resumed, which
             # arms a poll for every live job again.
             for work in writes:
-                back(work.polls[0].timer, lambda w=work: self._write_alone(w))
+                back(work.polls[0].timer, functools.partial(self._write_alone, work))
                 for p in work.polls[1:]:
                     back(p.timer, _nothing)
             return
@@ -275,10 +287,10 @@ class WatchBatch:
             if work.step is not None and work.save_id is None:
                 new, actions, phases, *_ = work.step
                 work.save_id = new_save_id()
-                mark = store.save_mark(work.race_id, work.record.version, work.save_id)
+                mark = store.save_mark(work.race_id, work.loaded.version, work.save_id)
                 arms = d._arms(work.race_id, new, actions)
                 work.also, work.scripts = d._with_settlements(
-                    work.race_id, work.race, new, phases, arms, mark
+                    work.race_id, work.stepped, new, phases, arms, mark
                 )
             scripts.extend(s for s in work.scripts if s not in scripts)
         return scripts
@@ -289,12 +301,12 @@ class WatchBatch:
         if work.save_id is None:
             d.store.queue_touch(pipe, work.race_id)
         else:
-            data = work.step[-1]
-            d.store.queue_save(pipe, work.race_id, data, work.record.version, work.save_id)
+            data = cast(tuple[Any, ...], work.step)[-1]
+            d.store.queue_save(pipe, work.race_id, data, work.loaded.version, work.save_id)
             if work.also is not None:
                 work.also(pipe)
         for p in work.polls:
-            p.next.queue(d, pipe, work.decisions(p))
+            cast(NextPoll, p.next).queue(d, pipe, work.decisions(p))  # every polled job has one
 
     def _send(self, build: Callable[[Any], None], scripts: list[Any], what: str) -> list | None:
         """Run the pipeline; while Redis is unreachable, send it again (the same ids) for up
@@ -317,19 +329,19 @@ class WatchBatch:
     def _saved(self, work: _RaceWork, reply: Any, back: HandBack) -> None:
         """Take one race's save reply: perform its step, or report its polls again."""
         d = self.driver
-        new, actions, phases, flags, gone, events, data = work.step
+        new, actions, phases, flags, gone, events, data = cast(tuple[Any, ...], work.step)
         if isinstance(reply, Exception):  # an error in the save itself: step it the usual way
             log.warning("race %s: batched save failed: %s", work.race_id, reply)
             reply = (0, -1)
         try:
-            d.store.saved(work.race_id, reply, data, work.record.version, work.save_id)
+            d.store.saved(work.race_id, reply, data, work.loaded.version, work.save_id)
         except VersionConflict as e:  # reported again (the next polls are armed), the first
             answer = [e] if e.read else []  # from the state the refusal was answered with
             for p in work.polls:
                 if p.observed is not None:
                     back(p.timer, _restep(d, work.race_id, p, answer))
             return
-        d._perform(work.race_id, work.race, new, list(actions), phases, flags, gone, events,
+        d._perform(work.race_id, work.stepped, new, list(actions), phases, flags, gone, events,
                    armed=True)  # fmt: skip
 
 
