@@ -73,7 +73,7 @@ def test_a_rediss_restart_under_load_ends_every_race_and_no_worker_stops(tmp_pat
         pooled = [
             cluster.app.send_task(TASK_POOLED_INFER, ({"id": f"job{i}", "duration_s": 2},))
             for i in range(POOLED)
-        ]  # fmt: skip
+        ]
         time.sleep(1.0)  # races submitted, hedges launching, a pooled job running
         down_at = time.monotonic()
         redis.stop()
@@ -96,11 +96,19 @@ def test_a_rediss_restart_under_load_ends_every_race_and_no_worker_stops(tmp_pat
         # every coordinator still takes work: more fresh races than coordinators, all won
         for result in [send_race(cluster, QUICK_REQUEST) for _ in range(4)]:
             assert result.get(timeout=30)["winner"]
-        print(json.dumps({
-            "fault": "rediss_restart", "outage_s": round(up_at - down_at, 2), "races": RACES,
-            **counts, "pooled_jobs": len(jobs), "resumed_s": round(resumed_s, 2),
-            "worst_get_s": round(max(t for *_, t in callers.outcomes.values()), 2),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "fault": "rediss_restart",
+                    "outage_s": round(up_at - down_at, 2),
+                    "races": RACES,
+                    **counts,
+                    "pooled_jobs": len(jobs),
+                    "resumed_s": round(resumed_s, 2),
+                    "worst_get_s": round(max(t for *_, t in callers.outcomes.values()), 2),
+                }
+            )
+        )
     finally:
         if cluster is not None:
             cluster.close()

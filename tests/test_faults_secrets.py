@@ -128,21 +128,34 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
     server = HttpProviderServer(knobs).__enter__()
     cluster = receiver = None
     credentials = {
-        "http key": SECRET, "http URL token": URL_TOKEN, "RunPod key": RP_KEY,
-        "Cerebrium key": CB_KEY, "webhook secret": HOOK_SECRET, "Redis password": REDIS_PASSWORD,
-    }  # fmt: skip
+        "http key": SECRET,
+        "http URL token": URL_TOKEN,
+        "RunPod key": RP_KEY,
+        "Cerebrium key": CB_KEY,
+        "webhook secret": HOOK_SECRET,
+        "Redis password": REDIS_PASSWORD,
+    }
     try:
         config = tmp_path / "secret.yaml"
-        config.write_text(HTTP_CONFIG.format(base=server.url, runpod=runpod.base_url,
-                                             cerebrium=cerebrium.url))  # fmt: skip
+        config.write_text(
+            HTTP_CONFIG.format(base=server.url, runpod=runpod.base_url, cerebrium=cerebrium.url)
+        )
         port = free_port()
         cluster = start_fault_cluster(
-            redis.url, tmp_path, deadline_s=20.0, coordinators=0, beat=False,
-            GPUHEDGE_CONFIG=str(config), GPUHEDGE_TEST_SECRET_KEY=SECRET,
-            HTTP_TEST_URL_TOKEN=URL_TOKEN, RUNPOD_TEST_KEY=RP_KEY, CEREBRIUM_TEST_KEY=CB_KEY,
+            redis.url,
+            tmp_path,
+            deadline_s=20.0,
+            coordinators=0,
+            beat=False,
+            GPUHEDGE_CONFIG=str(config),
+            GPUHEDGE_TEST_SECRET_KEY=SECRET,
+            HTTP_TEST_URL_TOKEN=URL_TOKEN,
+            RUNPOD_TEST_KEY=RP_KEY,
+            CEREBRIUM_TEST_KEY=CB_KEY,
             GPUHEDGE_WEBHOOK_URL=f"http://127.0.0.1:{port}/hooks",
-            GPUHEDGE_WEBHOOK_SECRET=HOOK_SECRET, GPUHEDGE_WEBHOOK_FALLBACK_S="20",
-        )  # fmt: skip
+            GPUHEDGE_WEBHOOK_SECRET=HOOK_SECRET,
+            GPUHEDGE_WEBHOOK_FALLBACK_S="20",
+        )
         cluster.loglevel = "DEBUG"
         cli = [sys.executable, "-m", "gpuhedge_celery", "--log-level", "DEBUG"]
         receiver_log = tmp_path / "receiver.log"
@@ -170,14 +183,23 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
             setattr(knobs, knob, set() if knob == "malformed" else 0)
         # RunPod hedged by Cerebrium, both through webhooks: Cerebrium wins, RunPod's job is
         # cancelled; then a Cerebrium run that fails
-        fast_cb = {"text": REQUEST_TEXT, "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 4}},
-                   "cerebrium_fake": {"queue_s": 0, "run_s": 0.2}}  # fmt: skip
-        failing = {"text": REQUEST_TEXT,
-                   "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 0.5, "outcome": "FAILED"}},
-                   "cerebrium_fake": {"queue_s": 0, "run_s": 0.2, "outcome": "FAILED"}}  # fmt: skip
+        fast_cb = {
+            "text": REQUEST_TEXT,
+            "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 4}},
+            "cerebrium_fake": {"queue_s": 0, "run_s": 0.2},
+        }
+        failing = {
+            "text": REQUEST_TEXT,
+            "runpod_fake": {"sec-rp": {"queue_s": 0, "run_s": 0.5, "outcome": "FAILED"}},
+            "cerebrium_fake": {"queue_s": 0, "run_s": 0.2, "outcome": "FAILED"},
+        }
         for request in (fast_cb, failing):
-            r = send("gpuhedge.hedged_infer", (request,), {"policy": "hedge:rpd->cb@0.3s"},
-                     queue="gpuhedge.coord")  # fmt: skip
+            r = send(
+                "gpuhedge.hedged_infer",
+                (request,),
+                {"policy": "hedge:rpd->cb@0.3s"},
+                queue="gpuhedge.coord",
+            )
             sent.append(r)
             outcomes.append(outcome(r))
         env = dict(cluster.env)
@@ -201,8 +223,11 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
                 records.write_text(done.stdout)
         report = subprocess.run(
             [*cli, "report", str(records)],
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         outputs.append(report.stdout + report.stderr)
         captured = events.stop()
         receipts = [cluster_receipt(cluster, r.id) for r in sent]
@@ -243,9 +268,17 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
         winners = [winner_provider(rc) for rc in receipts]
         assert winners[-2:] == ["cb", None], winners  # a webhook won, then both failed
         assert len(hooked) >= 4 and any(o != "won" for o in outcomes)
-        print(json.dumps({"fault": "secrets", "credentials": len(credentials),
-                          "places": list(places), "events": len(captured),
-                          "log_bytes": len(logs)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "fault": "secrets",
+                    "credentials": len(credentials),
+                    "places": list(places),
+                    "events": len(captured),
+                    "log_bytes": len(logs),
+                }
+            )
+        )
     finally:
         if receiver is not None:
             receiver.kill()

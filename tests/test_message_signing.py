@@ -91,8 +91,9 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
     env = signing_env(tmp_path)
     # a GPU worker (prefork) and beat too: pooled jobs, the reconcile pass and its remote
     # control calls to the GPU worker all travel signed
-    cluster = start_fault_cluster(redis_url, tmp_path, deadline_s=20.0, coordinators=1, gpus=1,
-                                  **env)  # fmt: skip
+    cluster = start_fault_cluster(
+        redis_url, tmp_path, deadline_s=20.0, coordinators=1, gpus=1, **env
+    )
     try:
         signed = create_app(cluster.config, signing=Signing.from_env(cluster.env))
         assert signed.conf.task_serializer == "auth" and signed.conf.accept_content == ["auth"]
@@ -103,18 +104,31 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         assert job.get(timeout=60)["output"]["id"] == "job0"
         # the CLI's own app signs too (it builds one from the same environment)
         cli = subprocess.run(
-            [sys.executable, "-m", "gpuhedge_celery", "race", json.dumps(QUICK_REQUEST), "--go",
-             "--json", "--timeout", "60"],
-            env=cluster.env, capture_output=True, text=True, timeout=90,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "gpuhedge_celery",
+                "race",
+                json.dumps(QUICK_REQUEST),
+                "--go",
+                "--json",
+                "--timeout",
+                "60",
+            ],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert cli.returncode == 0 and json.loads(cli.stdout)["winner"], cli.stdout + cli.stderr
         # the same task, sent as plain JSON by an app that does not sign
         unsigned = create_app(cluster.config)
         assert unsigned.conf.task_serializer == "json"
         forged_id = f"forged-{uuid.uuid4().hex}"
         forged = {**QUICK_REQUEST, "text": FORGED_TEXT}
-        unsigned.send_task("gpuhedge.hedged_infer", (forged,), queue="gpuhedge.coord",
-                           task_id=forged_id)  # fmt: skip
+        unsigned.send_task(
+            "gpuhedge.hedged_infer", (forged,), queue="gpuhedge.coord", task_id=forged_id
+        )
         worker = cluster.workers[0]
         refused = "Refusing to deserialize untrusted content of type json"
         wait_until(lambda: refused in worker.log(), 30, what="the worker to refuse the message")
@@ -122,16 +136,25 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         # the auth serializer is one per process)
         rogue_key, rogue_cert = self_signed(tmp_path / "rogue", "rogue")
         rogue_id = f"rogue-{uuid.uuid4().hex}"
-        rogue_env = {**cluster.env, "GPUHEDGE_SECURITY_KEY": str(rogue_key),
-                     "GPUHEDGE_SECURITY_CERTIFICATE": str(rogue_cert),
-                     "GPUHEDGE_SECURITY_CERT_STORE": str(rogue_cert)}  # fmt: skip
+        rogue_env = {
+            **cluster.env,
+            "GPUHEDGE_SECURITY_KEY": str(rogue_key),
+            "GPUHEDGE_SECURITY_CERTIFICATE": str(rogue_cert),
+            "GPUHEDGE_SECURITY_CERT_STORE": str(rogue_cert),
+        }
         sent = subprocess.run(
             [sys.executable, "-c", SEND_ONE, json.dumps(forged), rogue_id],
-            env=rogue_env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=rogue_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert sent.returncode == 0, sent.stderr
-        wait_until(lambda: "Can't decode message body" in worker.log(), 30,
-                   what="the worker to refuse the message of an untrusted signer")  # fmt: skip
+        wait_until(
+            lambda: "Can't decode message body" in worker.log(),
+            30,
+            what="the worker to refuse the message of an untrusted signer",
+        )
         # a signed race after them still runs: the worker stayed up and took it
         assert send_race(cluster, QUICK_REQUEST).get(timeout=30)["winner"]
         time.sleep(1.0)

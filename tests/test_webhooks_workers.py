@@ -225,8 +225,9 @@ def test_a_port_already_taken_stops_the_command_with_one_line_per_process(tmp_pa
     assert "did not start" in said[-1] and "Traceback" not in done.stderr
 
 
-def test_each_receiver_process_logs_at_the_commands_log_level(runpod_fake, redis_url, prefix,
-                                                              tmp_path):  # fmt: skip
+def test_each_receiver_process_logs_at_the_commands_log_level(
+    runpod_fake, redis_url, prefix, tmp_path
+):
     import re
 
     config = tmp_path / "wh.yaml"
@@ -234,8 +235,12 @@ def test_each_receiver_process_logs_at_the_commands_log_level(runpod_fake, redis
     receivers = Receivers(receiver_env(config, redis_url, prefix), tmp_path, "--log-level", "INFO")
     try:
         answering = receivers.pids()
-        logged = {int(p) for p in re.findall(r"INFO \S+: receiver process (\d+) serving",
-                                             receivers.log.read_text())}  # fmt: skip
+        logged = {
+            int(p)
+            for p in re.findall(
+                r"INFO \S+: receiver process (\d+) serving", receivers.log.read_text()
+            )
+        }
         # a spawned receiver inherits no logging set-up: the command hands its level down
         assert len(logged) == 2 and answering <= logged, (answering, receivers.log.read_text())
     finally:

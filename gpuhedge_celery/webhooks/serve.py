@@ -178,8 +178,9 @@ def _log_level() -> int | None:
     return root.level if root.handlers else None
 
 
-def _receiver(host: str, port: int, threads: int, ready: Any, parent: int,
-              log_level: int | None = None) -> None:  # fmt: skip
+def _receiver(
+    host: str, port: int, threads: int, ready: Any, parent: int, log_level: int | None = None
+) -> None:
     """One receiver process (``spawn``): its own runtime and Redis clients, its own socket,
     logging as the command that started it (a spawned child inherits no logging set-up)."""
     _die_with_parent(parent)
@@ -209,6 +210,7 @@ def _receiver(host: str, port: int, threads: int, ready: Any, parent: int,
     ready.set()
     import logging
 
-    logging.getLogger(__name__).info("receiver process %d serving on %s:%d", os.getpid(), host,
-                                     port)  # fmt: skip
+    logging.getLogger(__name__).info(
+        "receiver process %d serving on %s:%d", os.getpid(), host, port
+    )
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])

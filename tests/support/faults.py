@@ -46,8 +46,9 @@ class RestartableRedis:
         auth = f":{self.password}@" if self.password else ""
         if self.tls:
             ca = os.path.join(self.workdir, "tls", "redis.pem")
-            return (f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required"
-                    f"&ssl_ca_certs={ca}")  # fmt: skip
+            return (
+                f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+            )
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _listen_args(self) -> list[str]:
@@ -60,9 +61,15 @@ class RestartableRedis:
         if not os.path.exists(key):  # the same certificate across restarts
             self_signed(Path(tls_dir), "redis", loopback=True)
         cert = os.path.join(tls_dir, "redis.pem")
-        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
-                "--tls-key-file", key, "--tls-ca-cert-file", cert,
-                "--tls-auth-clients", "no"]  # fmt: skip
+        options = {
+            "--port": "0",
+            "--tls-port": str(self.port),
+            "--tls-cert-file": cert,
+            "--tls-key-file": key,
+            "--tls-ca-cert-file": cert,
+            "--tls-auth-clients": "no",
+        }
+        return [part for option in options.items() for part in option]
 
     def args(self) -> list[str]:
         binary = shutil.which("redis-server")
