@@ -222,6 +222,42 @@ def test_rows_and_table_for_leaks_and_expired_races():
     assert "(no race in flight)" in render({**snap, "races": [], "counts": {}})
 
 
+def test_a_cancel_still_waiting_shows_how_long_it_has_waited():
+    """Pure: a loser whose cancel was decided 4.5 s ago and is not answered yet (waiting for
+    the fleet's /cancel token) shows the wait; an answered one shows the token wait it had."""
+    from gpuhedge_celery.commands.watch import _row, render
+
+    def attempt(aid, phase, sent_at, receipt):
+        return {"id": aid, "provider": aid, "role": "primary", "phase": phase,
+                "last_state": "QUEUED", "job_id": f"j-{aid}", "cancel_sent_at": sent_at,
+                "receipt": receipt}  # fmt: skip
+
+    state = {
+        "race": {
+            "policy": {"kind": "cutover"},
+            "started_at": 100.0,
+            "attempts": [
+                attempt("p", "cancelling", 1.0, {"evidence": "no_evidence"}),
+                attempt(
+                    "q",
+                    "cancelled",
+                    1.0,
+                    {"evidence": "confirmed_terminal", "token_wait_ms": 3100.0},
+                ),  # fmt: skip
+            ],
+            "timers": {},
+            "winner": None,
+            "finished": False,
+        }
+    }
+    row = _row("race-1", 105_000, state, {}, 105.5, False)
+    p, q = row["attempts"]
+    assert p["cancel_pending_ms"] == 4500.0 and q["cancel_pending_ms"] is None
+    assert q["token_wait_ms"] == 3100.0
+    snap = {"at": 105.5, "prefix": "x", "races": [row], "counts": {"racing": 1}}
+    assert "p:cancelling/QUEUED cancel+4.5s" in render(snap)
+
+
 def test_a_race_whose_state_hash_holds_only_its_deadline_shows_as_expired(redis_client, prefix):
     """What is left when the state expired and a late caller's deadline write made the hash
     again: no version, so no state; the race shows with its live job, not an error."""

@@ -38,6 +38,10 @@ def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: di
     attempts = []
     for a in race.get("attempts", []):
         receipt = a.get("receipt") or {}
+        sent_at = a.get("cancel_sent_at")
+        # a cancel decided and not yet answered: under the fleet's /cancel budget, it may be
+        # waiting for a token while the job bills
+        waiting = a["phase"] == "cancelling" and sent_at is not None
         attempts.append(
             {
                 "id": a["id"],
@@ -49,6 +53,10 @@ def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: di
                 "live_job": a["id"] in jobs,
                 "cancel_evidence": receipt.get("evidence"),
                 "leaked": a["phase"] == "leaked" or bool(receipt.get("leaked") and done),
+                "cancel_pending_ms": (
+                    round((now - started - float(sent_at)) * 1000.0, 1) if waiting else None
+                ),
+                "token_wait_ms": receipt.get("token_wait_ms"),
             }
         )
     winner = race.get("winner")
@@ -116,6 +124,9 @@ def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) ->
 def _attempt_cell(a: dict[str, Any]) -> str:
     state = a["state"] or "-"
     mark = " LEAK" if a["leaked"] else ""
+    pending = a.get("cancel_pending_ms")
+    if pending is not None:  # how long its cancel has been waiting (a token, an answer)
+        mark += f" cancel+{pending / 1000:.1f}s"
     return f"{a['provider']}:{a['phase']}/{state}{mark}"
 
 
