@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from tests.support.redis_server import shared_redis_url, start_redis_server
-from tests.support.tiers import TIER_MARKS, ProcessGuard, tier_marks
+from tests.support.tiers import TIER_MARKS, ProcessGuard, no_gc_pauses, tier_marks
 
 # CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in state that every thread
 # shares: two threads parsing at once (a test server's thread formatting a traceback, which 3.11
@@ -54,8 +54,10 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Mark each test ``redis``/``celery``/``server`` by what it uses; ``fast`` when none and not
     ``slow`` (tests/support/tiers.py). ``--fast`` keeps only ``fast``."""
-    for item in items:
-        for mark in sorted(tier_marks(item)):
+    with no_gc_pauses():
+        marks = [(item, tier_marks(item)) for item in items]
+    for item, earned in marks:
+        for mark in sorted(earned):
             if item.get_closest_marker(mark) is None:
                 item.add_marker(mark)
         if not any(item.get_closest_marker(m) for m in (*TIER_MARKS, "slow")):

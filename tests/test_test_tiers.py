@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pathlib
 
@@ -51,6 +52,7 @@ def _collect(*args: str) -> list[pytest.Item]:
     return collected.items
 
 
+@functools.cache
 def _source(func: object) -> str:
     try:
         return inspect.getsource(inspect.unwrap(func))  # type: ignore[arg-type]

@@ -13,7 +13,9 @@ and not ``slow``. What static reading misses (a process started behind a CLI's d
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import gc
 import os
 import pathlib
 import socket
@@ -87,8 +89,11 @@ class _Module:
         is_package = path.name == "__init__.py"
         self.imported: dict[str, tuple[str, str | None]] = {}  # local name -> (module, attr)
         self.defs: dict[str, ast.AST] = {}
+        self.bases: set[str] = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
+            if isinstance(node, ast.ClassDef):
+                self.bases.update(base.id for base in node.bases if isinstance(base, ast.Name))
+            elif isinstance(node, ast.Import):
                 for alias in node.names:
                     local = alias.asname or alias.name.split(".")[0]
                     target = alias.name if alias.asname else alias.name.split(".")[0]
@@ -97,13 +102,6 @@ class _Module:
                 source = _resolve(name, node, is_package)
                 for alias in node.names:
                     self.imported[alias.asname or alias.name] = (source, alias.name)
-        self.bases = {
-            base.id
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ClassDef)
-            for base in node.bases
-            if isinstance(base, ast.Name)
-        }
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 self.defs[node.name] = node
@@ -290,6 +288,19 @@ def _closure(item: Any, names: Iterable[str]) -> set[str]:
         for fixturedef in manager.getfixturedefs(name, item) or ():
             todo.extend(fixturedef.argnames)
     return found
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Collect without the cyclic GC: parsing hundreds of modules makes objects fast enough to
+    start full collections over the whole (torch-sized) heap, which costs more than the parse."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def tier_marks(item: Any) -> set[str]:
