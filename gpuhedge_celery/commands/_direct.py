@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 def provider_names(cfg: GpuHedgeConfig, text: str | None, option: str) -> list[str]:
     """``A,B`` as deployed provider names of ``cfg`` (default: every deployed provider)."""
-    names = [n.strip() for n in text.split(",")] if text else [
-        p.name for p in cfg.providers.values() if p.deployed
-    ]  # fmt: skip
+    names = (
+        [n.strip() for n in text.split(",")]
+        if text
+        else [p.name for p in cfg.providers.values() if p.deployed]
+    )
     if not names or any(not n for n in names):
         raise ConfigError(f"expected comma-separated provider names, got {text!r}", key=option)
     for name in names:
@@ -74,8 +76,9 @@ def plan_lines(cfg: GpuHedgeConfig, names: Sequence[str], jobs_each: int) -> lis
     lines = []
     for name in names:
         usd = job_worst_usd(cfg, name)
-        lines.append(f"  {name}: {jobs_each} job(s), worst case ${usd:,.4f} each "
-                     f"(cap {cfg.cap_s(name):g} s)")  # fmt: skip
+        lines.append(
+            f"  {name}: {jobs_each} job(s), worst case ${usd:,.4f} each (cap {cfg.cap_s(name):g} s)"
+        )
     return lines
 
 
@@ -110,17 +113,26 @@ class JobBudget:
         caps, now = self.cfg.budget, time.time()
         p = self.cfg.provider(provider)
         pending = self.store.prepare(
-            self.run_id, job, amount_usd=job_worst_usd(self.cfg, provider), day=utc_day(now),
-            provider=provider, key=None, role="primary", caps_nano=cap_slots(caps, provider, None),
+            self.run_id,
+            job,
+            amount_usd=job_worst_usd(self.cfg, provider),
+            day=utc_day(now),
+            provider=provider,
+            key=None,
+            role="primary",
+            caps_nano=cap_slots(caps, provider, None),
             cap_name=lambda slot: cap_name(caps, provider, None, slot),
-            open_until_ms=int((now + (self.cfg.cap_s(provider) + p.idle_billed_seconds)
-                               * self.cfg.time_scale) * 1000),
-        )  # fmt: skip
+            open_until_ms=int(
+                (now + (self.cfg.cap_s(provider) + p.idle_billed_seconds) * self.cfg.time_scale)
+                * 1000
+            ),
+        )
         with translate_errors():
             found = self.store.reserve(pending)
         if not found.granted:
-            raise BudgetExceeded(f"{provider} job {job} not submitted: {found.reason}",
-                                 reason="budget")  # fmt: skip
+            raise BudgetExceeded(
+                f"{provider} job {job} not submitted: {found.reason}", reason="budget"
+            )
 
     def settle(self, job: str, usd: float, source: str) -> None:
         """Settle one job at ``usd`` (``source``: estimated, reconciled or unproven)."""

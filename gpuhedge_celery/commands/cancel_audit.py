@@ -56,9 +56,17 @@ def _wait_running(provider: Any, handle: Any, limit_s: float, scale: float) -> J
     return state
 
 
-def _one(cfg: Any, budget: JobBudget, provider: Any, phase: str, attempt: int,
-         request: dict[str, Any], early_s: float, late_s: float,
-         live: LiveJobs) -> dict[str, Any]:  # fmt: skip
+def _one(
+    cfg: Any,
+    budget: JobBudget,
+    provider: Any,
+    phase: str,
+    attempt: int,
+    request: dict[str, Any],
+    early_s: float,
+    late_s: float,
+    live: LiveJobs,
+) -> dict[str, Any]:
     """Submit, wait for the phase's moment, cancel, settle: the ``forced_cancel`` record."""
     job = f"{phase}-{attempt}-{provider.name}"
     budget.reserve(job, provider.name)
@@ -74,8 +82,17 @@ def _one(cfg: Any, budget: JobBudget, provider: Any, phase: str, attempt: int,
         live.done(handle)
 
 
-def _cancel_at(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str, phase: str,
-               attempt: int, early_s: float, late_s: float) -> dict[str, Any]:  # fmt: skip
+def _cancel_at(
+    cfg: Any,
+    budget: JobBudget,
+    provider: Any,
+    handle: Any,
+    job: str,
+    phase: str,
+    attempt: int,
+    early_s: float,
+    late_s: float,
+) -> dict[str, Any]:
     """Wait for the phase's moment, cancel, settle: the ``forced_cancel`` record."""
     scale, name = cfg.time_scale, provider.name
     try:
@@ -99,9 +116,15 @@ def _cancel_at(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str
         source = RECONCILED if cost is not None else ESTIMATED
         cost = cost if cost is not None else receipt.estimated_cost_usd
         budget.settle(job, settled_usd(provider, cost, worst), source)
-    return forced_cancel_record(name, phase, attempt, cancel_at_s=cancel_at_s,
-                                state_before=str(state), receipt=receipt.to_dict(),
-                                ts=time.time())  # fmt: skip
+    return forced_cancel_record(
+        name,
+        phase,
+        attempt,
+        cancel_at_s=cancel_at_s,
+        state_before=str(state),
+        receipt=receipt.to_dict(),
+        ts=time.time(),
+    )
 
 
 @click.command(name="cancel-audit")
@@ -142,8 +165,16 @@ def _cancel_at(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str
 @click.option("--out", "out_path", default=None, help="Write the JSONL audit here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary record as JSON.")
 @go_option
-def command(names: str | None, repeats: int, request_text: str, early_s: float, late_s: float,
-            out_path: str | None, as_json: bool, go: bool) -> None:  # fmt: skip
+def command(
+    names: str | None,
+    repeats: int,
+    request_text: str,
+    early_s: float,
+    late_s: float,
+    out_path: str | None,
+    as_json: bool,
+    go: bool,
+) -> None:
     """Cancel jobs on purpose, early and late, through each provider's adapter; a dry run
     unless --go."""
     from ..cli import root_config
@@ -154,9 +185,15 @@ def command(names: str | None, repeats: int, request_text: str, early_s: float, 
     chosen = provider_names(cfg, names, "--providers")
     jobs = len(PHASES) * repeats
     worst = sum(job_worst_usd(cfg, n) for n in chosen) * jobs
-    gate(go, [f"would cancel {jobs} job(s) on each of {len(chosen)} provider(s) "
-              f"({repeats} early, {repeats} late)", *plan_lines(cfg, chosen, jobs)],
-         worst)  # fmt: skip
+    gate(
+        go,
+        [
+            f"would cancel {jobs} job(s) on each of {len(chosen)} provider(s) "
+            f"({repeats} early, {repeats} late)",
+            *plan_lines(cfg, chosen, jobs),
+        ],
+        worst,
+    )
     out = None
     if out_path:
         try:
@@ -174,11 +211,14 @@ def command(names: str | None, repeats: int, request_text: str, early_s: float, 
             for phase in PHASES:
                 for attempt in range(1, repeats + 1):
                     try:
-                        record = _one(cfg, budget, provider, phase, attempt, request,
-                                      early_s, late_s, live)  # fmt: skip
+                        record = _one(
+                            cfg, budget, provider, phase, attempt, request, early_s, late_s, live
+                        )
                     except SubmitError as e:
-                        click.echo(f"{name} {phase} #{attempt}: submit refused: "
-                                   f"{one_line(e, secrets)}", err=True)  # fmt: skip
+                        click.echo(
+                            f"{name} {phase} #{attempt}: submit refused: {one_line(e, secrets)}",
+                            err=True,
+                        )
                         continue
                     records.append(record)
                     if out is not None:
@@ -199,8 +239,10 @@ def command(names: str | None, repeats: int, request_text: str, early_s: float, 
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo("\n".join(format_matrix(matrix, chosen)))
-        click.echo(f"cancelled jobs' estimated cost: ${spent:,.6f}"
-                   + (f"; wrote {out_path}" if out_path else ""))  # fmt: skip
+        click.echo(
+            f"cancelled jobs' estimated cost: ${spent:,.6f}"
+            + (f"; wrote {out_path}" if out_path else "")
+        )
     leaked = sum(c["leaked"] for phases in matrix.values() for c in phases.values())
     if leaked or len(records) < jobs * len(chosen):
         raise click.exceptions.Exit(1)

@@ -66,8 +66,10 @@ def check(file: str | None, strict: bool) -> None:
     for line in warnings:
         click.echo(f"warning: {line}")
     if unchecked:
-        click.echo(f"note: not imported here (config check runs no code the file names): "
-                   f"{', '.join(unchecked)}; workers import and check them at start")  # fmt: skip
+        click.echo(
+            f"note: not imported here (config check runs no code the file names): "
+            f"{', '.join(unchecked)}; workers import and check them at start"
+        )
     if warnings and strict:
         raise click.exceptions.Exit(EXIT_FAILED)
 

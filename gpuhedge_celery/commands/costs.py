@@ -100,18 +100,26 @@ def command(since: str | None, as_json: bool, no_record: bool) -> None:
         row["detail"] = one_line(row["detail"], secrets)
         spent, reported = row.pop("_nano")
         if report.status == AVAILABLE and reported is not None and not no_record:
-            row["record"] = ledger.add_reconciliation({
-                "provider": name, "from": row["from"], "through": row["through"],
-                "ledger_nano": spent, "reported_nano": reported, "diff_nano": reported - spent,
-                "detail": row["detail"],
-            })  # fmt: skip
+            row["record"] = ledger.add_reconciliation(
+                {
+                    "provider": name,
+                    "from": row["from"],
+                    "through": row["through"],
+                    "ledger_nano": spent,
+                    "reported_nano": reported,
+                    "diff_nano": reported - spent,
+                    "detail": row["detail"],
+                }
+            )
         rows.append(row)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     width = max([len(r["provider"]) for r in rows] + [8])
-    click.echo(f"{'provider':<{width}}  {'days':<23}  {'ledger':>11}  {'reported':>11}  "
-               f"{'difference':>11}  detail")  # fmt: skip
+    click.echo(
+        f"{'provider':<{width}}  {'days':<23}  {'ledger':>11}  {'reported':>11}  "
+        f"{'difference':>11}  detail"
+    )
     for r in rows:
         days = f"{r['from']}..{r['through']}" if r["from"] else "-"
         click.echo(

@@ -73,8 +73,10 @@ def plan_text(plan: Prereg, worst: dict[str, float]) -> list[str]:
     ]
     for arm in plan.arms:
         providers = f" on {','.join(arm.providers)}" if arm.providers else ""
-        lines.append(f"  arm {arm.name}: {arm.policy}{providers}, worst case "
-                     f"${worst[arm.name]:,.4f} per request")  # fmt: skip
+        lines.append(
+            f"  arm {arm.name}: {arm.policy}{providers}, worst case "
+            f"${worst[arm.name]:,.4f} per request"
+        )
     blocks = [s for s in schedule(plan) if (s.index % plan.block_size) == 0]
     lines.append(f"block order (seed {plan.seed}): " + " ".join(s.arm for s in blocks))
     return lines
@@ -88,11 +90,19 @@ def _run(plan: Prereg) -> list[tuple[Slot, str]]:
     for slot in schedule(plan):
         time.sleep(max(0.0, start + slot.at_s - time.monotonic()))
         arm = plan.arm(slot.arm)
-        res = start_race(app, dict(plan.request), policy=arm.policy, arm=arm.name,
-                         providers=list(arm.providers) if arm.providers else None)  # fmt: skip
+        res = start_race(
+            app,
+            dict(plan.request),
+            policy=arm.policy,
+            arm=arm.name,
+            providers=list(arm.providers) if arm.providers else None,
+        )
         sent.append((slot, res))
-        click.echo(f"request {slot.index + 1}/{plan.requests} block {slot.block} arm {arm.name}: "
-                   f"race {res.id}", err=True)  # fmt: skip
+        click.echo(
+            f"request {slot.index + 1}/{plan.requests} block {slot.block} arm {arm.name}: "
+            f"race {res.id}",
+            err=True,
+        )
     for _, res in sent:
         try:
             res.get(timeout=plan.timeout_s, propagate=False)
@@ -182,9 +192,17 @@ def command(prereg: str, dry_run: bool, out_path: str | None, go: bool) -> None:
             if race_id in found:
                 records.append({**found[race_id], "block": slot.block})
         if out is not None:
-            out.write(json.dumps({"kind": "experiment_plan", **plan.to_dict(),
-                                  "order": [s.arm for s in schedule(plan)],
-                                  "worst_case_usd": round(total, 6)}) + "\n")  # fmt: skip
+            out.write(
+                json.dumps(
+                    {
+                        "kind": "experiment_plan",
+                        **plan.to_dict(),
+                        "order": [s.arm for s in schedule(plan)],
+                        "worst_case_usd": round(total, 6),
+                    }
+                )
+                + "\n"
+            )
             for record in records:
                 out.write(json.dumps(record) + "\n")
     finally:
@@ -199,5 +217,7 @@ def command(prereg: str, dry_run: bool, out_path: str | None, go: bool) -> None:
             "(records off on the workers? GPUHEDGE_RECORDS_MAXLEN)"
         )
     if out_path:
-        click.echo(f"wrote {len(records)} record(s) to {out_path}; "
-                   f"gpuhedge-celery report {out_path} --by arm")  # fmt: skip
+        click.echo(
+            f"wrote {len(records)} record(s) to {out_path}; "
+            f"gpuhedge-celery report {out_path} --by arm"
+        )

@@ -32,9 +32,13 @@ def command() -> None:
 @click.argument("target", metavar="HOST[:GPU]")
 @click.option("--no-wait", is_flag=True, help="Return at once instead of when the GPUs are idle.")
 @click.option(
-    "--timeout", "timeout_s", type=float, default=None, metavar="S",
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    metavar="S",
     help="Give up waiting after S seconds (exit 1; the GPUs stay drained).",
-)  # fmt: skip
+)
 @click.option("--reason", default="drained by an operator", show_default=True, metavar="TEXT")
 def drain_command(target: str, no_wait: bool, timeout_s: float | None, reason: str) -> None:
     """Take HOST's GPUs (or one, HOST:GPU) out of the pool; wait until their jobs finish."""

@@ -45,8 +45,15 @@ def final_receipt(race_id: str, wait_s: float = RECEIPT_WAIT_S) -> dict[str, Any
 @click.command(name="infer")
 @race_options
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt as JSON.")
-def command(request: str, policy: str | None, providers: str | None, budget_key: str | None,
-            timeout_s: float, as_json: bool, go: bool) -> None:  # fmt: skip
+def command(
+    request: str,
+    policy: str | None,
+    providers: str | None,
+    budget_key: str | None,
+    timeout_s: float,
+    as_json: bool,
+    go: bool,
+) -> None:
     """Race REQUEST once on the workers and print its receipt; a dry run unless --go."""
     from .receipt import render
 
@@ -54,8 +61,9 @@ def command(request: str, policy: str | None, providers: str | None, budget_key:
 
     failed: RaceFailed | None = None
     try:
-        out = send_race(body, policy=policy, providers=names, budget_key=budget_key,
-                        timeout_s=timeout_s)  # fmt: skip
+        out = send_race(
+            body, policy=policy, providers=names, budget_key=budget_key, timeout_s=timeout_s
+        )
         race_id = out["race_id"]
     except RaceFailed as e:
         failed, race_id = e, e.race_id

@@ -12,8 +12,18 @@ import click
 from ..core.lease_rules import DEFAULT_MARGIN, DEFAULT_PERCENTILE, suggest_ttl
 from ..errors import ConfigError
 
-COLUMNS = ("GPU", "POOL", "HOST", "STATE", "HOLDER", "TOKEN", "TTL LEFT", "RUNNING SINCE",
-           "IN POOL", "HEALTH")  # fmt: skip
+COLUMNS = (
+    "GPU",
+    "POOL",
+    "HOST",
+    "STATE",
+    "HOLDER",
+    "TOKEN",
+    "TTL LEFT",
+    "RUNNING SINCE",
+    "IN POOL",
+    "HEALTH",
+)
 
 
 def _settings():

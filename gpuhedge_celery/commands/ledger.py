@@ -78,10 +78,19 @@ def command() -> None:
 
 
 @command.command(name="export")
-@click.option("--since", default="-", show_default=True,
-              help="From this UTC date/time, epoch seconds or stream id.")  # fmt: skip
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write to FILE instead of standard output.")  # fmt: skip
+@click.option(
+    "--since",
+    default="-",
+    show_default=True,
+    help="From this UTC date/time, epoch seconds or stream id.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write to FILE instead of standard output.",
+)
 def export(since: str, output: str | None) -> None:
     """Write the ledger as JSONL, oldest first."""
     from ..cli import cli_redis_client, root_settings
@@ -103,8 +112,12 @@ def export(since: str, output: str | None) -> None:
 
 
 @command.command(name="repair")
-@click.option("--apply", "apply", is_flag=True,
-              help="Replace the counters by the ledger's figures (else only compare).")  # fmt: skip
+@click.option(
+    "--apply",
+    "apply",
+    is_flag=True,
+    help="Replace the counters by the ledger's figures (else only compare).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
 def repair(apply: bool, as_json: bool) -> None:
     """Recompute the budget counters from the ledger stream and compare them with Redis's.

@@ -37,7 +37,7 @@ def command(as_json: bool) -> None:
                 check.status,
                 one_line(check.identity, secrets),
                 one_line(check.detail, secrets),
-            )  # fmt: skip
+            )
         )
     if as_json:
         click.echo(json.dumps([c.to_dict() for c in checks], indent=2))

@@ -23,18 +23,35 @@ def command() -> None:
 
 
 @command.command(name="serve")
-@click.option("--port", type=click.IntRange(0, 65535), default=9540, show_default=True,
-              help="TCP port (0: any free port, printed at start).")  # fmt: skip
-@click.option("--addr", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0: every interface).")  # fmt: skip
-@click.option("--stale-s", type=click.FloatRange(0, min_open=True), default=30.0,
-              show_default=True,
-              help="A race whose heartbeat is older counts as stale (the janitor's threshold, "
-              "GPUHEDGE_JANITOR_STALE_S).")  # fmt: skip
-@click.option("--timer-namespace", "namespaces", multiple=True, default=("races",),
-              show_default=True,
-              help="Durable-timer namespace to report (GPUHEDGE_TIMER_NAMESPACE); repeat for "
-              "several.")  # fmt: skip
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=9540,
+    show_default=True,
+    help="TCP port (0: any free port, printed at start).",
+)
+@click.option(
+    "--addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0: every interface).",
+)
+@click.option(
+    "--stale-s",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="A race whose heartbeat is older counts as stale (the janitor's threshold, "
+    "GPUHEDGE_JANITOR_STALE_S).",
+)
+@click.option(
+    "--timer-namespace",
+    "namespaces",
+    multiple=True,
+    default=("races",),
+    show_default=True,
+    help="Durable-timer namespace to report (GPUHEDGE_TIMER_NAMESPACE); repeat for several.",
+)
 def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> None:
     """Serve the gauges Redis holds on /metrics, read at each scrape, until interrupted."""
     from ..cli import cli_redis_client, root_config, root_settings
@@ -48,9 +65,14 @@ def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> 
         raise ConfigError(f"metrics need prometheus_client: {INSTALL_HINT}") from None
     cfg = root_config()  # its budget caps and providers (the budget gauges)
     try:
-        collector = RedisGauges(cli_redis_client(), root_settings().prefix,
-                                namespaces=namespaces, stale_s=stale_s,
-                                budget=cfg.budget, providers=list(cfg.providers))  # fmt: skip
+        collector = RedisGauges(
+            cli_redis_client(),
+            root_settings().prefix,
+            namespaces=namespaces,
+            stale_s=stale_s,
+            budget=cfg.budget,
+            providers=list(cfg.providers),
+        )
     except ValueError as e:  # a timer namespace that cannot be part of a key
         raise ConfigError(str(e), key="--timer-namespace") from None
     registry = CollectorRegistry(auto_describe=True)
@@ -60,8 +82,10 @@ def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> 
     except OSError as e:
         raise ConfigError(f"cannot listen on {addr}:{port}: {e.strerror}", key="--port") from None
     bound = server.server_address[1]
-    click.echo(f"serving Redis gauges of prefix {collector.prefix!r} on "
-               f"http://{addr}:{bound}/metrics", err=True)  # fmt: skip
+    click.echo(
+        f"serving Redis gauges of prefix {collector.prefix!r} on http://{addr}:{bound}/metrics",
+        err=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -76,10 +100,16 @@ def list_command(as_json: bool) -> None:
     """Every metric: name, type, source (worker endpoint or metrics serve), labels, help."""
     if as_json:
         rows = [
-            {"name": m.name, "type": m.kind, "source": m.source, "labels": list(m.labels),
-             "samples": list(m.samples()), "help": m.help}
+            {
+                "name": m.name,
+                "type": m.kind,
+                "source": m.source,
+                "labels": list(m.labels),
+                "samples": list(m.samples()),
+                "help": m.help,
+            }
             for m in ALL_METRICS
-        ]  # fmt: skip
+        ]
         click.echo(json.dumps(rows, indent=2))
         return
     for m in ALL_METRICS:

@@ -30,13 +30,20 @@ def provider_rows(cfg: Any) -> list[dict[str, Any]]:
     rows = []
     for name, p in cfg.providers.items():
         cap = cfg.cap_s(name)
-        rows.append({
-            "provider": name, "role": p.role, "adapter": p.adapter, "deployed": p.deployed,
-            "rate_usd_per_s": p.billed_rate_per_s, "idle_s": p.idle_billed_seconds,
-            "idle_usd": p.idle_billed_seconds * p.billed_rate_per_s, "cap_s": cap,
-            "worst_case_usd": worst_case_usd(cap, p.billed_rate_per_s, p.idle_billed_seconds),
-            "spends_money": spends_money(p),
-        })  # fmt: skip
+        rows.append(
+            {
+                "provider": name,
+                "role": p.role,
+                "adapter": p.adapter,
+                "deployed": p.deployed,
+                "rate_usd_per_s": p.billed_rate_per_s,
+                "idle_s": p.idle_billed_seconds,
+                "idle_usd": p.idle_billed_seconds * p.billed_rate_per_s,
+                "cap_s": cap,
+                "worst_case_usd": worst_case_usd(cap, p.billed_rate_per_s, p.idle_billed_seconds),
+                "spends_money": spends_money(p),
+            }
+        )
     return rows
 
 
@@ -74,8 +81,9 @@ def replay_costs(cfg: Any, traces: str, subset: str, mapping: dict[str, str]) ->
         if trace not in known:
             raise ConfigError(
                 f"provider {name!r} is not in the traces (they have: {', '.join(known)}); "
-                f"map it: --map {name}=TRACE_NAME", key="--map",
-            )  # fmt: skip
+                f"map it: --map {name}=TRACE_NAME",
+                key="--map",
+            )
         p = cfg.provider(name)
         rates[trace] = ProviderRate(p.billed_rate_per_s, p.idle_billed_seconds)
         params[role] = trace
@@ -104,8 +112,10 @@ def _usd(value: float | None) -> str:
 
 def render(plan: dict[str, Any]) -> str:
     lines = ["providers:"]
-    lines.append(f"  {'name':<16} {'role':<9} {'adapter':<8} {'$/s':>10} {'idle s':>7} "
-                 f"{'idle $':>8} {'cap s':>6} {'worst $':>8}")  # fmt: skip
+    lines.append(
+        f"  {'name':<16} {'role':<9} {'adapter':<8} {'$/s':>10} {'idle s':>7} "
+        f"{'idle $':>8} {'cap s':>6} {'worst $':>8}"
+    )
     for r in plan["providers"]:
         name = r["provider"] + ("" if r["deployed"] else " (off)")
         lines.append(
@@ -117,33 +127,47 @@ def render(plan: dict[str, Any]) -> str:
         lines.append(f"  {r['cap']:<40} {_usd(r['usd'])}")
     if not plan["budget_enabled"]:
         lines.append("  (no cap: budgets are off)")
-    lines += ["", f"policy: {plan['policy']}",
-              f"  worst case per request: {_usd(plan['worst_case_per_request_usd'])} "
-              "(every attempt it can launch, each at its worst case)"]  # fmt: skip
+    lines += [
+        "",
+        f"policy: {plan['policy']}",
+        f"  worst case per request: {_usd(plan['worst_case_per_request_usd'])} "
+        "(every attempt it can launch, each at its worst case)",
+    ]
     if plan["warnings"]:
-        lines += ["", f"warnings ({len(plan['warnings'])}): the budget refuses attempts "
-                  "this policy launches"]  # fmt: skip
+        lines += [
+            "",
+            f"warnings ({len(plan['warnings'])}): the budget refuses attempts this policy launches",
+        ]
         lines += [f"  {w}" for w in plan["warnings"]]
     found = plan.get("replay")
     if found:
         cost, lat = found["cost_per_request_usd"], found["latency_s"]
         lines += [
-            "", f"replayed on {found['rounds']} rounds ({found['subset']}) as "
-            f"{found['replayed_as']}:",
+            "",
+            f"replayed on {found['rounds']} rounds ({found['subset']}) as {found['replayed_as']}:",
             f"  expected cost per request {_usd(cost['mean'])}, p95 {_usd(cost['p95'])}, "
             f"max {_usd(cost['max'])}",
             f"  latency p50 {lat['p50']:.1f} s, p95 {lat['p95']:.1f} s; "
             f"hedged {found['hedged']} of {found['rounds']}",
-        ]  # fmt: skip
+        ]
     return "\n".join(lines)
 
 
 @click.command(name="plan")
 @click.argument("traces", required=False)
-@click.option("--subset", default="all", show_default=True,
-              type=click.Choice(["all", "calibration", "evaluation"]))  # fmt: skip
-@click.option("--map", "mapping", multiple=True, metavar="NAME=TRACE",
-              help="Replay config provider NAME as the traces' TRACE provider.")  # fmt: skip
+@click.option(
+    "--subset",
+    default="all",
+    show_default=True,
+    type=click.Choice(["all", "calibration", "evaluation"]),
+)
+@click.option(
+    "--map",
+    "mapping",
+    multiple=True,
+    metavar="NAME=TRACE",
+    help="Replay config provider NAME as the traces' TRACE provider.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def command(traces: str | None, subset: str, mapping: tuple[str, ...], as_json: bool) -> None:
     """Providers, budget and the policy's worst case; with TRACES, its expected cost."""

@@ -48,8 +48,7 @@ def worst_case(spec: Any, caps: Any, cfg: Any = None) -> tuple[list[str], float]
     for name in spec.policy.providers():
         rate = spec.rates[name]
         role = roles.get(name) or (cfg.provider(name).role if cfg is not None else "primary")
-        a = PlannedAttempt(name, role, spec.caps_s[name],
-                           rate["rate_per_s"], rate["idle_s"])  # fmt: skip
+        a = PlannedAttempt(name, role, spec.caps_s[name], rate["rate_per_s"], rate["idle_s"])
         planned.append(a)
         total += a.worst_case_usd
         lines.append(f"  {name}: worst case ${a.worst_case_usd:,.4f} (cap {a.cap_s:g} s)")
@@ -67,8 +66,11 @@ def celery_app() -> Any:
     from ..tasks.config import GlueConfig
 
     settings = root_settings()
-    env = {**os.environ, "GPUHEDGE_REDIS_URL": settings.redis_url,
-           "GPUHEDGE_PREFIX": settings.prefix}  # fmt: skip
+    env = {
+        **os.environ,
+        "GPUHEDGE_REDIS_URL": settings.redis_url,
+        "GPUHEDGE_PREFIX": settings.prefix,
+    }
     return create_app(GlueConfig.from_env(env))
 
 
@@ -93,8 +95,9 @@ def check_redis() -> None:
         cli_redis_client().ping()
 
 
-def send_race(body: dict[str, Any], *, timeout_s: float, app: Any = None,
-              **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+def send_race(
+    body: dict[str, Any], *, timeout_s: float, app: Any = None, **kwargs: Any
+) -> dict[str, Any]:
     """Race ``body`` on the workers and wait for its result (the winner's, without payload).
 
     Raises :class:`RaceFailed` (its ``race_id`` set) when the race has no winner.
@@ -110,25 +113,36 @@ def send_race(body: dict[str, Any], *, timeout_s: float, app: Any = None,
 
 def race_options(f: Any) -> Any:
     """The options ``race`` and ``infer`` share: what to race, how long to wait, --go."""
-    for option in reversed([
-        click.argument("request"),
-        click.option("--policy", default=None,
-                     help="A policy name or spec [default: the config's]."),
-        click.option("--providers", default=None,
-                     help="Comma-separated provider names, primary first."),
-        click.option("--budget-key", default=None,
-                     help="Whose budget the race spends (budget.keys)."),
-        click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=300.0,
-                     show_default=True, help="Seconds to wait for the result."),
-        go_option,
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.argument("request"),
+            click.option(
+                "--policy", default=None, help="A policy name or spec [default: the config's]."
+            ),
+            click.option(
+                "--providers", default=None, help="Comma-separated provider names, primary first."
+            ),
+            click.option(
+                "--budget-key", default=None, help="Whose budget the race spends (budget.keys)."
+            ),
+            click.option(
+                "--timeout",
+                "timeout_s",
+                type=click.FloatRange(1),
+                default=300.0,
+                show_default=True,
+                help="Seconds to wait for the result.",
+            ),
+            go_option,
+        ]
+    ):
         f = option(f)
     return f
 
 
-def gated_request(request: str, policy: str | None, providers: str | None,
-                  budget_key: str | None, go: bool
-                  ) -> tuple[Any, dict[str, Any], list[str] | None]:  # fmt: skip
+def gated_request(
+    request: str, policy: str | None, providers: str | None, budget_key: str | None, go: bool
+) -> tuple[Any, dict[str, Any], list[str] | None]:
     """The config, the request and the providers asked for, once the --go gate let them
     through (a dry run prints the race's worst case and exits 2)."""
     from .. import settings as process_settings
@@ -150,20 +164,30 @@ def gated_request(request: str, policy: str | None, providers: str | None,
 @click.command(name="race")
 @race_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def command(request: str, policy: str | None, providers: str | None, budget_key: str | None,
-            timeout_s: float, as_json: bool, go: bool) -> None:  # fmt: skip
+def command(
+    request: str,
+    policy: str | None,
+    providers: str | None,
+    budget_key: str | None,
+    timeout_s: float,
+    as_json: bool,
+    go: bool,
+) -> None:
     """Race REQUEST (a JSON object) on the workers; a dry run unless --go."""
     _cfg, body, names = gated_request(request, policy, providers, budget_key, go)
 
     try:
-        out = send_race(body, policy=policy, providers=names, budget_key=budget_key,
-                        timeout_s=timeout_s)  # fmt: skip
+        out = send_race(
+            body, policy=policy, providers=names, budget_key=budget_key, timeout_s=timeout_s
+        )
     except RaceFailed as e:
         click.echo(f"race {e.race_id} failed ({e.reason}): {e}", err=True)
         raise click.exceptions.Exit(1) from None
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(f"race {out['race_id']}: {out['winner']} won in {out['e2e_ms']:.0f} ms "
-                   f"({'hedged' if out['hedged'] else 'not hedged'}); "
-                   f"gpuhedge-celery receipt {out['race_id']}")  # fmt: skip
+        click.echo(
+            f"race {out['race_id']}: {out['winner']} won in {out['e2e_ms']:.0f} ms "
+            f"({'hedged' if out['hedged'] else 'not hedged'}); "
+            f"gpuhedge-celery receipt {out['race_id']}"
+        )

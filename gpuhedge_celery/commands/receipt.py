@@ -102,9 +102,10 @@ def render(receipt: dict[str, Any]) -> str:
             )
     if receipt.get("leaks"):
         lines.append("")
-        lines.append("LEAKED (may still be billing): " + ", ".join(
-            f"{x['provider']} job {x['job_id']}" for x in receipt["leaks"]
-        ))  # fmt: skip
+        lines.append(
+            "LEAKED (may still be billing): "
+            + ", ".join(f"{x['provider']} job {x['job_id']}" for x in receipt["leaks"])
+        )
     return "\n".join(lines)
 
 

@@ -47,11 +47,16 @@ def command() -> None:
 
 
 @command.command("export")
-@click.option("--since", default=None, metavar="T",
-              help="Only races finished at or after this time "
-              "(ISO-8601, UTC without an offset; or epoch seconds).")  # fmt: skip
-@click.option("--until", default=None, metavar="T",
-              help="Only races finished at or before this time.")  # fmt: skip
+@click.option(
+    "--since",
+    default=None,
+    metavar="T",
+    help="Only races finished at or after this time "
+    "(ISO-8601, UTC without an offset; or epoch seconds).",
+)
+@click.option(
+    "--until", default=None, metavar="T", help="Only races finished at or before this time."
+)
 def export(since: str | None, until: str | None) -> None:
     """Write the stream's records as JSONL to stdout (oldest first; a count to stderr)."""
     from ..store import codec

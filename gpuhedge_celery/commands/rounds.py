@@ -48,8 +48,15 @@ from .race import _request
 STAGE = "gpuhedge-celery"
 
 
-def _arm(cfg: Any, budget: JobBudget, provider: Any, request: dict[str, Any],
-         job: str, secrets: list[str], live: LiveJobs) -> dict[str, Any]:  # fmt: skip
+def _arm(
+    cfg: Any,
+    budget: JobBudget,
+    provider: Any,
+    request: dict[str, Any],
+    job: str,
+    secrets: list[str],
+    live: LiveJobs,
+) -> dict[str, Any]:
     """Run one provider's job of a round to its end (or its cap): its trace entry."""
     from ._accounts import one_line
 
@@ -57,9 +64,16 @@ def _arm(cfg: Any, budget: JobBudget, provider: Any, request: dict[str, Any],
         handle = provider.submit(request)
     except GpuHedgeError as e:
         budget.settle(job, 0.0, ESTIMATED)
-        return {"state": "SUBMIT_FAILED", "wall_s": 0.0, "valid": False,
-                "validation_reasons": [], "projected_cost_usd": 0.0, "metrics": {},
-                "events": [], "error": one_line(e, secrets)}  # fmt: skip
+        return {
+            "state": "SUBMIT_FAILED",
+            "wall_s": 0.0,
+            "valid": False,
+            "validation_reasons": [],
+            "projected_cost_usd": 0.0,
+            "metrics": {},
+            "events": [],
+            "error": one_line(e, secrets),
+        }
     live.add(provider, handle)
     try:
         return _follow(cfg, budget, provider, handle, job, secrets)
@@ -67,8 +81,9 @@ def _arm(cfg: Any, budget: JobBudget, provider: Any, request: dict[str, Any],
         live.done(handle)
 
 
-def _follow(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str,
-            secrets: list[str]) -> dict[str, Any]:  # fmt: skip
+def _follow(
+    cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str, secrets: list[str]
+) -> dict[str, Any]:
     """Wait for a submitted job's result (cancelling it at its cap), settle it, trace it."""
     from ._accounts import one_line
 
@@ -79,9 +94,16 @@ def _follow(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str,
     except GpuHedgeError as e:  # the job's fate is unknown: stop it, keep its worst case
         receipt = provider.cancel(handle)
         budget.settle(job, worst, ESTIMATED if not receipt.leaked else UNPROVEN)
-        return {"state": "FAILED", "wall_s": 0.0, "valid": False, "validation_reasons": [],
-                "projected_cost_usd": None, "metrics": {}, "events": [],
-                "error": one_line(e, secrets)}  # fmt: skip
+        return {
+            "state": "FAILED",
+            "wall_s": 0.0,
+            "valid": False,
+            "validation_reasons": [],
+            "projected_cost_usd": None,
+            "metrics": {},
+            "events": [],
+            "error": one_line(e, secrets),
+        }
     wall_s = result.wall_ms / 1000.0 / scale  # the job's submit -> its result, as a race sees it
     cost = result.metrics.get("cost_usd")
     if result.state is JobState.TIMEOUT:  # at its cap: stop it, as a race would
@@ -107,13 +129,20 @@ def _follow(cfg: Any, budget: JobBudget, provider: Any, handle: Any, job: str,
         "events": [
             {"t_ms": round(e.t_ms / scale, 3), "stage": e.stage, "detail": e.detail}
             for e in result.events
-        ],  # fmt: skip
+        ],
         "error": None if result.error is None else one_line(result.error, secrets),
     }
 
 
-def run_round(cfg: Any, budget: JobBudget, providers: list[Any], request: dict[str, Any],
-              round_id: int, secrets: list[str], live: LiveJobs) -> dict[str, Any]:  # fmt: skip
+def run_round(
+    cfg: Any,
+    budget: JobBudget,
+    providers: list[Any],
+    request: dict[str, Any],
+    round_id: int,
+    secrets: list[str],
+    live: LiveJobs,
+) -> dict[str, Any]:
     """One paired round: every provider's job submitted at once (one thread each)."""
     for p in providers:  # reserve every job before any is submitted: all or none run
         budget.reserve(f"{round_id}-{p.name}", p.name)
@@ -191,8 +220,15 @@ def _last_round(path: str) -> int:
     "--append", is_flag=True, help="Add rounds to an existing --out file (round ids continue)."
 )
 @go_option
-def command(count: int, wait_s: float, names: str | None, request_text: str, out_path: str,
-            append: bool, go: bool) -> None:  # fmt: skip
+def command(
+    count: int,
+    wait_s: float,
+    names: str | None,
+    request_text: str,
+    out_path: str,
+    append: bool,
+    go: bool,
+) -> None:
     """Run paired cold rounds (every provider, the same request) and write replayable traces;
     a dry run unless --go."""
     from ..cli import root_config
@@ -204,13 +240,22 @@ def command(count: int, wait_s: float, names: str | None, request_text: str, out
     if len(chosen) < 2:
         raise ConfigError("a paired round needs at least two providers", key="--providers")
     if os.path.exists(out_path) and not append:
-        raise ConfigError("exists: add --append to add rounds to it, or name a new file",
-                          key="--out", file=out_path)  # fmt: skip
+        raise ConfigError(
+            "exists: add --append to add rounds to it, or name a new file",
+            key="--out",
+            file=out_path,
+        )
     first = _last_round(out_path) + 1 if append else 1
     worst = sum(job_worst_usd(cfg, n) for n in chosen) * count
-    gate(go, [f"would run {count} paired round(s) of {len(chosen)} provider(s), "
-              f"{wait_s:g} s apart, into {out_path}", *plan_lines(cfg, chosen, count)],
-         worst)  # fmt: skip
+    gate(
+        go,
+        [
+            f"would run {count} paired round(s) of {len(chosen)} provider(s), "
+            f"{wait_s:g} s apart, into {out_path}",
+            *plan_lines(cfg, chosen, count),
+        ],
+        worst,
+    )
     secrets = secrets_of(cfg)
     providers = [build(cfg, n) for n in chosen]
     budget = JobBudget(cfg, "rounds")
@@ -235,7 +280,11 @@ def command(count: int, wait_s: float, names: str | None, request_text: str, out
 
     with out:
         on_interrupt(live, run)
-    rates = " ".join(f"--rate {n}={p.billed_rate_per_s:g}:{p.idle_billed_seconds:g}"
-                     for n, p in ((n, cfg.provider(n)) for n in chosen))  # fmt: skip
-    click.echo(f"wrote {count} round(s) to {out_path}; replay them with "
-               f"`gpuhedge-celery replay {out_path} {rates}`")  # fmt: skip
+    rates = " ".join(
+        f"--rate {n}={p.billed_rate_per_s:g}:{p.idle_billed_seconds:g}"
+        for n, p in ((n, cfg.provider(n)) for n in chosen)
+    )
+    click.echo(
+        f"wrote {count} round(s) to {out_path}; replay them with "
+        f"`gpuhedge-celery replay {out_path} {rates}`"
+    )

@@ -28,8 +28,14 @@ def _store() -> Any:
     return RaceStore(cli_redis_client(), root_settings().prefix)
 
 
-def _row(race_id: str, last_seen_ms: int, state: dict[str, Any] | None, jobs: dict, now: float,
-         done: bool) -> dict[str, Any]:  # fmt: skip
+def _row(
+    race_id: str,
+    last_seen_ms: int,
+    state: dict[str, Any] | None,
+    jobs: dict,
+    now: float,
+    done: bool,
+) -> dict[str, Any]:
     """One race as the table (and ``--json``) shows it."""
     if state is None:
         return {"race_id": race_id, "status": "expired", "live_jobs": sorted(jobs)}

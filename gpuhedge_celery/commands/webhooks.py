@@ -19,30 +19,48 @@ from ..errors import ConfigError
 
 @click.command("webhooks")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
-@click.option("--port", default=8088, show_default=True, type=click.IntRange(0, 65535),
-              help="TCP port.")  # fmt: skip
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
-              help="Receiver processes sharing the port (each applies deliveries with its "
-              "own Redis clients); about one per core the receiver may use.")  # fmt: skip
-@click.option("--threads", default=16, show_default=True, type=click.IntRange(1, 256),
-              help="Threads applying deliveries, per process (each waits on Redis).")  # fmt: skip
+@click.option(
+    "--port", default=8088, show_default=True, type=click.IntRange(0, 65535), help="TCP port."
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Receiver processes sharing the port (each applies deliveries with its "
+    "own Redis clients); about one per core the receiver may use.",
+)
+@click.option(
+    "--threads",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Threads applying deliveries, per process (each waits on Redis).",
+)
 def command(host: str, port: int, workers: int, threads: int) -> None:
     """Serve provider webhooks: each delivery becomes its race's event, saved before the reply."""
     try:
         import uvicorn  # noqa: F401 - present, or say which extra brings it
     except ImportError:
-        raise ConfigError("the webhook receiver needs uvicorn: pip install "
-                          "'gpuhedge-celery[webhooks]'", key="webhooks") from None  # fmt: skip
+        raise ConfigError(
+            "the webhook receiver needs uvicorn: pip install 'gpuhedge-celery[webhooks]'",
+            key="webhooks",
+        ) from None
     from .. import settings as process_settings
     from ..webhooks.serve import serve
 
     settings = process_settings.current().webhooks
     if not settings.secret:
-        raise ConfigError("is not set: the receiver cannot check tokens",
-                          key="GPUHEDGE_WEBHOOK_SECRET")  # fmt: skip
+        raise ConfigError(
+            "is not set: the receiver cannot check tokens", key="GPUHEDGE_WEBHOOK_SECRET"
+        )
     if workers > 1 and port == 0:
-        raise click.BadParameter("needs a fixed --port (each process binds it)",
-                                 param_hint="--workers")  # fmt: skip
-    click.echo(f"gpuhedge-celery webhooks: listening on http://{host}:{port}"
-               + (f" ({workers} processes)" if workers > 1 else ""), err=True)  # fmt: skip
+        raise click.BadParameter(
+            "needs a fixed --port (each process binds it)", param_hint="--workers"
+        )
+    click.echo(
+        f"gpuhedge-celery webhooks: listening on http://{host}:{port}"
+        + (f" ({workers} processes)" if workers > 1 else ""),
+        err=True,
+    )
     sys.exit(serve(host, port, workers=workers, threads=threads))

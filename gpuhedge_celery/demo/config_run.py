@@ -154,12 +154,18 @@ def race_summary(receipt: dict[str, Any], scale: float, primary_slow: bool) -> d
         if winner is not None and a["id"] == winner["id"]:
             continue
         c = a.get("cancel_receipt") or {}
-        losers.append({
-            "provider": a["provider"], "role": a["role"], "state": a.get("state"),
-            "evidence": c.get("evidence"), "terminal_status": c.get("terminal_status"),
-            "execution_s_before_cancel": (c.get("execution_ms_before_cancel") or 0) / 1000,
-            "estimated_cost_usd": c.get("estimated_cost_usd"), "leaked": c.get("leaked"),
-        })  # fmt: skip
+        losers.append(
+            {
+                "provider": a["provider"],
+                "role": a["role"],
+                "state": a.get("state"),
+                "evidence": c.get("evidence"),
+                "terminal_status": c.get("terminal_status"),
+                "execution_s_before_cancel": (c.get("execution_ms_before_cancel") or 0) / 1000,
+                "estimated_cost_usd": c.get("estimated_cost_usd"),
+                "leaked": c.get("leaked"),
+            }
+        )
     latency = receipt.get("latency_ms")
     return {
         "race_id": receipt.get("race_id"),

@@ -155,8 +155,10 @@ def run_demo(
     kind = "embedded fakeredis (simulated Redis)" if embedded else redact_url(redis_url)
     report = DemoReport(redis=kind, prefix=prefix)
     echo(f"Redis: {kind}; key prefix {prefix}")
-    echo("Starting Celery workers: 1 coordinator (races, attempts, pool waiters) and "
-         f"{POOL_GPUS} GPU workers (CPU runners standing in for GPUs)...")  # fmt: skip
+    echo(
+        "Starting Celery workers: 1 coordinator (races, attempts, pool waiters) and "
+        f"{POOL_GPUS} GPU workers (CPU runners standing in for GPUs)..."
+    )
     workers.start("coord")
     for i in range(POOL_GPUS):
         workers.start(
@@ -174,12 +176,16 @@ def run_demo(
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")
         _scenarios(hedged_infer, store, cfg.time_scale, echo, report)
         if embedded:
-            echo("  (the embedded Redis goes away when the demo ends: run it with --redis-url "
-                 "redis://... to keep the receipts for `gpuhedge-celery receipt`)\n")  # fmt: skip
+            echo(
+                "  (the embedded Redis goes away when the demo ends: run it with --redis-url "
+                "redis://... to keep the receipts for `gpuhedge-celery receipt`)\n"
+            )
         else:
-            echo(f"  read any receipt for the next {RECEIPT_TTL_S // 60} minutes with:\n"
-                 f"    gpuhedge-celery --redis-url {kind} --prefix {prefix} receipt "
-                 f"RACE_ID [--json]\n")  # fmt: skip
+            echo(
+                f"  read any receipt for the next {RECEIPT_TTL_S // 60} minutes with:\n"
+                f"    gpuhedge-celery --redis-url {kind} --prefix {prefix} receipt "
+                f"RACE_ID [--json]\n"
+            )
         # The policy batch runs in the background while the pool sections play out.
         pending = _submit_batch(hedged_infer, races)
         _pool(redis_url, prefix, pool_jobs, echo, report)
@@ -228,11 +234,18 @@ def _scenarios(hedged_infer: Any, store: Any, scale: float, echo: Echo, report: 
     for race_id, (_label, _res, key, policy) in started.items():
         receipt = final_receipt(store, race_id)
         report.scenarios.append(
-            {"race_id": race_id, "sim_key": key, "policy": policy,
-             "winner": receipt.get("winner_provider"), "hedged": receipt.get("hedged"),
-             "cut_over": receipt.get("cut_over"), "escalated": receipt.get("escalated"),
-             "leaked": receipt.get("leaked"), "wasted_usd": receipt.get("wasted_usd")}
-        )  # fmt: skip
+            {
+                "race_id": race_id,
+                "sim_key": key,
+                "policy": policy,
+                "winner": receipt.get("winner_provider"),
+                "hedged": receipt.get("hedged"),
+                "cut_over": receipt.get("cut_over"),
+                "escalated": receipt.get("escalated"),
+                "leaked": receipt.get("leaked"),
+                "wasted_usd": receipt.get("wasted_usd"),
+            }
+        )
     last = list(started)[-1]
     echo(f"\nEvery race leaves an audited receipt. The cascade race's (race id {last}):")
     from ..commands.receipt import render
@@ -295,11 +308,15 @@ def _batch_summary(
             hedged += bool(r.get("hedged"))
             leaks += bool(r.get("leaked"))
         row: dict[str, Any] = {
-            "policy": policy, "n": len(lat), "p50_s": nearest_rank(lat, 0.5),
+            "policy": policy,
+            "n": len(lat),
+            "p50_s": nearest_rank(lat, 0.5),
             "p95_s": nearest_rank(lat, 0.95),
             "misses": {str(d): misses(lat, d) for d in deadlines},
-            "hedged": hedged, "active_usd": sum(active) / max(1, len(active)), "leaks": leaks,
-        }  # fmt: skip
+            "hedged": hedged,
+            "active_usd": sum(active) / max(1, len(active)),
+            "leaks": leaks,
+        }
         report.summary.append(row)
         echo(
             f"  {policy:<12} {row['p50_s']:>7.1f} {row['p95_s']:>7.1f} "
@@ -342,8 +359,15 @@ def _pool(redis_url: str, prefix: str, jobs: int, echo: Echo, report: DemoReport
     for i, res in enumerate(results):
         out = res.get(timeout=60)
         started = float(out.get("started_at") or 0.0) - t0
-        report.pool.append({"job": i, "gpu": out["gpu_id"], "token": out["token"],
-                            "started_s": started, "run_s": out.get("run_s")})  # fmt: skip
+        report.pool.append(
+            {
+                "job": i,
+                "gpu": out["gpu_id"],
+                "token": out["token"],
+                "started_s": started,
+                "run_s": out.get("run_s"),
+            }
+        )
         echo(f"  job {i}: GPU {out['gpu_id']} token {out['token']:<3} started at +{started:.2f} s")
     echo("  each GPU took the next job the moment its lease was released (keyspace event).\n")
 
@@ -383,10 +407,16 @@ def _pool_primary(
             echo(f"  race {res.id} failed: {type(e).__name__}: {e}")
         receipt = final_receipt(store, res.id)
         report.pool_races.append(
-            {"case": case, "race_id": res.id, "winner": receipt.get("winner_provider"),
-             "cut_over": receipt.get("cut_over"), "hedged": receipt.get("hedged"),
-             "leaked": receipt.get("leaked"), "wasted_usd": receipt.get("wasted_usd")}
-        )  # fmt: skip
+            {
+                "case": case,
+                "race_id": res.id,
+                "winner": receipt.get("winner_provider"),
+                "cut_over": receipt.get("cut_over"),
+                "hedged": receipt.get("hedged"),
+                "leaked": receipt.get("leaked"),
+                "wasted_usd": receipt.get("wasted_usd"),
+            }
+        )
         for b in blockers:
             b.get(timeout=30)
     echo("")

@@ -41,10 +41,20 @@ class LocalWorkers:
     def start(self, name: str, **extra_env: str) -> LocalWorker:
         log_path = self.dir / f"{name}.log"
         argv = [
-            sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "worker",
-            "-n", f"{name}@demo", "--loglevel", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "gpuhedge_celery",
+            "worker",
+            "-n",
+            f"{name}@demo",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         with open(log_path, "wb") as out:
             process = subprocess.Popen(
                 argv,

@@ -25,8 +25,12 @@ OFF_VALUES = METRICS_OFF
 
 # failure reasons of a race without a winner (a small fixed set: a label's values)
 INVALID, TIMEOUT, SUBMIT_FAILED, PROVIDER_FAILED, OTHER = (
-    "invalid_result", "timeout", "submit_failed", "provider_failed", "other",
-)  # fmt: skip
+    "invalid_result",
+    "timeout",
+    "submit_failed",
+    "provider_failed",
+    "other",
+)
 TIMER_KINDS = frozenset({"policy", "watch", "cancel", "launch"})
 ERROR_KINDS = frozenset({"timeout", "connection", "rate_limited", "http", "protocol", "rejected"})
 

@@ -152,10 +152,11 @@ def modal_spend(provider: Any, since: float, now: float | None = None) -> SpendR
         return SpendReport(name, UNAVAILABLE, None, start, until, detail)
     env = provider.target.environment
     mine = [
-        r for r in rows
+        r
+        for r in rows
         if r.get("description") == provider.target.app
         and (env is None or r.get("environment_name") in (env, ""))
-    ]  # fmt: skip
+    ]
     usd = round(sum(float(r.get("cost") or 0.0) for r in mine), 9)
     detail = f"workspace billing report: app {provider.target.app}, {len(mine)} daily row(s)"
     return SpendReport(name, AVAILABLE, usd, start, until, detail)
@@ -187,8 +188,11 @@ def cerebrium_login_check(provider: Any) -> LoginCheck:
     if code in (401, 403):
         return check(FAILED, f"{what}: HTTP {code}: key refused")
     if code == 404:
-        return check(FAILED, f"{what}: HTTP 404: no app {app_id!r} in project {project!r} "
-                     "(check project_id, app and app_id: cancels would fail)")  # fmt: skip
+        return check(
+            FAILED,
+            f"{what}: HTTP 404: no app {app_id!r} in project {project!r} "
+            "(check project_id, app and app_id: cancels would fail)",
+        )
     if code >= 300:
         return check(FAILED, f"{what}: HTTP {code}: {response.text[:120]}")
     try:

@@ -43,9 +43,11 @@ def believable_ms(value: Any) -> bool:
     """Whether ``value`` is a duration a provider could have measured: a finite number of ms
     from 0 to :data:`MAX_REPORTED_MS` (not a bool)."""
     return (
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and 0 <= value <= MAX_REPORTED_MS
-    )  # fmt: skip
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_REPORTED_MS
+    )
 
 
 def reported_ms(provider: str, where: str, field: str, value: Any) -> float | None:
@@ -57,11 +59,13 @@ def reported_ms(provider: str, where: str, field: str, value: Any) -> float | No
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ProviderProtocolError(provider, f"{where}: field {field!r} is not a number of ms: "
-                                    f"{value!r}"[:200])  # fmt: skip
+        raise ProviderProtocolError(
+            provider, f"{where}: field {field!r} is not a number of ms: {value!r}"[:200]
+        )
     if not math.isfinite(value) or not 0 <= value <= MAX_REPORTED_MS:
-        raise ProviderProtocolError(provider, f"{where}: field {field!r} is {value!r} ms, "
-                                    "outside 0 to 7 days"[:200])  # fmt: skip
+        raise ProviderProtocolError(
+            provider, f"{where}: field {field!r} is {value!r} ms, outside 0 to 7 days"[:200]
+        )
     return float(value)
 
 

@@ -49,8 +49,10 @@ from .options import Block
 if TYPE_CHECKING:
     from ..config import ProviderConfig
 
-NO_WEBHOOK = ("not sent: Cerebrium reports async runs only by webhook; set GPUHEDGE_WEBHOOK_URL "
-              "and GPUHEDGE_WEBHOOK_SECRET and run `gpuhedge-celery webhooks`")  # fmt: skip
+NO_WEBHOOK = (
+    "not sent: Cerebrium reports async runs only by webhook; set GPUHEDGE_WEBHOOK_URL "
+    "and GPUHEDGE_WEBHOOK_SECRET and run `gpuhedge-celery webhooks`"
+)
 _MISSING = object()
 NEVER_CAME = "outcome unknown: no webhook arrived by the cap (the run may still be billing)"
 
@@ -62,8 +64,15 @@ class CerebriumProvider(Provider):
     reports_queue_state = False
     takes_webhooks = True
 
-    def __init__(self, name: str, spec: CerebriumSpec, *, env: Mapping[str, str] | None = None,
-                 transport: Any = None, **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        spec: CerebriumSpec,
+        *,
+        env: Mapping[str, str] | None = None,
+        transport: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(name, **kwargs)
         env = os.environ if env is None else env
         where = spec.where or f"providers.{name}.cerebrium"
@@ -96,12 +105,20 @@ class CerebriumProvider(Provider):
     @classmethod
     def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> CerebriumProvider:
         if not isinstance(cfg.spec, CerebriumSpec):
-            raise ConfigError("the cerebrium adapter needs a cerebrium block", file=cfg.source,
-                              key=f"providers.{cfg.name}.cerebrium")  # fmt: skip
+            raise ConfigError(
+                "the cerebrium adapter needs a cerebrium block",
+                file=cfg.source,
+                key=f"providers.{cfg.name}.cerebrium",
+            )
         kwargs.pop("ledger", None)
         kwargs.pop("limiter", None)
-        return cls(cfg.name, cfg.spec, billed_rate_per_s=cfg.billed_rate_per_s,
-                   idle_billed_seconds=cfg.idle_billed_seconds, **kwargs)  # fmt: skip
+        return cls(
+            cfg.name,
+            cfg.spec,
+            billed_rate_per_s=cfg.billed_rate_per_s,
+            idle_billed_seconds=cfg.idle_billed_seconds,
+            **kwargs,
+        )
 
     def close(self) -> None:
         if self._client is not None:
@@ -109,19 +126,23 @@ class CerebriumProvider(Provider):
             self._client = None
 
     # ------------------------------------------------------------------ the contract
-    def submit(self, request: dict[str, Any], *, context: Mapping[str, str] | None = None
-               ) -> JobHandle:  # fmt: skip
+    def submit(
+        self, request: dict[str, Any], *, context: Mapping[str, str] | None = None
+    ) -> JobHandle:
         url = (context or {}).get("url")
         if not url:
             raise SubmitError(self.name, NO_WEBHOOK)
         where = "submit POST /v4/{project}/{app}/{function}"
-        target = (f"{self.api_url}/v4/{quote(self.project, safe='')}/{quote(self.app, safe='')}"
-                  f"/{quote(self.function, safe='')}?async=true"
-                  f"&webhookEndpoint={quote(url, safe='')}")  # fmt: skip
+        target = (
+            f"{self.api_url}/v4/{quote(self.project, safe='')}/{quote(self.app, safe='')}"
+            f"/{quote(self.function, safe='')}?async=true"
+            f"&webhookEndpoint={quote(url, safe='')}"
+        )
         submitted_at = self.clock.now()
         try:
-            response = self._http().post(target, content=orjson.dumps(request),
-                                         headers={"content-type": "application/json"})  # fmt: skip
+            response = self._http().post(
+                target, content=orjson.dumps(request), headers={"content-type": "application/json"}
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             metrics.provider_call(self.name, "submit", failure_kind(e))
             raise SubmitError(self.name, f"{where}: not sent: {no_answer_reason(e)}") from None
@@ -133,8 +154,9 @@ class CerebriumProvider(Provider):
             metrics.provider_call(self.name, "submit", metrics.http_error_kind(code))
             if code >= 500:  # a gateway may answer 5xx for a run it started
                 raise self._unknown(where, f"HTTP {code}")
-            raise SubmitError(self.name, f"{where}: HTTP {code}: {self._snippet(response)} "
-                              "(not accepted)")  # fmt: skip
+            raise SubmitError(
+                self.name, f"{where}: HTTP {code}: {self._snippet(response)} (not accepted)"
+            )
         try:
             data = orjson.loads(response.content)
         except orjson.JSONDecodeError:
@@ -175,22 +197,35 @@ class CerebriumProvider(Provider):
         if isinstance(body, dict) and body.get("error") and (payload is _MISSING or not payload):
             error = self.scrub(" ".join(str(body["error"]).split()))[:300]
             events = [LifecycleEvent(wall_ms, "failed", "webhook")]
-            return AttemptResult(self.name, handle.job_id, JobState.FAILED, wall_ms, None,
-                                 metrics, events, f"run failed: {error}")  # fmt: skip
+            return AttemptResult(
+                self.name,
+                handle.job_id,
+                JobState.FAILED,
+                wall_ms,
+                None,
+                metrics,
+                events,
+                f"run failed: {error}",
+            )
         if payload is _MISSING:
-            raise ProviderProtocolError(self.name, f"webhook (run {handle.job_id!r}): no field "
-                                        f"{self.spec.payload!r} in the body")  # fmt: skip
+            raise ProviderProtocolError(
+                self.name,
+                f"webhook (run {handle.job_id!r}): no field {self.spec.payload!r} in the body",
+            )
         events = [LifecycleEvent(wall_ms, "completed", "webhook")]
-        return AttemptResult(self.name, handle.job_id, JobState.COMPLETED, wall_ms, payload,
-                             metrics, events)  # fmt: skip
+        return AttemptResult(
+            self.name, handle.job_id, JobState.COMPLETED, wall_ms, payload, metrics, events
+        )
 
     def cancel(self, handle: JobHandle) -> CancelReceipt:
         """``DELETE .../runs/{run_id}``: acknowledged at best (nothing confirms it)."""
         self.check_handle(handle)
         receipt = CancelReceipt(provider=self.name, job_id=handle.job_id)
         app_id = str(handle.extra.get("app_id") or self.app_id)
-        target = (f"{self.rest_url}/v2/projects/{quote(self.project, safe='')}/apps/"
-                  f"{quote(app_id, safe='')}/runs/{quote(handle.job_id, safe='')}")  # fmt: skip
+        target = (
+            f"{self.rest_url}/v2/projects/{quote(self.project, safe='')}/apps/"
+            f"{quote(app_id, safe='')}/runs/{quote(handle.job_id, safe='')}"
+        )
         receipt.cancel_sent_ms = self.now_ms()
         receipt.estimated_cost_usd = self.cost_usd(self.clock.now() - handle.submitted_at)
         try:
@@ -201,16 +236,19 @@ class CerebriumProvider(Provider):
             return receipt
         code = response.status_code
         # a 3xx is no acknowledgement either: an error of kind http
-        metrics.provider_call(self.name, "cancel", metrics.http_error_kind(code) if code >= 300
-                              else None)  # fmt: skip
+        metrics.provider_call(
+            self.name, "cancel", metrics.http_error_kind(code) if code >= 300 else None
+        )
         if code >= 300:
             receipt.note = f"cancel: HTTP {response.status_code}: {self._snippet(response)}"
             return receipt
         receipt.cancel_ack_ms = self.now_ms()
         receipt.upgrade(Evidence.PROVIDER_ACK)
         receipt.scope = CancelScope.REQUEST
-        receipt.note = ("acknowledged; Cerebrium cannot confirm an async run stopped (a running "
-                        "run may still finish and post its webhook)")  # fmt: skip
+        receipt.note = (
+            "acknowledged; Cerebrium cannot confirm an async run stopped (a running "
+            "run may still finish and post its webhook)"
+        )
         return receipt
 
     # --- account hooks (login-check, costs): see providers/account_checks.py ----------------
@@ -225,12 +263,14 @@ class CerebriumProvider(Provider):
     def _http(self) -> httpx.Client:
         with self._lock:
             if self._client is None or self._pid != os.getpid():  # a forked child: its own
-                timeout = httpx.Timeout(self.spec.read_timeout_s,
-                                        connect=self.spec.connect_timeout_s)  # fmt: skip
+                timeout = httpx.Timeout(
+                    self.spec.read_timeout_s, connect=self.spec.connect_timeout_s
+                )
                 self._client = httpx.Client(
-                    timeout=timeout, transport=self._transport,
+                    timeout=timeout,
+                    transport=self._transport,
                     auth=_BearerByApi(f"{self.rest_url}/v2/", self._rest_key, self._key),
-                )  # fmt: skip
+                )
                 self._pid = os.getpid()
             return self._client
 
@@ -241,8 +281,11 @@ class CerebriumProvider(Provider):
         return self.scrub(" ".join(response.text[:160].split()))
 
     def _unknown(self, where: str, why: str) -> ProviderError:
-        error = SubmitError(self.name, f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the run may "
-                            "exist without our knowing its id; not retried")  # fmt: skip
+        error = SubmitError(
+            self.name,
+            f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the run may "
+            "exist without our knowing its id; not retried",
+        )
         error.outcome_unknown = True  # type: ignore[attr-defined]
         return error
 

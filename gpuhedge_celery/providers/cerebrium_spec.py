@@ -57,16 +57,22 @@ class CerebriumSpec:
         names = {k: block.string(k) for k in ("project_id", "app", "function")}
         for key, value in names.items():
             if not _SEGMENT.match(value):
-                raise block.error(key, f"expected letters, digits, '_', '-', '.' or a ${{VAR}}, "
-                                  f"got {value!r}")  # fmt: skip
+                raise block.error(
+                    key, f"expected letters, digits, '_', '-', '.' or a ${{VAR}}, got {value!r}"
+                )
         api_key = block.string("api_key")
         rest_token = block.string("rest_token", None)
-        secrets = (("api_key", api_key, "CEREBRIUM_API_KEY"),
-                   ("rest_token", rest_token, "CEREBRIUM_REST_TOKEN"))  # fmt: skip
+        secrets = (
+            ("api_key", api_key, "CEREBRIUM_API_KEY"),
+            ("rest_token", rest_token, "CEREBRIUM_REST_TOKEN"),
+        )
         for key, value, example in secrets:
             if value is not None and not _ENV_ONLY.match(value.strip()):
-                raise block.error(key, f"expected a ${{VAR}} reference (keep the key out of the "
-                                  f'file: "${{{example}}}"), got a literal value')  # fmt: skip
+                raise block.error(
+                    key,
+                    f"expected a ${{VAR}} reference (keep the key out of the "
+                    f'file: "${{{example}}}"), got a literal value',
+                )
         urls = {}
         for key, default in (("api_url", DEFAULT_API_URL), ("rest_url", DEFAULT_REST_URL)):
             url = block.string(key, default).rstrip("/")

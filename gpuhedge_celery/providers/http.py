@@ -106,8 +106,11 @@ class HttpProvider(Provider):
     @classmethod
     def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> HttpProvider:
         if not isinstance(cfg.spec, HttpSpec):
-            raise ConfigError("the http adapter needs an http block", file=cfg.source,
-                              key=f"providers.{cfg.name}.http")  # fmt: skip
+            raise ConfigError(
+                "the http adapter needs an http block",
+                file=cfg.source,
+                key=f"providers.{cfg.name}.http",
+            )
         return cls(
             cfg.name,
             cfg.spec,
@@ -135,9 +138,10 @@ class HttpProvider(Provider):
         job_id = self._field(data, "submit", self.spec.submit, "job_id", self.spec.submit.job_id)
         if not isinstance(job_id, (str, int)) or job_id == "":
             raise ProviderProtocolError(
-                self.name, f"submit {self.spec.submit.label}: field "
-                f"{self.spec.submit.job_id!r} is not a job id: {job_id!r}"
-            )  # fmt: skip
+                self.name,
+                f"submit {self.spec.submit.label}: field "
+                f"{self.spec.submit.job_id!r} is not a job id: {job_id!r}",
+            )
         return JobHandle(self.name, str(job_id), submitted_at)
 
     def status(self, handle: JobHandle) -> JobState:
@@ -315,9 +319,13 @@ class HttpProvider(Provider):
         return data
 
     def _read_body(
-        self, response: httpx.Response, read_s: float, where: str,
-        error_cls: type[ProviderError], op: str,
-    ) -> bytes:  # fmt: skip
+        self,
+        response: httpx.Response,
+        read_s: float,
+        where: str,
+        error_cls: type[ProviderError],
+        op: str,
+    ) -> bytes:
         """The response body, read within ``read_s`` in all and at most ``max_response_bytes``
         long (see :mod:`.bounded_read`); a refused body is counted in the provider metrics
         (``timeout`` when too slow, ``protocol`` when too big)."""
@@ -377,13 +385,19 @@ class HttpProvider(Provider):
                 error = None
         if "execution_ms" in metrics and not believable_ms(metrics["execution_ms"]):
             if isinstance(metrics["execution_ms"], (int, float)):  # a number no job ran: dropped
-                log.warning("provider %r: %s %s: execution_ms %r is not believable; ignored",
-                            self.name, op, source_ep.label, metrics["execution_ms"])  # fmt: skip
+                log.warning(
+                    "provider %r: %s %s: execution_ms %r is not believable; ignored",
+                    self.name,
+                    op,
+                    source_ep.label,
+                    metrics["execution_ms"],
+                )
             del metrics["execution_ms"]
         if "execution_ms" in metrics:
             metrics["cost_usd"] = self.cost_usd(metrics["execution_ms"] / 1000.0)
-        return AttemptResult(self.name, handle.job_id, state, wall_ms, payload, metrics,
-                             events, error)  # fmt: skip
+        return AttemptResult(
+            self.name, handle.job_id, state, wall_ms, payload, metrics, events, error
+        )
 
     def _failed(
         self,
@@ -394,8 +408,16 @@ class HttpProvider(Provider):
     ) -> AttemptResult:
         wall_ms = self.elapsed_ms(handle)
         events = [*events, LifecycleEvent(wall_ms, "failed", "provider error")]
-        return AttemptResult(self.name, handle.job_id, JobState.FAILED, wall_ms, None,
-                             dict(metrics or {}), events, error)  # fmt: skip
+        return AttemptResult(
+            self.name,
+            handle.job_id,
+            JobState.FAILED,
+            wall_ms,
+            None,
+            dict(metrics or {}),
+            events,
+            error,
+        )
 
     def _confirm(
         self, receipt: CancelReceipt, handle: JobHandle, state: JobState, data: Any, queued: bool

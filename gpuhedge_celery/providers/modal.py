@@ -106,8 +106,11 @@ class ModalProvider(Provider):
     @classmethod
     def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> ModalProvider:
         if not isinstance(cfg.spec, ModalSpec):
-            raise ConfigError("the modal adapter needs a modal block", file=cfg.source,
-                              key=f"providers.{cfg.name}.modal")  # fmt: skip
+            raise ConfigError(
+                "the modal adapter needs a modal block",
+                file=cfg.source,
+                key=f"providers.{cfg.name}.modal",
+            )
         keep = {k: kwargs[k] for k in ("clock", "sleep", "client", "env") if k in kwargs}
         return cls(
             cfg.name,
@@ -126,9 +129,12 @@ class ModalProvider(Provider):
         timeout = self.spec.spawn_timeout_s
         try:
             call_id = self._call(
-                "submit", lambda: self.client.spawn(target, request), timeout, "spawn",
+                "submit",
+                lambda: self.client.spawn(target, request),
+                timeout,
+                "spawn",
                 self._reap_late,
-            )  # fmt: skip
+            )
         except SdkCallTimeout as e:
             if e.started:
                 unknown = SubmitError(
@@ -269,15 +275,21 @@ class ModalProvider(Provider):
         call_id = future.result()
         log.error(
             "provider %r: spawn answered after its %g s timeout with call %s; cancelling it",
-            self.name, self.spec.spawn_timeout_s, call_id,
-        )  # fmt: skip
+            self.name,
+            self.spec.spawn_timeout_s,
+            call_id,
+        )
         try:
             self.client.cancel(str(call_id))
             metrics.provider_call(self.name, "cancel")
         except Exception as e:
             metrics.provider_call(self.name, "cancel", "rejected")
-            log.error("provider %r: cancel of late call %s failed: %s",
-                      self.name, call_id, self.scrub(_text(e)))  # fmt: skip
+            log.error(
+                "provider %r: cancel of late call %s failed: %s",
+                self.name,
+                call_id,
+                self.scrub(_text(e)),
+            )
 
     def _finished(
         self, handle: JobHandle, outcome: Outcome, events: list[LifecycleEvent]
@@ -286,9 +298,15 @@ class ModalProvider(Provider):
         if outcome.state == EXPIRED:
             error = f"{OUTCOME_UNKNOWN} ({outcome.error})"
             events = [*events, LifecycleEvent(at, "expired", "outcome unknown")]
-            return AttemptResult(self.name, handle.job_id, JobState.FAILED, at,
-                                 metrics={"outcome_unknown": True}, events=events,
-                                 error=error)  # fmt: skip
+            return AttemptResult(
+                self.name,
+                handle.job_id,
+                JobState.FAILED,
+                at,
+                metrics={"outcome_unknown": True},
+                events=events,
+                error=error,
+            )
         if outcome.state == FAILED:
             state = _state(outcome)
             said = {"user_exception": "the function raised ", "cancelled": "cancelled: "}
@@ -304,14 +322,16 @@ class ModalProvider(Provider):
         except (TypeError, ValueError) as e:
             return self._failed(handle, events, f"the return value is not JSON data: {e}")
         events = [*events, LifecycleEvent(at, "completed")]
-        return AttemptResult(self.name, handle.job_id, JobState.COMPLETED, at, payload,
-                             events=events)  # fmt: skip
+        return AttemptResult(
+            self.name, handle.job_id, JobState.COMPLETED, at, payload, events=events
+        )
 
     def _failed(self, handle: JobHandle, events: list[LifecycleEvent], error: str) -> AttemptResult:
         at = self.elapsed_ms(handle)
         events = [*events, LifecycleEvent(at, "failed", "provider error")]
-        return AttemptResult(self.name, handle.job_id, JobState.FAILED, at, events=events,
-                             error=self.scrub(error))  # fmt: skip
+        return AttemptResult(
+            self.name, handle.job_id, JobState.FAILED, at, events=events, error=self.scrub(error)
+        )
 
     def _input_ended(
         self, receipt: CancelReceipt, handle: JobHandle, outcome: Outcome, notes: list[str]

@@ -412,9 +412,15 @@ class PoolProvider(Provider):
             error = _error_text(seen.meta) or f"ended {seen.state}"
         events.append(LifecycleEvent(wall_ms, str(seen.state).lower()))
         return AttemptResult(
-            self.name, handle.job_id, seen.state or JobState.UNKNOWN, wall_ms,
-            payload=payload, metrics=metrics, events=events, error=error,
-        )  # fmt: skip
+            self.name,
+            handle.job_id,
+            seen.state or JobState.UNKNOWN,
+            wall_ms,
+            payload=payload,
+            metrics=metrics,
+            events=events,
+            error=error,
+        )
 
 
 def _text(value: Any) -> str:

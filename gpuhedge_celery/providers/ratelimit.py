@@ -137,14 +137,18 @@ class RedisLimiter:
             limit.hold if behind else 0,
         ]
         try:
-            granted, wait_ms = self._script(keys=[self.keys.rate_bucket(scope, limit.route)],
-                                            args=args)  # fmt: skip
+            granted, wait_ms = self._script(
+                keys=[self.keys.rate_bucket(scope, limit.route)], args=args
+            )
         except Exception as e:  # never block provider calls on the limiter itself
             now = time.monotonic()
             if now - self._warned_at > 60:
                 self._warned_at = now
-                log.warning("rate limiter unavailable (%s: %s); requests pass unmetered",
-                            type(e).__name__, e)  # fmt: skip
+                log.warning(
+                    "rate limiter unavailable (%s: %s); requests pass unmetered",
+                    type(e).__name__,
+                    e,
+                )
             return Grant(True, 0.0)
         return Grant(bool(int(granted)), int(wait_ms) / 1000.0)
 

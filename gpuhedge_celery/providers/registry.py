@@ -140,6 +140,9 @@ def build_provider(name: str, cfg: ProviderConfig | Mapping[str, Any], **kwargs:
         cfg = cfg.renamed(name)
     cls = adapter_class(cfg.adapter, key=f"providers.{name}.adapter", file=cfg.source)
     if cls is None:
-        raise PluginNotImported(f"adapter {cfg.adapter!r} is a plugin's, not imported here",
-                                file=cfg.source, key=f"providers.{name}.adapter")  # fmt: skip
+        raise PluginNotImported(
+            f"adapter {cfg.adapter!r} is a plugin's, not imported here",
+            file=cfg.source,
+            key=f"providers.{name}.adapter",
+        )
     return cls.from_config(cfg, **kwargs)

@@ -133,14 +133,29 @@ class RunpodProvider(Provider):
     #: ``/status`` body there when the job ends (:meth:`webhook_result`)
     takes_webhooks = True
 
-    def __init__(self, name: str, spec: RunpodSpec, *, env: Mapping[str, str] | None = None,
-                 transport: Any = None, limiter: Any = None, balances: Any = None,
-                 **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        spec: RunpodSpec,
+        *,
+        env: Mapping[str, str] | None = None,
+        transport: Any = None,
+        limiter: Any = None,
+        balances: Any = None,
+        **kwargs: Any,
+    ):
         super().__init__(name, **kwargs)
         self.spec = spec
         self.balances = balances  # a BalanceStore: where ``costs`` keeps balance snapshots
-        self.api = RunpodApi(name, spec, env=env, transport=transport, limiter=limiter,
-                             sleep=self.sleep, clock=self.clock.now)  # fmt: skip
+        self.api = RunpodApi(
+            name,
+            spec,
+            env=env,
+            transport=transport,
+            limiter=limiter,
+            sleep=self.sleep,
+            clock=self.clock.now,
+        )
         self._fresh = _Memo()  # job id -> (state, when) from its own submit's answer
         self._terminal = _Memo()  # job id -> its terminal /status answer (final facts)
 
@@ -157,19 +172,28 @@ class RunpodProvider(Provider):
     @classmethod
     def from_config(cls, cfg: ProviderConfig, **kwargs: Any) -> RunpodProvider:
         if not isinstance(cfg.spec, RunpodSpec):
-            raise ConfigError("the runpod adapter needs a runpod block", file=cfg.source,
-                              key=f"providers.{cfg.name}.runpod")  # fmt: skip
+            raise ConfigError(
+                "the runpod adapter needs a runpod block",
+                file=cfg.source,
+                key=f"providers.{cfg.name}.runpod",
+            )
         kwargs.pop("ledger", None)  # the sim's build argument
         spec = with_cap_as_timeout(cfg.spec, cfg.timeout_s)
-        return cls(cfg.name, spec, billed_rate_per_s=cfg.billed_rate_per_s,
-                   idle_billed_seconds=cfg.idle_billed_seconds, **kwargs)  # fmt: skip
+        return cls(
+            cfg.name,
+            spec,
+            billed_rate_per_s=cfg.billed_rate_per_s,
+            idle_billed_seconds=cfg.idle_billed_seconds,
+            **kwargs,
+        )
 
     def close(self) -> None:
         self.api.close()
 
     # ------------------------------------------------------------------ the contract
-    def submit(self, request: dict[str, Any], *, context: Mapping[str, str] | None = None
-               ) -> JobHandle:  # fmt: skip
+    def submit(
+        self, request: dict[str, Any], *, context: Mapping[str, str] | None = None
+    ) -> JobHandle:
         """``POST /run``, once. ``context`` (webhooks on: ``race_id``, ``attempt_id``,
         ``token``, ``url``) gives the job its webhook: the configured template filled in, or
         the receiver's ``url``; without a context no webhook is sent."""
@@ -185,8 +209,9 @@ class RunpodProvider(Provider):
         elif context is not None and context.get("url"):
             body["webhook"] = context["url"]
         # A launch thread may wait a little for a /run token; never retried (see the module).
-        data = self.api.call("run", "POST", "/run", body=body,
-                             max_block_s=max(2.0, self.spec.retries.max_block_s))  # fmt: skip
+        data = self.api.call(
+            "run", "POST", "/run", body=body, max_block_s=max(2.0, self.spec.retries.max_block_s)
+        )
         job_id = data.get("id") if isinstance(data, dict) else None
         if not isinstance(job_id, str) or not job_id:  # accepted, but under which id?
             raise self.api.outcome_unknown("run POST /run", f"field 'id' is {job_id!r}"[:120])
@@ -286,8 +311,9 @@ class RunpodProvider(Provider):
         self.check_handle(handle)
         where = f"webhook (job {handle.job_id!r})"
         if not isinstance(body, dict) or not isinstance(body.get("status"), str):
-            raise ProviderProtocolError(self.name, f"{where}: expected an object with a string "
-                                        "'status'")  # fmt: skip
+            raise ProviderProtocolError(
+                self.name, f"{where}: expected an object with a string 'status'"
+            )
         if body.get("id") != handle.job_id:
             other = repr(body.get("id"))[:80]
             raise ProviderProtocolError(self.name, f"{where}: it names job {other}, not this one")
@@ -323,8 +349,14 @@ class RunpodProvider(Provider):
         try:
             # /cancel's budget is the tightest (100 per 10 s): it may wait for a token as
             # long as the confirmation window, which starts once the call was answered
-            self.api.call("cancel", "POST", "/cancel/{id}", job_id=handle.job_id,
-                          max_block_s=self.spec.cancel_confirm_s, behind=behind)  # fmt: skip
+            self.api.call(
+                "cancel",
+                "POST",
+                "/cancel/{id}",
+                job_id=handle.job_id,
+                max_block_s=self.spec.cancel_confirm_s,
+                behind=behind,
+            )
             receipt.cancel_ack_ms = self.now_ms()
             receipt.upgrade(Evidence.PROVIDER_ACK)
         except JobUnknown as e:
@@ -373,23 +405,32 @@ class RunpodProvider(Provider):
         return runpod_account.reported_spend(self, since)
 
     # ------------------------------------------------------------------ internals
-    def _status(self, handle: JobHandle, max_block_s: float, reserve_s: float = 0.0,
-                prepaid: bool = False) -> tuple[JobState, dict[str, Any]]:  # fmt: skip
+    def _status(
+        self, handle: JobHandle, max_block_s: float, reserve_s: float = 0.0, prepaid: bool = False
+    ) -> tuple[JobState, dict[str, Any]]:
         self.check_handle(handle)
         known = self._terminal.get(handle.job_id)
         if known is not None:
             return _state(known), known
-        data = self.api.call("status", "GET", "/status/{id}", job_id=handle.job_id,
-                             max_block_s=max_block_s, reserve_s=reserve_s,
-                             prepaid=prepaid)  # fmt: skip
+        data = self.api.call(
+            "status",
+            "GET",
+            "/status/{id}",
+            job_id=handle.job_id,
+            max_block_s=max_block_s,
+            reserve_s=reserve_s,
+            prepaid=prepaid,
+        )
         where = f"status GET /status/{{id}} (job {handle.job_id!r})"
         if not isinstance(data, dict):
-            raise ProviderProtocolError(self.name, f"{where}: expected an object, got "
-                                        f"{type(data).__name__}")  # fmt: skip
+            raise ProviderProtocolError(
+                self.name, f"{where}: expected an object, got {type(data).__name__}"
+            )
         raw = data.get("status")
         if not isinstance(raw, str):
-            raise ProviderProtocolError(self.name, f"{where}: field 'status' is missing or not "
-                                        f"a string: {raw!r}")  # fmt: skip
+            raise ProviderProtocolError(
+                self.name, f"{where}: field 'status' is missing or not a string: {raw!r}"
+            )
         for field in ("delayTime", "executionTime"):
             value = data.get(field)
             if value is None or believable_ms(value):
@@ -397,8 +438,13 @@ class RunpodProvider(Provider):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 reported_ms(self.name, where, field, value)  # not a number: a protocol error
             # a number no job could have run: never priced, the answer is still read
-            log.warning("provider %r: %s: %s %r ms is not believable; ignored", self.name,
-                        where, field, value)  # fmt: skip
+            log.warning(
+                "provider %r: %s: %s %r ms is not believable; ignored",
+                self.name,
+                where,
+                field,
+                value,
+            )
             data = {k: v for k, v in data.items() if k != field}
         state = STATES.get(raw.strip().upper(), JobState.UNKNOWN)
         if state.terminal:
@@ -418,32 +464,59 @@ class RunpodProvider(Provider):
             metrics["endpoint_workers_idle"] = _number(health, "workers.idle")
         return metrics
 
-    def _terminal_result(self, handle: JobHandle, state: JobState, data: dict[str, Any],
-                         events: list[LifecycleEvent]) -> AttemptResult:  # fmt: skip
+    def _terminal_result(
+        self, handle: JobHandle, state: JobState, data: dict[str, Any], events: list[LifecycleEvent]
+    ) -> AttemptResult:
         metrics, payload, error = self._metrics(data), None, None
         if state is JobState.COMPLETED:
             try:
                 payload = get_path(data, self.spec.payload)
             except MissingField:
-                return self._failed(handle, events, f"status GET /status/{{id}}: COMPLETED "
-                                    f"without field {self.spec.payload!r}", metrics)  # fmt: skip
+                return self._failed(
+                    handle,
+                    events,
+                    f"status GET /status/{{id}}: COMPLETED without field {self.spec.payload!r}",
+                    metrics,
+                )
         else:  # a job's error may echo what it was given: never a key
             error = self.scrub(f"{data.get('status')}: {data.get('error') or 'no error given'}")[
                 :500
             ]
         metrics["runpod_status"] = data.get("status")
-        return AttemptResult(self.name, handle.job_id, state, self.elapsed_ms(handle), payload,
-                             metrics, events, error)  # fmt: skip
+        return AttemptResult(
+            self.name,
+            handle.job_id,
+            state,
+            self.elapsed_ms(handle),
+            payload,
+            metrics,
+            events,
+            error,
+        )
 
-    def _failed(self, handle: JobHandle, events: list[LifecycleEvent], error: str,
-                metrics: dict[str, Any] | None = None) -> AttemptResult:  # fmt: skip
+    def _failed(
+        self,
+        handle: JobHandle,
+        events: list[LifecycleEvent],
+        error: str,
+        metrics: dict[str, Any] | None = None,
+    ) -> AttemptResult:
         wall_ms = self.elapsed_ms(handle)
         events = [*events, LifecycleEvent(wall_ms, "failed", "provider error")]
-        return AttemptResult(self.name, handle.job_id, JobState.FAILED, wall_ms, None,
-                             dict(metrics or {}), events, error)  # fmt: skip
+        return AttemptResult(
+            self.name,
+            handle.job_id,
+            JobState.FAILED,
+            wall_ms,
+            None,
+            dict(metrics or {}),
+            events,
+            error,
+        )
 
-    def _confirm(self, receipt: CancelReceipt, handle: JobHandle, state: JobState,
-                 data: dict[str, Any]) -> None:  # fmt: skip
+    def _confirm(
+        self, receipt: CancelReceipt, handle: JobHandle, state: JobState, data: dict[str, Any]
+    ) -> None:
         """Record a terminal ``/status`` answer: RunPod's own proof that the job stopped."""
         receipt.confirm_terminal(state, self.now_ms())
         receipt.billing_stop_confirmed = True  # its execution ended; executionTime is final

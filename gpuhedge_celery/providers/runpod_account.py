@@ -50,8 +50,9 @@ def query(provider: Any, text: str) -> dict[str, Any]:
     timeout = httpx.Timeout(spec.read_timeout_s, connect=spec.connect_timeout_s)
     try:
         with httpx.Client(transport=provider.api._transport, timeout=timeout) as client:
-            response = client.post(url, json={"query": text},
-                                   headers={"authorization": f"Bearer {key}"})  # fmt: skip
+            response = client.post(
+                url, json={"query": text}, headers={"authorization": f"Bearer {key}"}
+            )
     except httpx.HTTPError as e:
         raise AccountError(no_answer(what, e, [key])) from None
     code = response.status_code
@@ -119,5 +120,6 @@ def reported_spend(provider: Any, since: float, now: float | None = None) -> Spe
         return SpendReport(name, UNAVAILABLE, None, base.at, detail=detail)
     rate = myself.get("currentSpendPerHr")
     rate_text = f"; now ${float(rate):,.4f}/h" if isinstance(rate, (int, float)) else ""
-    return SpendReport(name, AVAILABLE, drop, base.at,
-                       detail=f"{BALANCE_DERIVED}: {span}{rate_text}")  # fmt: skip
+    return SpendReport(
+        name, AVAILABLE, drop, base.at, detail=f"{BALANCE_DERIVED}: {span}{rate_text}"
+    )

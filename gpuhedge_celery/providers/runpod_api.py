@@ -77,12 +77,14 @@ class RunpodApi:
         where = spec.where or f"providers.{provider}.runpod"
         self.provider = provider
         self.spec = spec
-        self.endpoint_id = substitute_env(spec.endpoint_id, env, file=spec.file,
-                                          key=f"{where}.endpoint_id")  # fmt: skip
+        self.endpoint_id = substitute_env(
+            spec.endpoint_id, env, file=spec.file, key=f"{where}.endpoint_id"
+        )
         base = substitute_env(spec.base_url, env, file=spec.file, key=f"{where}.base_url")
         self._key = substitute_env(spec.api_key, env, file=spec.file, key=f"{where}.api_key")
-        self.graphql_url = substitute_env(spec.graphql_url, env, file=spec.file,
-                                          key=f"{where}.graphql_url")  # fmt: skip
+        self.graphql_url = substitute_env(
+            spec.graphql_url, env, file=spec.file, key=f"{where}.graphql_url"
+        )
         self.webhook = (
             substitute_env(spec.webhook, env, file=spec.file, key=f"{where}.webhook")
             if spec.webhook
@@ -91,9 +93,9 @@ class RunpodApi:
         self.root = f"{base.rstrip('/')}/{quote(self.endpoint_id, safe='')}"
         self.scope = f"runpod:{self.endpoint_id}"
         self._transport = transport
-        self._limiter = limiter if limiter is not None else (
-            None if spec.shared_limits else LocalLimiter()
-        )  # fmt: skip
+        self._limiter = (
+            limiter if limiter is not None else (None if spec.shared_limits else LocalLimiter())
+        )
         self._sleep = sleep
         self._clock = clock
         self._waited = threading.local()  # per thread: the token wait of its last call
@@ -158,8 +160,11 @@ class RunpodApi:
             if time.monotonic() + delay > block_end:
                 # The retry is due later than this caller may block (a watch poll may not at
                 # all: its thread serves every race's timers): it is handed back as a deferral.
-                raise RateLimited(self.provider, f"{_text(sent.error)}; retry in {delay:.2f} s",
-                                  retry_at=self._clock() + delay)  # fmt: skip
+                raise RateLimited(
+                    self.provider,
+                    f"{_text(sent.error)}; retry in {delay:.2f} s",
+                    retry_at=self._clock() + delay,
+                )
             self._sleep(delay)
             attempt += 1
 
@@ -167,8 +172,9 @@ class RunpodApi:
         """How long this thread's last call waited for its rate-limit tokens."""
         return getattr(self._waited, "s", 0.0)
 
-    def _take(self, limit: RouteLimit, where: str, block_s: float, reserve_s: float,
-              behind: bool = False) -> None:  # fmt: skip
+    def _take(
+        self, limit: RouteLimit, where: str, block_s: float, reserve_s: float, behind: bool = False
+    ) -> None:
         """A token for one request: waited for up to ``block_s``, reserved up to
         ``reserve_s`` ahead (raises, see :meth:`call`), else refused (raises). ``behind``:
         asked again at each time the limiter names until granted or ``block_s`` runs out."""
@@ -198,8 +204,10 @@ class RunpodApi:
     def health(self, timeout_s: float = 2.0) -> Any:
         """``GET /health`` once, not retried (the caller caches it; see RunpodProvider)."""
         where = "health GET /health"
-        timeout = httpx.Timeout(min(timeout_s, self.spec.read_timeout_s),
-                                connect=min(timeout_s, self.spec.connect_timeout_s))  # fmt: skip
+        timeout = httpx.Timeout(
+            min(timeout_s, self.spec.read_timeout_s),
+            connect=min(timeout_s, self.spec.connect_timeout_s),
+        )
         try:
             code, content, _ = self._request("GET", self.root + "/health", None, timeout)
         except httpx.HTTPError as e:
@@ -219,20 +227,27 @@ class RunpodApi:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             # Never connected: the request provably did not reach RunPod.
             cls = SubmitError if submit else ProviderError
-            return _Sent(error=cls(self.provider, f"{where}: not sent: {no_answer_reason(e)}"),
-                         retryable=not submit, kind=failure_kind(e))  # fmt: skip
+            return _Sent(
+                error=cls(self.provider, f"{where}: not sent: {no_answer_reason(e)}"),
+                retryable=not submit,
+                kind=failure_kind(e),
+            )
         except httpx.HTTPError as e:
             if submit:
                 why = f"{type(e).__name__} after sending"
                 return _Sent(error=self.outcome_unknown(where, why), kind=failure_kind(e))
             detail = f"{where}: {type(e).__name__}: {self._scrub(str(e))[:120]}"
-            return _Sent(error=ProviderError(self.provider, detail), retryable=True,
-                         kind=failure_kind(e))  # fmt: skip
+            return _Sent(
+                error=ProviderError(self.provider, detail), retryable=True, kind=failure_kind(e)
+            )
         except BodyRefused as e:  # an answer began, too big or too slow to read
             if submit:
                 return _Sent(error=self.outcome_unknown(where, str(e)), kind=failure_kind(e))
-            return _Sent(error=ProviderError(self.provider, f"{where}: {e}"),
-                         retryable=e.too_slow, kind=failure_kind(e))  # fmt: skip
+            return _Sent(
+                error=ProviderError(self.provider, f"{where}: {e}"),
+                retryable=e.too_slow,
+                kind=failure_kind(e),
+            )
         if code < 400:
             try:
                 return _Sent(answer=self._json(content, where, ProviderProtocolError))
@@ -248,22 +263,31 @@ class RunpodApi:
                 return _Sent(error=self.outcome_unknown(where, f"HTTP {code}"), kind=kind)
             return _Sent(error=SubmitError(self.provider, f"{text} (not accepted)"), kind=kind)
         if code == 404:
-            return _Sent(error=JobUnknown(
-                self.provider, f"{where}: HTTP 404: the job is unknown to RunPod (expired or "
-                f"never existed; {RESULTS_KEPT}): outcome unknown",
-            ), kind=kind)  # fmt: skip
+            return _Sent(
+                error=JobUnknown(
+                    self.provider,
+                    f"{where}: HTTP 404: the job is unknown to RunPod (expired or "
+                    f"never existed; {RESULTS_KEPT}): outcome unknown",
+                ),
+                kind=kind,
+            )
         after = _retry_after(answer_headers.get("retry-after"), self._clock())
         if code == 429:
             error = RateLimited(self.provider, text, retry_at=self._clock() + (after or 0.0))
             return _Sent(error=error, retryable=True, retry_after=after, kind=kind)
-        return _Sent(error=ProviderError(self.provider, text), retryable=code in RETRYABLE,
-                     retry_after=after, kind=kind)  # fmt: skip
+        return _Sent(
+            error=ProviderError(self.provider, text),
+            retryable=code in RETRYABLE,
+            retry_after=after,
+            kind=kind,
+        )
 
     def outcome_unknown(self, where: str, why: str) -> SubmitError:
         return SubmitError(
-            self.provider, f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the job may exist "
+            self.provider,
+            f"{where}: {SUBMIT_OUTCOME_UNKNOWN} ({why}): the job may exist "
             "without our knowing its id; not retried (/run takes no idempotency key)",
-        )  # fmt: skip
+        )
 
     def _request(
         self, method: str, url: str, body: Any, timeout: httpx.Timeout | None = None
@@ -274,8 +298,9 @@ class RunpodApi:
         headers = _JSON if body is not None else None
         read_s = self.spec.read_timeout_s if timeout is None else timeout.read
         extra = {} if timeout is None else {"timeout": timeout}
-        with self._http().stream(method, url, content=content, headers=headers,
-                                 **extra) as response:  # fmt: skip
+        with self._http().stream(
+            method, url, content=content, headers=headers, **extra
+        ) as response:
             data = read_bounded(response, limit=self.spec.max_response_bytes, read_s=read_s)
             return response.status_code, data, response.headers
 
@@ -295,13 +320,15 @@ class RunpodApi:
         if self._client is None or self._client_pid != os.getpid():
             with self._lock:
                 if self._client is None or self._client_pid != os.getpid():
-                    timeout = httpx.Timeout(self.spec.read_timeout_s,
-                                            connect=self.spec.connect_timeout_s)  # fmt: skip
+                    timeout = httpx.Timeout(
+                        self.spec.read_timeout_s, connect=self.spec.connect_timeout_s
+                    )
                     self._client = httpx.Client(
-                        headers={"authorization": self._key}, timeout=timeout,
+                        headers={"authorization": self._key},
+                        timeout=timeout,
                         transport=self._transport,
                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-                    )  # fmt: skip
+                    )
                     self._client_pid = os.getpid()
         return self._client
 
@@ -318,9 +345,14 @@ class _Sent:
 
     __slots__ = ("answer", "error", "retryable", "retry_after", "kind")
 
-    def __init__(self, answer: Any = None, error: ProviderError | None = None,
-                 retryable: bool = False, retry_after: float | None = None,
-                 kind: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        answer: Any = None,
+        error: ProviderError | None = None,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        kind: str | None = None,
+    ):
         self.answer, self.error = answer, error
         self.retryable, self.retry_after, self.kind = retryable, retry_after, kind
 

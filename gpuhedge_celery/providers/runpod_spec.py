@@ -91,8 +91,11 @@ class RunpodSpec:
         endpoint_id = block.string("endpoint_id")
         api_key = block.string("api_key")
         if not _ENV_ONLY.match(api_key.strip()):
-            raise block.error("api_key", "expected a ${VAR} reference (keep the key out of the "
-                              "file, e.g. \"${RUNPOD_API_KEY}\"), got a literal value")  # fmt: skip
+            raise block.error(
+                "api_key",
+                "expected a ${VAR} reference (keep the key out of the "
+                'file, e.g. "${RUNPOD_API_KEY}"), got a literal value',
+            )
         base_url = block.string("base_url", DEFAULT_BASE_URL).rstrip("/")
         if not base_url.startswith(("http://", "https://", "${")):
             raise block.error("base_url", f"expected an http(s):// URL, got {base_url!r}")
@@ -173,8 +176,9 @@ def _poll(block: Block) -> PollSpec:
         fraction=block.number("fraction", 0.2, positive=True, maximum=1.0),
     )
     if spec.max_s < spec.min_s:
-        raise block.error("max_s", f"expected a number >= min_s ({spec.min_s:g}), "
-                          f"got {spec.max_s:g}")  # fmt: skip
+        raise block.error(
+            "max_s", f"expected a number >= min_s ({spec.min_s:g}), got {spec.max_s:g}"
+        )
     block.finish()
     return spec
 
@@ -196,7 +200,7 @@ def _limits(block: Block) -> dict[str, Any]:
     limits = {
         route: RouteLimit(
             route, block.number(route, default, integer=True, minimum=2), window_s, use
-        )  # fmt: skip
+        )
         for route, default in DOCUMENTED_LIMITS.items()
     }
     shared = block.boolean("shared", True)

@@ -57,8 +57,14 @@ if TYPE_CHECKING:
 OUTCOMES = ("ok", "invalid", "failed", "submit_error", "rate_limited")
 # per-request overrides of a job's fate (tests, demos): request["sim"][provider] = {...}
 _OVERRIDES = (
-    "queue_s", "run_s", "outcome", "slow", "cancel_ack_s", "cancel_terminal_s", "submit_s",
-)  # fmt: skip
+    "queue_s",
+    "run_s",
+    "outcome",
+    "slow",
+    "cancel_ack_s",
+    "cancel_terminal_s",
+    "submit_s",
+)
 
 __all__ = [
     "OUTCOMES",
@@ -186,8 +192,13 @@ class SimProvider(Provider):
             outcome = "invalid"
         else:
             outcome = "ok"
-        return {"key": key, "slow": slow, "queue_s": round(queue_s, 6), "run_s": round(run_s, 6),
-                "outcome": outcome}  # fmt: skip
+        return {
+            "key": key,
+            "slow": slow,
+            "queue_s": round(queue_s, 6),
+            "run_s": round(run_s, 6),
+            "outcome": outcome,
+        }
 
     # --- contract ---------------------------------------------------------------------------
 

@@ -47,8 +47,10 @@ class WebhookApp:
         self.apply = apply
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gpuhedge-webhook")
         self.counts: dict[int, int] = {}
-        self._head = [(b"content-type", b"application/json"),
-                      (b"x-gpuhedge-receiver", str(os.getpid()).encode())]  # fmt: skip
+        self._head = [
+            (b"content-type", b"application/json"),
+            (b"x-gpuhedge-receiver", str(os.getpid()).encode()),
+        ]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -85,8 +87,11 @@ class WebhookApp:
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             ok = length.isdigit()
-            return (413, {"error": f"body over {limit} bytes"}) if ok else (
-                400, {"error": "malformed content-length"})  # fmt: skip
+            return (
+                (413, {"error": f"body over {limit} bytes"})
+                if ok
+                else (400, {"error": "malformed content-length"})
+            )
         body = bytearray()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BODY_TIMEOUT_S

@@ -35,9 +35,13 @@ Answer = tuple[int, dict[str, Any]]
 
 
 def apply_delivery(
-    driver: RaceDriver, race_id: str, attempt_id: str, body: Any,
-    *, handle_wait_s: float = HANDLE_WAIT_S,
-) -> Answer:  # fmt: skip
+    driver: RaceDriver,
+    race_id: str,
+    attempt_id: str,
+    body: Any,
+    *,
+    handle_wait_s: float = HANDLE_WAIT_S,
+) -> Answer:
     """Apply one authenticated delivery; the HTTP status and a small JSON answer."""
     deadline = time.monotonic() + handle_wait_s
     while True:

@@ -48,10 +48,18 @@ def uvicorn_config(app: Any, **kw: Any) -> Any:
 
     cap = connection_cap(raise_fd_limit())
     return uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
-        server_header=False, date_header=False, timeout_keep_alive=30,
-        http=guarded_protocol(cap), backlog=cap, **kw,
-    )  # fmt: skip
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+        timeout_keep_alive=30,
+        http=guarded_protocol(cap),
+        backlog=cap,
+        **kw,
+    )
 
 
 def serve(host: str, port: int, *, workers: int = 1, threads: int = 16) -> int:
@@ -87,8 +95,9 @@ class Supervisor:
         proc = self.ctx.Process(
             target=_receiver,
             args=(self.host, self.port, self.threads, ready, os.getpid(), _log_level()),
-            name=f"gpuhedge-webhooks-{slot}", daemon=False,
-        )  # fmt: skip
+            name=f"gpuhedge-webhooks-{slot}",
+            daemon=False,
+        )
         proc.start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.wait(0.1):
@@ -112,9 +121,12 @@ class Supervisor:
         try:
             for slot in range(self.workers):
                 self._start(slot)
-            print(f"gpuhedge-celery webhooks: {self.workers} receiver processes (pids "
-                  f"{', '.join(str(p.pid) for p in self.procs.values())})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"gpuhedge-celery webhooks: {self.workers} receiver processes (pids "
+                f"{', '.join(str(p.pid) for p in self.procs.values())})",
+                file=sys.stderr,
+                flush=True,
+            )
             while not self.stopping:
                 wait([p.sentinel for p in self.procs.values()], timeout=0.5)
                 for slot, proc in list(self.procs.items()):
@@ -122,8 +134,10 @@ class Supervisor:
                         continue
                     print(
                         f"gpuhedge-celery webhooks: receiver pid {proc.pid} exited "
-                        f"({proc.exitcode}); starting another", file=sys.stderr, flush=True,
-                    )  # fmt: skip
+                        f"({proc.exitcode}); starting another",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     time.sleep(RESTART_DELAY_S)
                     self._start(slot)
             return 0
@@ -160,7 +174,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` that other receivers may bind too."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]  # fmt: skip
+    )[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -198,14 +212,20 @@ def _receiver(
     try:  # a bad config or Redis URL fails here, before ready
         app = build_app(threads=threads)
     except Exception as e:
-        print(f"gpuhedge-celery webhooks: {' '.join(str(e).split())[:300]}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"gpuhedge-celery webhooks: {' '.join(str(e).split())[:300]}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     try:
         sock = reuseport_socket(host, port)
     except OSError as e:
-        print(f"gpuhedge-celery webhooks: cannot listen on {host}:{port}: {e}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"gpuhedge-celery webhooks: cannot listen on {host}:{port}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
     ready.set()
     import logging
