@@ -160,6 +160,9 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
     return conf
 
 
+REDACTING_AMQP = "gpuhedge_celery.tasks.redaction:RedactingAMQP"  # by name: no import cycle
+
+
 def create_app(config: GlueConfig | None = None, signing: Signing | None = None) -> Celery:
     """Build the gpuhedge Celery app from ``config`` (default: the environment, read once);
     ``signing`` (default: ``GPUHEDGE_SECURITY_*`` of the environment) signs its messages."""
@@ -171,7 +174,8 @@ def create_app(config: GlueConfig | None = None, signing: Signing | None = None)
     # import them at start-up (``include``), and ``load_tasks`` does for a client that wants
     # them all; a client importing one task (``from gpuhedge_celery import pooled_infer``)
     # loads only what that task needs, in an order free of cycles.
-    celery_app = Celery("gpuhedge_celery", include=task_modules())
+    # the message factory summarises a caller's request in headers and task-sent events
+    celery_app = Celery("gpuhedge_celery", include=task_modules(), amqp=REDACTING_AMQP)
     celery_app.conf.update(celery_conf(config))
     signing = signing or process_settings.current().signing
     if signing is not None:  # tasks and remote control signed, results and events JSON

@@ -14,8 +14,9 @@ instead:
 * :class:`RedactedRequest`, these tasks' request class, answers ``inspect active`` /
   ``reserved`` (Flower's worker page) with the same summaries instead of the raw arguments.
 
-Celery's ``task-sent`` event (off unless ``task_send_sent_event`` is set) is built before the
-publish signal and still carries Celery's repr: leave it off where Flower is shared.
+* :class:`RedactingAMQP`, this app's message factory, writes the summaries into a message as
+  it is made, so Celery's ``task-sent`` event (off unless ``task_send_sent_event`` is set;
+  built with the message, before the publish signal) carries them too.
 
 A message a worker refuses (unsigned where signing is on, unregistered, malformed) is logged by
 Celery with its body and headers: :class:`RefusedMessageFilter` logs their size instead.
@@ -30,6 +31,7 @@ import re
 from typing import Any
 
 from celery import signals
+from celery.app.amqp import AMQP
 from celery.worker.request import Request
 
 from ..race.spec import request_summary
@@ -59,6 +61,33 @@ def _redacting() -> bool:
         return not race_settings().events_show_request
     except Exception:  # a settings error must not publish a request in the clear
         return True
+
+
+ARGSREPR_POSITION = 21  # as_task_v2's positional parameters after ``kwargs``, up to argsrepr
+
+
+class RedactingAMQP(AMQP):
+    """The app's message factory: a request-carrying task's ``argsrepr`` and ``kwargsrepr`` are
+    its summaries from the start, in the headers and in the ``task-sent`` event alike."""
+
+    def as_task_v2(
+        self,
+        task_id: Any,
+        name: Any,
+        args: Any = None,
+        kwargs: Any = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        positional = len(more) > ARGSREPR_POSITION  # a caller that passed argsrepr itself
+        if name in REQUEST_TASKS and not positional and options.get("argsrepr") is None:
+            if _redacting():
+                try:
+                    options["argsrepr"] = summarised_args(args)
+                    options["kwargsrepr"] = summarised_kwargs(kwargs)
+                except Exception:  # never the request in the clear
+                    options["argsrepr"] = options["kwargsrepr"] = "<redacted>"
+        return super().as_task_v2(task_id, name, args, kwargs, *more, **options)
 
 
 class RedactedRequest(Request):
