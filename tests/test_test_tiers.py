@@ -110,7 +110,7 @@ def test_the_full_run_holds_what_the_fast_tier_leaves_out(collected):
 
 def test_process_starts_are_found_through_helpers_and_cli_commands():
     assert tiers._spawns("tests.support.cerebrium_fake", "FakeCerebrium", set())
-    assert tiers._spawns("gpuhedge_celery.bench.runpod_fake", "FakeRunpod", set())  # via its base
+    assert tiers._spawns("tests.support.runpod_fake", "FakeRunpod", set())  # via its base
     assert not tiers._spawns("tests.support.http_provider_server", "HttpProviderServer", set())
     assert tiers._command_spawns(("bench", "report")) and tiers._command_spawns(("demo",))
     assert not tiers._command_spawns(("receipt",))
