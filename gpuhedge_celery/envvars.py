@@ -1,10 +1,13 @@
 """Parsing ``GPUHEDGE_*`` environment variables: the one place, with ``settings.py``, that
 reads them (``tests/test_settings_reads.py`` holds the package to that).
 
-The ``read_*`` functions build each section of :class:`~gpuhedge_celery.settings.Env` from a
-mapping; ``env_number`` / ``env_flag`` each say what they expect, so a bad value's
-:class:`ConfigError` reads ``expected <what>, got '<value>'`` with the variable as its key.
-The variables are listed, once, in docs/configuration.md (*Environment variables*).
+The ``*_values`` functions parse each section's variables from a mapping into the keyword
+arguments of that section's class; the section's ``from_env`` builds it and checks what needs
+the section's own knowledge (a runner spec, a plugin path, a webhook URL). This module is a leaf:
+it imports nothing of the package but its errors, so every section can build on it.
+``env_number`` / ``env_flag`` each say what they expect, so a bad value's :class:`ConfigError`
+reads ``expected <what>, got '<value>'`` with the variable as its key. The variables are
+listed, once, in docs/configuration.md (*Environment variables*).
 """
 
 from __future__ import annotations
@@ -14,16 +17,9 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .race.settings import RaceSettings
-    from .settings import JanitorSettings, MetricsSettings, Settings
-    from .tasks.config import GlueConfig
-    from .tasks.message_signing import Signing
-    from .webhooks.settings import WebhookSettings
 
 N = TypeVar("N", int, float)
 D = TypeVar("D")
@@ -106,28 +102,26 @@ def receipt_ttl_s(env: Mapping[str, str]) -> float:
     return _float(env, "GPUHEDGE_RECEIPT_TTL_S", 86400.0)
 
 
-def read_race(env: Mapping[str, str]) -> RaceSettings:
-    """The race coordinator's section (:class:`~gpuhedge_celery.race.settings.RaceSettings`)."""
-    from .plugins import MODULE_RE
-    from .race.settings import RaceSettings
+PLUGINS_VAR = "GPUHEDGE_PLUGINS"
 
+
+def race_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The race coordinator's section (:class:`~gpuhedge_celery.race.settings.RaceSettings`),
+    its plugin module paths not yet checked."""
     namespace = (env.get("GPUHEDGE_TIMER_NAMESPACE") or "races").strip()
     if not TIMER_NAMESPACE_RE.match(namespace):
         raise ConfigError(
             f"expected letters, digits, '_', '-' or '.', got {namespace!r}",
             key="GPUHEDGE_TIMER_NAMESPACE",
         )
-    plugins = tuple(p.strip() for p in (env.get("GPUHEDGE_PLUGINS") or "").split(",") if p.strip())
-    for module in plugins:
-        if not MODULE_RE.match(module):
-            raise ConfigError(f"expected a module path, got {module!r}", key="GPUHEDGE_PLUGINS")
+    plugins = tuple(p.strip() for p in (env.get(PLUGINS_VAR) or "").split(",") if p.strip())
     coord_loop = (env.get("GPUHEDGE_COORD_LOOP") or "batched").strip().lower()
     if coord_loop not in COORD_LOOPS:
         raise ConfigError(
             f"expected one of {', '.join(COORD_LOOPS)}, got {coord_loop!r}",
             key="GPUHEDGE_COORD_LOOP",
         )
-    return RaceSettings(
+    return dict(
         receipt_ttl_s=receipt_ttl_s(env),
         payload_inline_max=int(_float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)),
         payload_by_ref=env_flag(env, "GPUHEDGE_PAYLOAD_BY_REF", True),
@@ -152,31 +146,17 @@ def read_race(env: Mapping[str, str]) -> RaceSettings:
     )
 
 
-def read_webhooks(env: Mapping[str, str]) -> WebhookSettings:
-    """The webhook section (:class:`~gpuhedge_celery.webhooks.settings.WebhookSettings`)."""
-    from .webhooks.settings import MIN_SECRET, WebhookSettings, loopback
+WEBHOOK_URL_VAR, WEBHOOK_SECRET_VAR = "GPUHEDGE_WEBHOOK_URL", "GPUHEDGE_WEBHOOK_SECRET"
+WEBHOOK_PREVIOUS_VAR = "GPUHEDGE_WEBHOOK_SECRET_PREVIOUS"
 
-    url = (env.get("GPUHEDGE_WEBHOOK_URL") or "").strip().rstrip("/")
-    secret = env.get("GPUHEDGE_WEBHOOK_SECRET") or ""
-    previous = env.get("GPUHEDGE_WEBHOOK_SECRET_PREVIOUS") or ""
-    if url and not url.startswith(("https://", "http://")):
-        raise ConfigError(f"expected an http(s):// URL, got {url!r}", key="GPUHEDGE_WEBHOOK_URL")
-    if url.startswith("http://") and not loopback(url):
-        raise ConfigError(
-            "expected https:// (each attempt's URL is its credential, so it must not "
-            f"cross a network in the clear; http:// only on a loopback host), got {url!r}",
-            key="GPUHEDGE_WEBHOOK_URL",
-        )
-    if url and len(secret) < MIN_SECRET:
-        raise ConfigError(
-            f"needs at least {MIN_SECRET} characters when GPUHEDGE_WEBHOOK_URL is set",
-            key="GPUHEDGE_WEBHOOK_SECRET",
-        )
-    if previous and len(previous) < MIN_SECRET:
-        raise ConfigError(
-            f"needs at least {MIN_SECRET} characters", key="GPUHEDGE_WEBHOOK_SECRET_PREVIOUS"
-        )
-    return WebhookSettings(
+
+def webhook_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The webhook section (:class:`~gpuhedge_celery.webhooks.settings.WebhookSettings`), its
+    URL and secrets not yet checked against each other."""
+    url = (env.get(WEBHOOK_URL_VAR) or "").strip().rstrip("/")
+    secret = env.get(WEBHOOK_SECRET_VAR) or ""
+    previous = env.get(WEBHOOK_PREVIOUS_VAR) or ""
+    return dict(
         url=url,
         secret=secret,
         fallback_s=_positive(env, "GPUHEDGE_WEBHOOK_FALLBACK_S", 30.0),
@@ -185,10 +165,9 @@ def read_webhooks(env: Mapping[str, str]) -> WebhookSettings:
     )
 
 
-def read_janitor(env: Mapping[str, str]) -> JanitorSettings:
-    """The janitor's section (:class:`~gpuhedge_celery.settings.JanitorSettings`)."""
-    from .settings import JanitorSettings
-
+def janitor_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The janitor's section (:class:`~gpuhedge_celery.settings.JanitorSettings`); a variable
+    left unset leaves the class's default."""
     values: dict[str, Any] = {}
     for name, attr, cast in (
         ("GPUHEDGE_JANITOR_STALE_S", "stale_s", float),
@@ -200,7 +179,7 @@ def read_janitor(env: Mapping[str, str]) -> JanitorSettings:
         )  # fmt: skip
         if value is not None:
             values[attr] = value
-    return JanitorSettings(**values)
+    return values
 
 
 METRICS_PORT_VAR, METRICS_ADDR_VAR = "GPUHEDGE_METRICS_PORT", "GPUHEDGE_METRICS_ADDR"
@@ -235,13 +214,15 @@ def metrics_addr(env: Mapping[str, str], default: str) -> str:
     return (env.get(METRICS_ADDR_VAR) or default).strip()
 
 
-def read_metrics(env: Mapping[str, str]) -> MetricsSettings:
-    """A worker's endpoint (:class:`~gpuhedge_celery.settings.MetricsSettings`)."""
-    from .settings import MetricsSettings
+METRICS_ADDR_DEFAULT = "127.0.0.1"
 
-    port = metrics_port(env)
-    return MetricsSettings(
-        enabled=metrics_enabled(env), port=port, addr=metrics_addr(env, MetricsSettings.addr)
+
+def metrics_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """A worker's endpoint (:class:`~gpuhedge_celery.settings.MetricsSettings`)."""
+    return dict(
+        enabled=metrics_enabled(env),
+        port=metrics_port(env),
+        addr=metrics_addr(env, METRICS_ADDR_DEFAULT),
     )
 
 
@@ -267,18 +248,21 @@ def probe_sites(env: Mapping[str, str]) -> bool:
     return env.get(PROBE_SITES_VAR, "").lower() in ("1", "on", "true", "yes")
 
 
-def read_core(env: Mapping[str, str], overrides: Mapping[str, str | None]) -> Settings:
-    """The shared section (:class:`~gpuhedge_celery.settings.Settings`); ``overrides`` (the
-    CLI's options) win over the environment where not None."""
-    from .settings import DEFAULT_PREFIX, DEFAULT_REDIS_URL, Settings
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "gpuhedge"
+REDIS_URL_VAR, PREFIX_VAR = "GPUHEDGE_REDIS_URL", "GPUHEDGE_PREFIX"
 
+
+def core_values(env: Mapping[str, str], overrides: Mapping[str, str | None]) -> dict[str, Any]:
+    """The shared section (:class:`~gpuhedge_celery.shared_settings.Settings`); ``overrides``
+    (the CLI's options) win over the environment where not None."""
     values = {
-        "redis_url": env.get("GPUHEDGE_REDIS_URL") or DEFAULT_REDIS_URL,
-        "prefix": env.get("GPUHEDGE_PREFIX") or DEFAULT_PREFIX,
+        "redis_url": env.get(REDIS_URL_VAR) or DEFAULT_REDIS_URL,
+        "prefix": env.get(PREFIX_VAR) or DEFAULT_PREFIX,
         "config_path": env.get("GPUHEDGE_CONFIG") or None,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)  # type: ignore[arg-type]
+    return values
 
 
 def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
@@ -287,8 +271,6 @@ def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
     than the default, so two deployments with their own prefixes never share queues; the
     default prefix keeps Celery's plain layout (what other Celery apps calling our tasks by
     name, and every deployment that never set a prefix, use)."""
-    from .settings import DEFAULT_PREFIX
-
     if "GPUHEDGE_BROKER_PREFIX" in env:
         return env["GPUHEDGE_BROKER_PREFIX"]
     return "" if prefix == DEFAULT_PREFIX else f"{prefix}:"
@@ -349,26 +331,17 @@ def pool_direct(env: Mapping[str, str]) -> bool:
 GPU_VAR = "GPUHEDGE_GPU"  # makes a worker a GPU worker: a helper starting others drops it
 
 
-def read_glue(env: Mapping[str, str]) -> GlueConfig:
-    """The Celery glue's section (:class:`~gpuhedge_celery.tasks.config.GlueConfig`)."""
-    from .gpus import default_host, parse_labels
-    from .runners import runner_from_spec
-    from .settings import redact_url
-    from .tasks.config import (
-        BROKER_SCHEMES,
-        GPU_RE,
-        GlueConfig,
-        default_schedule,
-        parse_coord_queues,
-    )
+RUNNER_VAR, BROKER_URL_VAR = "GPUHEDGE_RUNNER", "GPUHEDGE_BROKER_URL"
+LABELS_VAR, COORD_QUEUES_VAR = "GPUHEDGE_GPU_LABELS", "GPUHEDGE_COORD_QUEUES"
 
-    settings = read_core(env, {})
+
+def glue_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The Celery glue's section (:class:`~gpuhedge_celery.tasks.config.GlueConfig`) but its
+    shared ``settings``. Left as text for the glue to check: ``gpu`` and ``runner`` (a GPU
+    id, a runner spec), ``broker_url`` (its scheme), ``labels`` and ``coord_queues``; ``host``
+    and ``beat_schedule`` are "" when unset (the glue's defaults)."""
     gpu = (env.get(GPU_VAR) or "").strip() or None
-    if gpu is not None and not GPU_RE.match(gpu):
-        raise ConfigError(f"expected a GPU index or id like 'host:0', got {gpu!r}", key=GPU_VAR)
-    runner = (env.get("GPUHEDGE_RUNNER") or "cpu").strip()
-    if gpu is not None:
-        runner_from_spec(runner)  # fail at start-up, not at the first job
+    runner = (env.get(RUNNER_VAR) or "cpu").strip()
     pool = (env.get("GPUHEDGE_POOL") or "default").strip()
     if not pool or any(c in pool for c in " :*?[]"):
         raise ConfigError(
@@ -376,13 +349,7 @@ def read_glue(env: Mapping[str, str]) -> GlueConfig:
         )
     pool_ttl = _number(env, "GPUHEDGE_POOL_TTL_MS", None, integer=True)
     acquire = _number(env, "GPUHEDGE_ACQUIRE_TIMEOUT_S", None)
-    broker_url = (env.get("GPUHEDGE_BROKER_URL") or "").strip() or None
-    scheme, sep, _ = (broker_url or "").partition("://")
-    if broker_url is not None and (not sep or scheme.lower() not in BROKER_SCHEMES):
-        raise ConfigError(
-            f"expected an amqp://, amqps:// or redis:// URL, got {redact_url(broker_url)!r}",
-            key="GPUHEDGE_BROKER_URL",
-        )
+    broker_url = (env.get(BROKER_URL_VAR) or "").strip() or None
     health = (env.get("GPUHEDGE_HEALTH") or "auto").strip().lower()
     if health not in ("auto", "on", "off"):
         raise ConfigError(f"expected auto, on or off, got {health!r}", key="GPUHEDGE_HEALTH")
@@ -399,9 +366,7 @@ def read_glue(env: Mapping[str, str]) -> GlueConfig:
             raise ConfigError(f"cannot parse the command: {e}", key="GPUHEDGE_SERVER_CMD") from None
     per_child = _number(env, "GPUHEDGE_MAX_TASKS_PER_CHILD", None, integer=True)
     per_child_mb = _number(env, "GPUHEDGE_MAX_MEMORY_PER_CHILD_MB", None, integer=True)
-    return GlueConfig(
-        settings=settings,
-        broker_prefix=broker_prefix(env, settings.prefix),
+    return dict(
         broker_url=broker_url,
         visibility_timeout_s=_number(env, "GPUHEDGE_VISIBILITY_TIMEOUT_S", 3600.0),
         restore_interval_s=_number(env, "GPUHEDGE_RESTORE_INTERVAL_S", 10.0),
@@ -410,18 +375,17 @@ def read_glue(env: Mapping[str, str]) -> GlueConfig:
         control_timeout_s=_number(env, "GPUHEDGE_CONTROL_TIMEOUT_S", 1.0),
         host_ttl_ms=int(_number(env, "GPUHEDGE_HOST_TTL_MS", 15_000, integer=True)),
         coord_concurrency=int(_number(env, "GPUHEDGE_COORD_CONCURRENCY", 32, integer=True)),
-        coord_queues=parse_coord_queues(env.get("GPUHEDGE_COORD_QUEUES")),
+        coord_queues=env.get(COORD_QUEUES_VAR),
         acquire_timeout_s=acquire,
         max_attempts=int(_number(env, "GPUHEDGE_MAX_ATTEMPTS", 3, integer=True)),
         pool_direct=pool_direct(env),
         gpu=gpu,
         pool=pool,
-        labels=parse_labels(env.get("GPUHEDGE_GPU_LABELS")),
-        host=(env.get("GPUHEDGE_HOST") or "").strip() or default_host(),
+        labels=env.get(LABELS_VAR),
+        host=(env.get("GPUHEDGE_HOST") or "").strip(),
         runner=runner,
         pool_ttl_ms=_optional_int(pool_ttl),
-        beat_schedule=(env.get("GPUHEDGE_BEAT_SCHEDULE") or "").strip()
-        or default_schedule(env, settings.prefix),
+        beat_schedule=(env.get("GPUHEDGE_BEAT_SCHEDULE") or "").strip(),
         runner_retry_s=_number(env, "GPUHEDGE_RUNNER_RETRY_S", 1.0),
         runner_retry_max_s=_number(env, "GPUHEDGE_RUNNER_RETRY_MAX_S", 60.0),
         runner_wait_s=_number(env, "GPUHEDGE_RUNNER_WAIT_S", 30.0, strict=False),
@@ -443,11 +407,9 @@ SIGNING_PATHS = (
 )
 
 
-def read_signing(env: Mapping[str, str]) -> Signing | None:
+def signing_values(env: Mapping[str, str]) -> dict[str, Any] | None:
     """Celery message signing (:class:`~gpuhedge_celery.tasks.message_signing.Signing`); None
     when it is off (no variable set)."""
-    from .tasks.message_signing import Signing
-
     values = {name: (env.get(var) or "").strip() for name, var in SIGNING_PATHS}
     if not any(values.values()):
         return None
@@ -463,7 +425,7 @@ def read_signing(env: Mapping[str, str]) -> Signing | None:
             f"no certificate at {values['cert_store']!r}", key="GPUHEDGE_SECURITY_CERT_STORE"
         )
     digest = (env.get("GPUHEDGE_SECURITY_DIGEST") or "sha256").strip()
-    return Signing(
+    return dict(
         key=values["key"],
         certificate=values["certificate"],
         cert_store=values["cert_store"],

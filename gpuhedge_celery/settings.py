@@ -8,90 +8,39 @@ variables. A test that changes the environment calls :func:`reload` (or builds
 ``ProcessSettings.from_env(env)`` from a mapping of its own). Every variable is listed once in
 docs/configuration.md (*Environment variables*).
 
-One Redis URL configures everything: broker, result backend and the lease store (the broker can
-be RabbitMQ instead: ``GPUHEDGE_BROKER_URL``, see ``tasks/config.py``). ``rediss://`` and
-passwords in the URL work; ``repr`` hides the password so settings can be logged.
+The shared section (:class:`Settings`, with :func:`redact_url`) lives in ``shared_settings.py``
+and is re-exported here.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from . import envvars
-from .envvars import broker_prefix
-from .errors import ConfigError
+from .envvars import DEFAULT_PREFIX, DEFAULT_REDIS_URL, broker_prefix
+from .race.settings import RaceSettings
+from .shared_settings import Settings, redact_url, validate_redis_url
+from .tasks.config import GlueConfig
+from .tasks.message_signing import Signing
+from .webhooks.settings import WebhookSettings
 
-if TYPE_CHECKING:
-    from .race.settings import RaceSettings
-    from .tasks.config import GlueConfig
-    from .tasks.message_signing import Signing
-    from .webhooks.settings import WebhookSettings
-
-__all__ = ["ProcessSettings", "Settings", "broker_prefix", "current", "redact_url", "reload"]
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_PREFIX = "gpuhedge"
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (for logs, errors and repr)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:***@{host}{port}"
-    return parts._replace(netloc=netloc).geturl()
-
-
-def validate_redis_url(url: str, *, source: str = "GPUHEDGE_REDIS_URL") -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(
-            f"expected a redis://, rediss:// or unix:// URL, got {redact_url(url)!r}", key=source
-        )
-    return url
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Settings shared by every gpuhedge-celery process."""
-
-    redis_url: str = DEFAULT_REDIS_URL
-    prefix: str = DEFAULT_PREFIX
-    config_path: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        validate_redis_url(self.redis_url)
-        if not _PREFIX_RE.match(self.prefix):
-            raise ConfigError(
-                f"expected letters, digits, '_', '-' or '.', got {self.prefix!r}",
-                key="GPUHEDGE_PREFIX",
-            )
-
-    def __repr__(self) -> str:
-        return (
-            f"Settings(redis_url={redact_url(self.redis_url)!r}, prefix={self.prefix!r}, "
-            f"config_path={self.config_path!r})"
-        )
-
-    @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: str | None
-    ) -> Settings:
-        """Read from ``environ`` now (this process's environment by default, not the cached
-        :func:`current`); ``overrides`` that are not None win (the CLI's options)."""
-        return envvars.read_core(os.environ if environ is None else environ, overrides)
+__all__ = [
+    "DEFAULT_PREFIX",
+    "DEFAULT_REDIS_URL",
+    "JanitorSettings",
+    "MetricsSettings",
+    "ProcessSettings",
+    "Settings",
+    "broker_prefix",
+    "current",
+    "redact_url",
+    "reload",
+    "validate_redis_url",
+]
 
 
 @dataclass(frozen=True)
@@ -103,7 +52,7 @@ class JanitorSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JanitorSettings:
-        return envvars.read_janitor(os.environ if environ is None else environ)
+        return cls(**envvars.janitor_values(os.environ if environ is None else environ))
 
 
 @dataclass(frozen=True)
@@ -112,7 +61,11 @@ class MetricsSettings:
 
     enabled: bool = True
     port: int | None = None
-    addr: str = "127.0.0.1"
+    addr: str = envvars.METRICS_ADDR_DEFAULT
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MetricsSettings:
+        return cls(**envvars.metrics_values(os.environ if environ is None else environ))
 
 
 @dataclass(frozen=True)
@@ -130,17 +83,17 @@ class ProcessSettings:
     @cached_property
     def core(self) -> Settings:
         """Redis URL, key prefix, config file: what every process shares."""
-        return envvars.read_core(self.env, {})
+        return Settings.from_env(self.env)
 
     @cached_property
     def glue(self) -> GlueConfig:
         """The Celery side: broker, worker roles, the GPU worker's runner and health."""
-        return envvars.read_glue(self.env)
+        return GlueConfig.from_env(self.env)
 
     @cached_property
     def race(self) -> RaceSettings:
         """Distributed races: receipts, timers, launches, events, records, plugins."""
-        return envvars.read_race(self.env)
+        return RaceSettings.from_env(self.env)
 
     @cached_property
     def receipt_ttl_s(self) -> float:
@@ -156,16 +109,16 @@ class ProcessSettings:
     @cached_property
     def webhooks(self) -> WebhookSettings:
         """Provider webhooks: the public URL and the token secrets."""
-        return envvars.read_webhooks(self.env)
+        return WebhookSettings.from_env(self.env)
 
     @cached_property
     def signing(self) -> Signing | None:
         """Celery message signing (``GPUHEDGE_SECURITY_*``); None when it is off."""
-        return envvars.read_signing(self.env)
+        return Signing.from_env(self.env)
 
     @cached_property
     def janitor(self) -> JanitorSettings:
-        return envvars.read_janitor(self.env)
+        return JanitorSettings.from_env(self.env)
 
     @cached_property
     def metrics_enabled(self) -> bool:
@@ -175,7 +128,7 @@ class ProcessSettings:
     @cached_property
     def metrics(self) -> MetricsSettings:
         """A worker's ``/metrics`` endpoint."""
-        return envvars.read_metrics(self.env)
+        return MetricsSettings.from_env(self.env)
 
     @cached_property
     def runner_env(self) -> frozenset[str]:

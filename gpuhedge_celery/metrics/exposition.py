@@ -164,7 +164,11 @@ def start_worker_endpoint(
     ``prometheus_client`` is not installed.
     """
     env = os.environ if environ is None else environ  # also PROMETHEUS_MULTIPROC_DIR
-    metrics = process_settings.current().metrics if environ is None else envvars.read_metrics(env)
+    metrics = (
+        process_settings.current().metrics
+        if environ is None
+        else process_settings.MetricsSettings.from_env(env)
+    )
     port = metrics.port
     if port is None:
         return None
@@ -177,8 +181,9 @@ def start_worker_endpoint(
     try:  # bound first: a worker whose port is taken must not touch another's files
         server = make_http_server(None, addr, port)
     except OSError as e:
-        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}",
-                          key=PORT_VAR) from None  # fmt: skip
+        raise ConfigError(
+            f"cannot serve metrics on {addr}:{port}: {e.strerror}", key=PORT_VAR
+        ) from None
     if not forks and not (env.get(MULTIPROC_VAR) or "").strip():
         from prometheus_client import REGISTRY
 
@@ -202,8 +207,12 @@ def start_worker_endpoint(
     multiprocess.MultiProcessCollector(registry, path=directory)
     serve_registry(server, registry)
     endpoint = WorkerEndpoint(directory, owned, server).start()
-    log.info("metrics: serving http://%s:%d/metrics (multiprocess, files in %s)", addr,
-             endpoint.port, directory)  # fmt: skip
+    log.info(
+        "metrics: serving http://%s:%d/metrics (multiprocess, files in %s)",
+        addr,
+        endpoint.port,
+        directory,
+    )
     return endpoint
 
 
@@ -228,8 +237,9 @@ def _multiprocess_dir(env: Mapping[str, str], port: int) -> tuple[str, bool]:
     except OSError as e:
         raise ConfigError(f"cannot create {directory}: {e.strerror}", key=MULTIPROC_VAR) from None
     if not given and (stat.S_ISLNK(found.st_mode) or found.st_uid != os.getuid()):
-        raise ConfigError(f"{directory} is not a directory of this user; set {MULTIPROC_VAR}",
-                          key=MULTIPROC_VAR)  # fmt: skip
+        raise ConfigError(
+            f"{directory} is not a directory of this user; set {MULTIPROC_VAR}", key=MULTIPROC_VAR
+        )
     for stale in glob.glob(os.path.join(directory, "*.db")):
         os.remove(stale)  # the previous run's counts: the library requires a clean start
     os.environ[MULTIPROC_VAR] = directory  # read whenever a process opens its file

@@ -1,6 +1,6 @@
 """Settings of distributed races (the race section of :func:`gpuhedge_celery.settings.current`).
 
-Parsed from ``GPUHEDGE_*`` variables by :func:`gpuhedge_celery.envvars.read_race`; each is
+Parsed from ``GPUHEDGE_*`` variables by :func:`gpuhedge_celery.envvars.race_values`; each is
 described in docs/configuration.md (*Environment variables*). Values are mirrored into the
 Celery configuration as ``gpuhedge_race_<name>``.
 """
@@ -11,7 +11,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from ..envvars import read_race
+from .. import envvars
+from ..errors import ConfigError
+from ..plugins import MODULE_RE
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,16 @@ class RaceSettings:
         """Import every plugin module (each registers its policies/validators on import)."""
         from ..plugins import load
 
-        load(self.plugins, key="GPUHEDGE_PLUGINS")
+        load(self.plugins, key=envvars.PLUGINS_VAR)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RaceSettings:
         """Read and validate them from ``environ`` now (this process's environment by
         default); code running in a worker takes ``settings.current().race`` instead."""
-        return read_race(os.environ if environ is None else environ)
+        values = envvars.race_values(os.environ if environ is None else environ)
+        for module in values["plugins"]:
+            if not MODULE_RE.match(module):
+                raise ConfigError(
+                    f"expected a module path, got {module!r}", key=envvars.PLUGINS_VAR
+                )
+        return cls(**values)

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from ..errors import StoreUnavailable
-from ..settings import redact_url
+from ..shared_settings import redact_url
 
 _clients: dict[tuple[int, str, bool], redis.Redis] = {}
 

@@ -1,6 +1,6 @@
 """The Celery side's settings (the glue section of :func:`gpuhedge_celery.settings.current`).
 
-Parsed from ``GPUHEDGE_*`` variables by :func:`gpuhedge_celery.envvars.read_glue`; each is
+Parsed from ``GPUHEDGE_*`` variables by :func:`gpuhedge_celery.envvars.glue_values`; each is
 described in docs/configuration.md (*Environment variables*). Each value is mirrored into the
 Celery configuration as ``gpuhedge_<name>`` so ``celery inspect conf`` shows what a worker runs
 with. Bad values raise :class:`ConfigError` naming the variable.
@@ -14,10 +14,12 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+from .. import envvars
 from ..errors import ConfigError
-from ..gpus import default_host
+from ..gpus import default_host, parse_labels
 from ..names import COORD_QUEUES
-from ..settings import Settings, redact_url
+from ..runners import runner_from_spec
+from ..shared_settings import Settings, redact_url
 
 BROKER_SCHEMES = {"redis": "redis", "rediss": "redis", "amqp": "amqp", "amqps": "amqp",
                   "pyamqp": "amqp"}  # fmt: skip
@@ -45,7 +47,7 @@ def parse_coord_queues(text: str | None) -> tuple[str, ...]:
             f"unknown queue {unknown[0]!r}; expected some of {', '.join(COORD_QUEUES)}"
             if unknown
             else "no queue named",
-            key="GPUHEDGE_COORD_QUEUES",
+            key=envvars.COORD_QUEUES_VAR,
         )
     return names
 
@@ -136,6 +138,28 @@ class GlueConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GlueConfig:
         """Read and validate them from ``environ`` now (this process's environment by
         default); code running in a worker takes ``settings.current().glue`` instead."""
-        from ..envvars import read_glue
-
-        return read_glue(os.environ if environ is None else environ)
+        env = os.environ if environ is None else environ
+        settings = Settings.from_env(env)
+        values = envvars.glue_values(env)
+        gpu, runner, broker_url = values["gpu"], values["runner"], values["broker_url"]
+        if gpu is not None and not GPU_RE.match(gpu):
+            raise ConfigError(
+                f"expected a GPU index or id like 'host:0', got {gpu!r}", key=envvars.GPU_VAR
+            )
+        if gpu is not None:
+            runner_from_spec(runner)  # fail at start-up, not at the first job
+        scheme, sep, _ = (broker_url or "").partition("://")
+        if broker_url is not None and (not sep or scheme.lower() not in BROKER_SCHEMES):
+            raise ConfigError(
+                f"expected an amqp://, amqps:// or redis:// URL, got {redact_url(broker_url)!r}",
+                key=envvars.BROKER_URL_VAR,
+            )
+        values.update(
+            settings=settings,
+            broker_prefix=envvars.broker_prefix(env, settings.prefix),
+            coord_queues=parse_coord_queues(values["coord_queues"]),
+            labels=parse_labels(values["labels"]),
+            host=values["host"] or default_host(),
+            beat_schedule=values["beat_schedule"] or default_schedule(env, settings.prefix),
+        )
+        return cls(**values)

@@ -3,7 +3,7 @@
 A fleet whose broker others can write to signs every task and remote-control message with a
 private key and accepts only messages signed by a certificate it trusts (docs/security.md).
 Turned on by the ``GPUHEDGE_SECURITY_*`` variables (``settings.current().signing``, parsed by
-:func:`gpuhedge_celery.envvars.read_signing`; docs/configuration.md, *Environment variables*).
+:func:`gpuhedge_celery.envvars.signing_values`; docs/configuration.md, *Environment variables*).
 All three paths or none: signing half-configured is refused at start-up, naming what is
 missing. Results and task events stay JSON (they are not commands); a worker refuses any task
 or remote-control message that is not signed by a trusted certificate.
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..envvars import SIGNING_PATHS
+from ..envvars import SIGNING_PATHS, signing_values
 
 PATHS = SIGNING_PATHS  # (field, variable) of the three paths
 # decoders left on besides ``auth``: results and task events are JSON
@@ -35,9 +35,8 @@ class Signing:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Signing | None:
         """The signing settings of ``env``; None when signing is off (no variable set)."""
-        from ..envvars import read_signing
-
-        return read_signing(env)
+        values = signing_values(env)
+        return None if values is None else cls(**values)
 
     def celery_conf(self) -> dict[str, Any]:
         """The Celery settings that sign what this process sends and verify what it takes."""

@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..errors import StoreUnavailable
-from ..settings import redact_url
+from ..shared_settings import redact_url
 
 SEND_PROBE_S = 2.0  # how long a send looks for Redis before it reports it unreachable
 LOCK_WAIT_S = 1.0  # a send waits this long for the subscriber before it looks for Redis itself

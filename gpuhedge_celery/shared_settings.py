@@ -1,0 +1,77 @@
+"""The settings every gpuhedge-celery process shares: the Redis URL, the key prefix, the config
+file (the ``core`` section of :func:`gpuhedge_celery.settings.current`).
+
+Apart from ``settings.py`` so that the sections built on it (the Celery glue's) need not import
+the module that gathers every section. One Redis URL configures everything: broker, result
+backend and the lease store (the broker can be RabbitMQ instead: ``GPUHEDGE_BROKER_URL``, see
+``tasks/config.py``). ``rediss://`` and passwords in the URL work; ``repr`` hides the password
+so settings can be logged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from . import envvars
+from .envvars import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from .errors import ConfigError
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (for logs, errors and repr)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    netloc = f"{user}:***@{host}{port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def validate_redis_url(url: str, *, source: str = envvars.REDIS_URL_VAR) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"expected a redis://, rediss:// or unix:// URL, got {redact_url(url)!r}", key=source
+        )
+    return url
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Settings shared by every gpuhedge-celery process."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX
+    config_path: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_redis_url(self.redis_url)
+        if not _PREFIX_RE.match(self.prefix):
+            raise ConfigError(
+                f"expected letters, digits, '_', '-' or '.', got {self.prefix!r}",
+                key=envvars.PREFIX_VAR,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Settings(redis_url={redact_url(self.redis_url)!r}, prefix={self.prefix!r}, "
+            f"config_path={self.config_path!r})"
+        )
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: str | None
+    ) -> Settings:
+        """Read from ``environ`` now (this process's environment by default, not the cached
+        :func:`~gpuhedge_celery.settings.current`); ``overrides`` that are not None win (the
+        CLI's options)."""
+        return cls(**envvars.core_values(os.environ if environ is None else environ, overrides))
