@@ -127,6 +127,11 @@ def _budget(caps: Any) -> dict[str, Any]:
     return found
 
 
+def _is_amount(value: Any) -> bool:
+    """A dollar cap of the budget block (its other fields are keys, names and per-scope caps)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _refusals(receipt: dict[str, Any]) -> list[str]:
     return [
         f"{a['role']} {a['provider']}: {reason}"
@@ -243,7 +248,7 @@ def run_config_demo(
         echo(
             f"  {a.role:<8} {a.provider} (simulated): worst case {a.arithmetic().split(' ', 2)[2]}"
         )
-    budget = ", ".join(f"{k} ${v:g}" for k, v in data["budget"].items() if not isinstance(v, dict))
+    budget = ", ".join(f"{k} ${v:g}" for k, v in data["budget"].items() if _is_amount(v))
     echo(f"  budget: {budget or 'no caps'}")
     for note in notes:
         echo(f"  note: {note}")
