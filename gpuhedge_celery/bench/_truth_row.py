@@ -106,8 +106,10 @@ def truth_row(
     bench_cluster: Callable[..., Any], url: str | None, workers: int, concurrency: int, races: int
 ) -> dict[str, Any]:
     """The row (see the module docstring)."""
+    from . import _checkout
     from .races_runpod import ENDPOINTS, request
 
+    _checkout.runpod_fake()  # no checkout's fake: say so before any process starts
     tagged = {ep: name for name, ep in ENDPOINTS.items()}
     cluster = bench_cluster(
         url, workers, concurrency, 1.0, provider="runpod-fake", webhooks=True, extra_config=BUDGET

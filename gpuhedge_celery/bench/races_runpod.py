@@ -1,16 +1,16 @@
 """The RunPod side of ``gpuhedge-celery bench races --provider runpod-fake``.
 
-The RunPod fake (``bench/runpod_fake.py``) runs in its own process beside the workers, with
-RunPod's documented limits per endpoint (``/run`` 1,000, ``/status`` 2,000, ``/cancel`` 100 per
-10 s, answered with 429 past them). The bench config gains two ``runpod`` providers on it,
-``rp`` (endpoint ``bench-p``) and ``rh`` (``bench-h``), with the adapter's default pacing and
-the fleet's shared budget in Redis; the capacity row is then run twice in the same run and on
-the same workers: sim providers (``p`` -> ``h``) and RunPod (``rp`` -> ``rh``), with the same
-job times. With ``--webhooks off`` every job is polled; with ``--webhooks on`` the webhook
-receiver (``gpuhedge-celery webhooks --workers N``, N from ``--receiver-workers``) runs beside
-them (its CPU summed over its processes), each ``/run`` carries the attempt's webhook URL,
-the fake POSTs each job's end there, and jobs are polled only before the hedge decision and
-as a safety net (``GPUHEDGE_WEBHOOK_FALLBACK_S``, 30 s).
+The RunPod fake (``benchmarks/fakes/runpod_fake.py``: a source checkout's, see :mod:`._checkout`)
+runs in its own process beside the workers, with RunPod's documented limits per endpoint (``/run``
+1,000, ``/status`` 2,000, ``/cancel`` 100 per 10 s, answered with 429 past them). The bench config
+gains two ``runpod`` providers on it, ``rp`` (endpoint ``bench-p``) and ``rh`` (``bench-h``), with
+the adapter's default pacing and the fleet's shared budget in Redis; the capacity row is then run
+twice in the same run and on the same workers: sim providers (``p`` -> ``h``) and RunPod (``rp`` ->
+``rh``), with the same job times. With ``--webhooks off`` every job is polled; with ``--webhooks
+on`` the webhook receiver (``gpuhedge-celery webhooks --workers N``, N from ``--receiver-workers``)
+runs beside them (its CPU summed over its processes), each ``/run`` carries the attempt's webhook
+URL, the fake POSTs each job's end there, and jobs are polled only before the hedge decision and as
+a safety net (``GPUHEDGE_WEBHOOK_FALLBACK_S``, 30 s).
 
 What the RunPod row adds: the fake's own counts per route (requests, the most in any 10 s
 window, 429s), provider HTTP requests per job, and the fake's CPU (it shares the two cores).
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import _checkout
 from ._procs import tree_cpu_s
-from .runpod_fake import FakeRunpod
 
 ENDPOINTS = {"rp": "bench-p", "rh": "bench-h"}
 KEY = "bench-runpod-key"
@@ -57,14 +57,14 @@ PROVIDERS = """
 """
 
 
-def start_fake(webhook_senders: int = 8) -> FakeRunpod:
-    """``webhook_senders``: the fake's delivery threads, each waiting for the receiver's
-    answer (RunPod's own senders are not one process's few threads)."""
-    return FakeRunpod({"api_key": KEY, "limits": LIMITS, "window_s": 10.0,
-                       "webhook_senders": webhook_senders})  # fmt: skip
+def start_fake(webhook_senders: int = 8) -> Any:
+    """The fake (a ``FakeRunpod``); ``webhook_senders``: its delivery threads, each waiting for
+    the receiver's answer (RunPod's own senders are not one process's few threads)."""
+    config = {"api_key": KEY, "limits": LIMITS, "window_s": 10.0}
+    return _checkout.runpod_fake().FakeRunpod({**config, "webhook_senders": webhook_senders})
 
 
-def providers_yaml(fake: FakeRunpod) -> str:
+def providers_yaml(fake: Any) -> str:
     return PROVIDERS.format(base=fake.base_url)
 
 
@@ -121,7 +121,7 @@ def receiver_cpu_s(proc: subprocess.Popen) -> float:
     return tree_cpu_s(proc.pid)
 
 
-def report(fake: FakeRunpod, cpu0: float, receipts: list[dict[str, Any]],
+def report(fake: Any, cpu0: float, receipts: list[dict[str, Any]],
            webhooks: bool = False, receivers: int = 0) -> dict[str, Any]:  # fmt: skip
     """The fake's view of one row: per route, per job, against RunPod's limits."""
     stats = fake.stats()

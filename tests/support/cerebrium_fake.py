@@ -46,9 +46,9 @@ import uuid
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from gpuhedge_celery.bench.fake_process import FakeProcess, JsonHandler, serve_fake
-from gpuhedge_celery.bench.runpod_fake import draw
-from gpuhedge_celery.bench.webhook_delivery import Deliverer
+from benchmarks.fakes.fake_process import FakeProcess, JsonHandler, serve_fake
+from benchmarks.fakes.runpod_fake import draw
+from benchmarks.fakes.webhook_delivery import Deliverer
 
 KEY = "cb-test-key-0123456789-very-secret"
 

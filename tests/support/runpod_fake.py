@@ -1,8 +1,8 @@
 """The loopback RunPod fake for tests: a real HTTP server in its own process.
 
-The fake itself lives in the package (``gpuhedge_celery/bench/runpod_fake.py``) because
-``gpuhedge-celery bench races --provider runpod-fake`` runs it too; this module is what tests
-use: the process handle, and a helper that builds a ``runpod`` provider pointed at it.
+The fake itself is ``benchmarks/fakes/runpod_fake.py`` because ``gpuhedge-celery bench races
+--provider runpod-fake`` runs it too (from a source checkout); this module is what tests use:
+the process handle, and a helper that builds a ``runpod`` provider pointed at it.
 Fixtures: ``tests/support/fixtures_runpod.py``.
 
     def test_x(runpod):                       # the module's fake, reset for this test
@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gpuhedge_celery.bench.runpod_fake import FakeRunpod, default_config
+from benchmarks.fakes.runpod_fake import FakeRunpod, default_config
 from gpuhedge_celery.config import parse_config
 
 __all__ = ["KEY", "FakeRunpod", "default_config", "runpod_block", "runpod_provider"]

@@ -1,6 +1,6 @@
 """A loopback fake of RunPod Serverless's job API, in its own process (tests and benchmarks).
 
-``python -m gpuhedge_celery.bench.runpod_fake --port 0 --config '{...}'`` serves on 127.0.0.1
+``python -m benchmarks.fakes.runpod_fake --port 0 --config '{...}'`` serves on 127.0.0.1
 and prints ``READY <port>``; :class:`FakeRunpod` starts and drives one. Any endpoint id works:
 
 =====================================  ===================================================
@@ -50,6 +50,7 @@ from collections import deque
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
+from . import ROOT, child_env
 from .fake_process import FakeProcess, JsonHandler, serve_fake
 from .runpod_fake_account import graphql
 from .webhook_delivery import Deliverer
@@ -59,7 +60,7 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT")
 
 
 def default_config() -> dict[str, Any]:
-    from ..core.validators import tone_wav
+    from gpuhedge_celery.core.validators import tone_wav
 
     return {
         "api_key": "test-key",
@@ -414,8 +415,8 @@ class FakeRunpod(FakeProcess):
     """The fake in a child process: ``url``, ``base_url`` (``.../v2``) and admin calls."""
 
     def __init__(self, config: dict[str, Any] | None = None, *, ready_timeout_s: float = 20.0):
-        super().__init__("gpuhedge_celery.bench.runpod_fake", "the RunPod fake", config,
-                         ready_timeout_s=ready_timeout_s)  # fmt: skip
+        super().__init__("benchmarks.fakes.runpod_fake", "the RunPod fake", config,
+                         ready_timeout_s=ready_timeout_s, env=child_env(), cwd=ROOT)  # fmt: skip
         self.base_url = f"{self.url}/v2"
 
     def route(self, endpoint: str, route: str) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """A loopback provider fake in a child process, driven over its ``/admin/`` routes.
 
-The fakes (the RunPod one here in ``bench/``, the Cerebrium one in the tests) run as
+The fakes (the RunPod one here in ``benchmarks/fakes/``, the Cerebrium one in the tests) run as
 ``python -m <module> --port 0 --config '<JSON knobs>'``: :func:`serve_fake` answers with a
 :class:`JsonHandler` subclass and prints ``READY <port>`` once listening; :class:`FakeProcess`
 starts one, waits for that line and talks to its admin API.

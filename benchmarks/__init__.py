@@ -1,0 +1,1 @@
+"""Benchmark scaffolding that comes with a source checkout, not with the installed package."""
