@@ -10,11 +10,13 @@ Nagle's algorithm) and a 1 ms socket poll instead of fakeredis's 10 ms.
 from __future__ import annotations
 
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 _POLL_S = 0.005
 
@@ -36,16 +38,20 @@ class EmbeddedRedis:
 
 def start_embedded_redis(host: str = "127.0.0.1", port: int = 0) -> EmbeddedRedis:
     """Start fakeredis's TCP server in a daemon thread and return its URL."""
-    from fakeredis._clients import _tcp_server as tcp
+    from fakeredis import TcpFakeServer
 
-    tcp._POLL_INTERVAL = _POLL_S
+    # the poll interval is a module global of the server's (no public knob): set where present
+    home = sys.modules.get(TcpFakeServer.__module__)
+    if home is not None and hasattr(home, "_POLL_INTERVAL"):
+        home._POLL_INTERVAL = _POLL_S  # type: ignore[attr-defined]
+    server = TcpFakeServer((host, port))
+    base = cast("type[socketserver.StreamRequestHandler]", server.RequestHandlerClass)
 
-    class NoDelayHandler(tcp.TCPFakeRequestHandler):
+    class NoDelayHandler(base):  # type: ignore[valid-type,misc]
         def setup(self) -> None:
             self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             super().setup()
 
-    server = tcp.TcpFakeServer((host, port))
     server.RequestHandlerClass = NoDelayHandler
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="embedded-redis", daemon=True)
