@@ -161,3 +161,32 @@ def test_a_cap_passing_after_the_finish_is_no_late_result():
     race.clock.advance(30.0)
     assert race.handle(ResultArrived("a1", JobState.TIMEOUT, valid=False)) == []
     assert race.to_dict() == before and race.attempt_for("primary").phase is Phase.LEAKED
+
+
+def test_a_janitor_confirmed_leak_replaces_its_acknowledgement_price_once(redis_client, prefix):
+    """A finished race's leak settled at its cancel's acknowledgement; the janitor's cancel later
+    shows the job stopped, with the provider's own figure: that figure replaces the first."""
+    ledger = BudgetStore(redis_client, prefix)
+    driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Recorder())
+    driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
+    driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
+    for race_id, attempt_id in effects.launched:
+        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+    driver.step("r1", ResultArrived("a2"))
+    driver.step("r1", (CancelAcknowledged("a1", None), CancelFailed("a1", "no terminal state")))
+    first = int(ledger.reservation("r1", "a1")["settled"])
+    state = driver.store.load("r1").state
+    race = Race.from_dict(state["race"], driver.clock)
+    p = race.attempt_for("primary")  # what the janitor's confirmed cancel leaves
+    p.receipt.reconciled_cost_usd = 0.0042
+    p.receipt.confirm_terminal(JobState.CANCELLED, 1.0)
+    p.phase = Phase.CANCELLED
+    state = {**state, "race": race.to_dict()}
+    assert driver.budget.settle_race("r1", race, state) == 0  # settled already: unchanged
+    assert int(ledger.reservation("r1", "a1")["settled"]) == first
+    driver.budget.settle_race("r1", race, state, again={"a1"})
+    rate = state["spec"]["rates"]["p"]
+    expected = 0.0042 + rate["idle_s"] * rate["rate_per_s"]
+    assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(expected)
+    driver.budget.settle_race("r1", race, state, again={"a1"})  # once only
+    assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(expected)

@@ -19,7 +19,7 @@ The rules (worst case, which caps apply, what an attempt cost) are pure, in
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..core.attempts import LIVE_PHASES, Attempt, Phase
@@ -161,11 +161,18 @@ class RaceBudget:
 
         return queue, self.store.settle_script
 
-    def settle_race(self, race_id: str, race: Race, state: Mapping[str, Any]) -> int:
-        """Settle every attempt of the race that can no longer cost more (one round trip)."""
+    def settle_race(
+        self, race_id: str, race: Race, state: Mapping[str, Any], again: Collection[str] = ()
+    ) -> int:
+        """Settle every attempt of the race that can no longer cost more (one round trip).
+
+        ``again``: attempts whose new figure may replace the one they settled at while leaked
+        (the janitor's cancel of a finished race's leak): settled ``late``, once.
+        """
         if not self.enabled:
             return 0
         items = self.settlements(race, state, list(race.attempts))
+        items = [(aid, nano, LATE if aid in again else source) for aid, nano, source in items]
         count, _ = self.store.settle(race_id, items, int(self.clock.now() * 1000))
         return count
 

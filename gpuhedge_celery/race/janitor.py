@@ -298,7 +298,10 @@ class Janitor:
             race_id, receipt, self.receipt_ttl_s, drop_jobs=cleanup.cancelled, record=final
         )
         if self.budget is not None:  # every attempt shown stopped settles its reservation
-            self.budget.settle_race(race_id, race, record.state)
+            # a finished race's leaks may have settled at their cancel's acknowledgement: the
+            # figure the janitor's cancel shows replaces it, once
+            again = set(receipts) if was_finished else set()
+            self.budget.settle_race(race_id, race, record.state, again)
         caller = record.state.get("caller") or {}
         if race.winner is None:
             cleanup.failed = True
