@@ -298,9 +298,9 @@ def compare(
     orphans = sorted(set(truth) - seen_jobs)
     for job_id in orphans:  # billed by a provider, in no receipt: spend all the same
         t = truth[job_id]
-        rate = rates.get(str(t.get("provider") or ""))
-        if rate is not None:
-            totals["spend_truth"] += truth_cost(t, rate)[1]
+        orphan_rate = rates.get(str(t.get("provider") or ""))
+        if orphan_rate is not None:
+            totals["spend_truth"] += truth_cost(t, orphan_rate)[1]
     disagreeing = [j for j in jobs if j["disagreements"]]
     kinds: dict[str, int] = {}
     for j in disagreeing:

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt, CancelScope, Evidence
@@ -293,8 +293,10 @@ class RunpodProvider(Provider):
                 if state is not last:
                     events.append(LifecycleEvent(self.elapsed_ms(handle), state.value.lower()))
                     last = state
-                if state.terminal:
-                    return self._terminal_result(handle, state, data, events)
+                if state.terminal:  # a state read from an answer comes with that answer's data
+                    return self._terminal_result(
+                        handle, state, cast("dict[str, Any]", data), events
+                    )
                 wait_until = self.next_poll_at(handle, state, now)
             now = self.clock.now()
             if now >= deadline:

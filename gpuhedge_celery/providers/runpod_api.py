@@ -31,7 +31,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
@@ -296,8 +296,9 @@ class RunpodApi:
         ``max_response_bytes``: :func:`.bounded_read.read_bounded`) and the headers."""
         content = None if body is None else orjson.dumps(body)
         headers = _JSON if body is not None else None
-        read_s = self.spec.read_timeout_s if timeout is None else timeout.read
-        extra = {} if timeout is None else {"timeout": timeout}
+        # a timeout built here always has its read part
+        read_s = self.spec.read_timeout_s if timeout is None else cast(float, timeout.read)
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         with self._http().stream(
             method, url, content=content, headers=headers, **extra
         ) as response:
