@@ -20,11 +20,6 @@ PACKAGE = ROOT / "gpuhedge_celery"
 ALLOWED = {"gpuhedge_celery/settings.py", "gpuhedge_celery/envvars.py", "gpuhedge_celery/cli.py"}
 NAME = re.compile(r"^GPUHEDGE_[A-Z0-9_]+$")
 FRAGMENT = re.compile(r"^GPUHEDGE_[A-Z0-9_]*$")  # the start of a name built at run time
-# bench/races.py builds its workers' environment from this process's, reading GPUHEDGE_PLUGINS
-# from it and dropping GPU-worker variables; exactly these reads are let through until that
-# file takes ProcessSettings.from_env(its_env).race.plugins and envvars' names instead
-PENDING = {"gpuhedge_celery/bench/races.py": {"GPUHEDGE_PLUGINS", "GPUHEDGE_GPU",
-                                              "GPUHEDGE_METRICS_PORT"}}  # fmt: skip
 DOCS = ROOT / "docs" / "configuration.md"
 TABLE_TITLE = "## Environment variables"
 
@@ -97,16 +92,8 @@ def package_reads() -> dict[str, list[str]]:
     return reads
 
 
-def _names(found: list[str]) -> set[str]:
-    return {line.split(": ", 1)[1] for line in found}
-
-
 def test_gpuhedge_variables_are_read_only_in_the_settings_files():
-    outside = {
-        path: found
-        for path, found in package_reads().items()
-        if path not in ALLOWED and _names(found) != PENDING.get(path)
-    }
+    outside = {path: found for path, found in package_reads().items() if path not in ALLOWED}
     assert not outside, (
         "GPUHEDGE_ variables read outside settings.py/envvars.py/cli.py: parse them in "
         "envvars.py, reach them through a section of settings.ProcessSettings (code takes "

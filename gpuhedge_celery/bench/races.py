@@ -61,6 +61,9 @@ from typing import Any, cast
 
 import click
 
+from .. import envvars, names
+from ..settings import ProcessSettings
+from ..store.keys import all_keys
 from . import redis_probe
 from ._procs import cpu_s as _cpu_s
 from ._procs import free_port as _free_port
@@ -147,11 +150,11 @@ class Bench:
         }
         # each worker counts its Redis round trips into files here (bench/redis_probe.py)
         self.probe_dir = self.tmp / "probe"
-        plugins = [p for p in self.env.get("GPUHEDGE_PLUGINS", "").split(",") if p.strip()]
+        plugins = list(ProcessSettings.from_env(self.env).race.plugins)
         # and register the Celery floor's task (bench/celery_floor.py)
         self.env["GPUHEDGE_PLUGINS"] = ",".join([*plugins, redis_probe.__name__, FLOOR_PLUGIN])
         self.env[redis_probe.DIR_ENV] = str(self.probe_dir)
-        for name in ("GPUHEDGE_GPU", "CUDA_VISIBLE_DEVICES", "GPUHEDGE_METRICS_PORT",
+        for name in (envvars.GPU_VAR, "CUDA_VISIBLE_DEVICES", envvars.METRICS_PORT_VAR,
                      "PROMETHEUS_MULTIPROC_DIR"):  # fmt: skip
             self.env.pop(name, None)
         if webhooks:
@@ -242,7 +245,7 @@ class Bench:
 
     def send(self, request: dict[str, Any], **kwargs: Any) -> Any:
         return self.app.send_task(
-            "gpuhedge.hedged_infer", (request,), kwargs, queue="gpuhedge.coord"
+            names.TASK_HEDGED_INFER, (request,), kwargs, queue=names.QUEUE_COORD
         )
 
     def close(self) -> None:
@@ -260,7 +263,7 @@ class Bench:
             p.wait(10)
         try:
             if self.redis_proc is None:
-                keys = list(self.client.scan_iter(f"{self.prefix}:*", count=1000))
+                keys = list(self.client.scan_iter(all_keys(self.prefix), count=1000))
                 for i in range(0, len(keys), 1000):
                     self.client.delete(*keys[i : i + 1000])
         finally:
@@ -302,7 +305,7 @@ def overhead_rows(bench: Bench, n: int) -> list[dict[str, Any]]:
     zero = {"sim": {"p": {"queue_s": 0, "run_s": 0}}}
     for _ in range(20):  # warm both workers (imports, connections, config)
         bench.send(zero, policy="single", providers=["p"]).get(timeout=30)
-        bench.app.send_task("celery.accumulate", (1,), queue="gpuhedge.coord").get(timeout=30)
+        bench.app.send_task("celery.accumulate", (1,), queue=names.QUEUE_COORD).get(timeout=30)
     race_ms, coord_ms, trip_ms = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -311,7 +314,7 @@ def overhead_rows(bench: Bench, n: int) -> list[dict[str, Any]]:
         race_ms.append(total - float(result.get("provider_ms") or 0.0))
         coord_ms.append(float(result["e2e_ms"]))
         t0 = time.perf_counter()
-        bench.app.send_task("celery.accumulate", (1,), queue="gpuhedge.coord").get(timeout=30)
+        bench.app.send_task("celery.accumulate", (1,), queue=names.QUEUE_COORD).get(timeout=30)
         trip_ms.append((time.perf_counter() - t0) * 1000.0)
     race = {"row": "overhead", **_summary(race_ms)}
     race["coordinator_e2e"] = _summary(coord_ms)

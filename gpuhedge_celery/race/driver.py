@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .. import settings as process_settings
 from ..core.attempts import Phase
 from ..core.clock import Clock, WallClock
 from ..core.jobs import JobState
@@ -77,7 +78,7 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         self.effects = effects
         self.settings = settings or RaceSettings()
         # webhooks on (GPUHEDGE_WEBHOOK_URL and _SECRET): completions are pushed, polls a net
-        self.webhooks = webhooks if webhooks is not None else WebhookSettings.from_env()
+        self.webhooks = webhooks if webhooks is not None else process_settings.current().webhooks
         self.clock = clock or WallClock()
         # reserves before each submit and settles each ended attempt (race/budget.py)
         self.budget = budget if budget is not None and budget.enabled else None
