@@ -93,7 +93,6 @@ def _positive(env: Mapping[str, str], name: str, default: D) -> float | D:
     )  # fmt: skip
 
 
-COORD_LOOPS = ("threads", "batched")
 TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
 
 
@@ -115,12 +114,6 @@ def race_values(env: Mapping[str, str]) -> dict[str, Any]:
             key="GPUHEDGE_TIMER_NAMESPACE",
         )
     plugins = tuple(p.strip() for p in (env.get(PLUGINS_VAR) or "").split(",") if p.strip())
-    coord_loop = (env.get("GPUHEDGE_COORD_LOOP") or "batched").strip().lower()
-    if coord_loop not in COORD_LOOPS:
-        raise ConfigError(
-            f"expected one of {', '.join(COORD_LOOPS)}, got {coord_loop!r}",
-            key="GPUHEDGE_COORD_LOOP",
-        )
     return dict(
         receipt_ttl_s=receipt_ttl_s(env),
         payload_inline_max=int(_float(env, "GPUHEDGE_PAYLOAD_INLINE_MAX", 1_000_000, minimum=-1)),
@@ -131,12 +124,9 @@ def race_values(env: Mapping[str, str]) -> dict[str, Any]:
         event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 100.0, minimum=-1),
         ack_linger_ms=_float(env, "GPUHEDGE_ACK_LINGER_MS", 250.0, minimum=-1),
         timer_namespace=namespace,
-        submit_primary_inline=env_flag(env, "GPUHEDGE_SUBMIT_PRIMARY_INLINE", True),
-        launch_inline=env_flag(env, "GPUHEDGE_LAUNCH_INLINE", True),
         launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
         timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 16),
         timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 25.0, minimum=-1)),
-        coord_loop=coord_loop,
         cancel_threads=_count(env, "GPUHEDGE_CANCEL_THREADS", 32),
         cancel_backstop_s=_float(env, "GPUHEDGE_CANCEL_BACKSTOP_S", 30.0),
         switch_interval_ms=_float(env, "GPUHEDGE_SWITCH_INTERVAL_MS", 1.0, minimum=-1),

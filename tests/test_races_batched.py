@@ -1,11 +1,10 @@
-"""Races on real Celery workers with each coordination loop (``GPUHEDGE_COORD_LOOP``).
+"""Races on real Celery workers with the batched coordination loop (``race/watch_batch.py``).
 
-``batched`` (the default): two real coordination workers fire their due watch polls in
-batches (one round trip per batch); what a batch hands back (a job that ended, a hedge, a
-cancel, a winner) runs on the timer threads. ``threads``: every timer on a timer thread.
-With either, races of every shape end with one winner and nothing left running, the workers'
-metrics show which loop did the polling, and a worker SIGKILLed in the middle of many races
-loses none of them: its claimed timers fire in the survivor after their lease.
+Two real coordination workers fire their due watch polls in batches (one round trip per
+batch); what a batch hands back (a job that ended, a hedge, a cancel, a winner) runs on the
+timer threads. Races of every shape end with one winner and nothing left running, the
+workers' metrics show the batches did the polling, and a worker SIGKILLed in the middle of
+many races loses none of them: its claimed timers fire in the survivor after their lease.
 """
 
 from __future__ import annotations
@@ -32,11 +31,11 @@ BOTH_FAIL = {"sim": {"p": {"queue_s": 5, "run_s": 10, "outcome": "failed"},
 HEDGE_POLICY = "hedge:p->h@0.3s"
 
 
-@pytest.fixture(scope="module", params=["batched", "threads"])
-def batched(redis_url, tmp_path_factory, request):
+@pytest.fixture(scope="module")
+def batched(redis_url, tmp_path_factory):
     ports = [free_port(), free_port()]
     rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("loop"), workers=0,
-                            GPUHEDGE_COORD_LOOP=request.param, GPUHEDGE_METRICS_ADDR="127.0.0.1",
+                            GPUHEDGE_METRICS_ADDR="127.0.0.1",
                             GPUHEDGE_VISIBILITY_TIMEOUT_S="2", GPUHEDGE_LAUNCH_BACKSTOP_S="1",
                             GPUHEDGE_CANCEL_BACKSTOP_S="1")  # fmt: skip
     started = [rc.cluster.start_coordinator(wait=False, GPUHEDGE_METRICS_PORT=str(port))
@@ -46,7 +45,6 @@ def batched(redis_url, tmp_path_factory, request):
         wait_for_endpoint(port)
     rc.metrics_ports = ports
     rc.workers = started
-    rc.loop = request.param
     yield rc
     stop_race_cluster(rc)
 
@@ -92,9 +90,6 @@ def test_races_of_every_shape_end_right_and_the_batches_poll(batched):
         check_race(rc, res, winner)
     done, handed = (a - b for a, b in zip(batched_counts(rc), before, strict=True))
     # each race's queued -> running poll is a batched step; ends, hedges and cancels are not
-    if rc.loop == "threads":
-        assert done == handed == 0  # no batch: every timer on a timer thread
-        return
     assert done >= 20, (done, handed)
     assert handed >= 20, (done, handed)
 

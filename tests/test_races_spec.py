@@ -92,12 +92,11 @@ def test_settings_defaults_and_values():
             "GPUHEDGE_PAYLOAD_INLINE_MAX": "0",
             "GPUHEDGE_RACE_EVENTS": "off",
             "GPUHEDGE_PLUGINS": "json, tests.support.fixtures_races",
-            "GPUHEDGE_SUBMIT_PRIMARY_INLINE": "false",
             "GPUHEDGE_ACK_LINGER_MS": "0",
         }
     )
     assert (s.receipt_ttl_s, s.payload_inline_max, s.events) == (60.0, 0, False)
-    assert s.plugins == ("json", "tests.support.fixtures_races") and not s.submit_primary_inline
+    assert s.plugins == ("json", "tests.support.fixtures_races")
     assert s.ack_linger_ms == 0.0 and RaceSettings().ack_linger_ms == 250.0
     s.import_plugins()
     assert s.as_celery_conf()["gpuhedge_race_receipt_ttl_s"] == 60.0
@@ -133,7 +132,7 @@ def test_hedged_infer_imports_first_in_a_fresh_process():
     code = (
         "from gpuhedge_celery import hedged_infer\n"
         "from gpuhedge_celery.tasks import app, race_runtime\n"
-        "assert race_runtime.QUEUE_ATTEMPTS == app.QUEUE_ATTEMPTS\n"
+        "assert race_runtime.TASK_RACE_SUBMIT in app.app.tasks\n"
         "assert set(app.app.tasks) >= {'gpuhedge.hedged_infer', 'gpuhedge.race_submit'}\n"
         "print(hedged_infer.name)\n"
     )

@@ -159,7 +159,7 @@ def test_every_section_parses_from_an_empty_environment():
     every = process_settings.ProcessSettings.from_env({})
     assert every.core.prefix == "gpuhedge"
     assert every.glue.pool == "default"
-    assert every.race.coord_loop == "batched"
+    assert every.race.timer_namespace == "races"
     assert not every.webhooks.on
     assert every.janitor.limit == 100
     assert every.metrics.port is None and every.metrics.enabled
@@ -179,8 +179,8 @@ def test_a_section_is_parsed_once_and_reload_reads_the_environment_again(monkeyp
 
 
 def test_a_bad_value_fails_only_the_section_that_reads_it():
-    every = process_settings.ProcessSettings.from_env({"GPUHEDGE_COORD_LOOP": "spin"})
+    every = process_settings.ProcessSettings.from_env({"GPUHEDGE_TIMER_NAMESPACE": "a b"})
     assert every.glue.pool == "default"
     assert every.receipt_ttl_s == 86400.0
-    with pytest.raises(ConfigError, match="GPUHEDGE_COORD_LOOP: expected one of threads, batched"):
+    with pytest.raises(ConfigError, match="GPUHEDGE_TIMER_NAMESPACE: expected letters"):
         every.race  # noqa: B018 - parsed on first use

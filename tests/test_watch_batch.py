@@ -1,4 +1,4 @@
-"""The batched watch loop (``GPUHEDGE_COORD_LOOP=batched``) on a real redis-server.
+"""The batched watch loop (``race/watch_batch.py``) on a real redis-server.
 
 A batch of due watch polls is polled, stepped in memory and saved in one round trip; what it
 cannot finish (a job that ended, a step that does more than arm timers, a save that lost its
@@ -17,7 +17,6 @@ import redis.connection
 
 from gpuhedge_celery.core.attempts import Phase
 from gpuhedge_celery.core.jobs import JobState
-from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -381,10 +380,6 @@ def test_a_batched_claim_takes_a_few_timers_per_free_thread(redis_client, prefix
     assert all(t.deliveries == 1 for t in fired)  # never taken again after a lapsed lease
 
 
-def test_a_batch_handler_needs_a_pool_and_the_setting_names_its_values(redis_client, prefix):
+def test_a_batch_handler_needs_a_pool(redis_client, prefix):
     with pytest.raises(ValueError, match="threads > 1"):
         TimerService(TimerStore(redis_client, prefix, "b"), print, batch_handler=lambda d, b: None)
-    assert RaceSettings.from_env({}).coord_loop == "batched"
-    assert RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "Threads"}).coord_loop == "threads"
-    with pytest.raises(ConfigError, match="GPUHEDGE_COORD_LOOP.*threads, batched.*'loop'"):
-        RaceSettings.from_env({"GPUHEDGE_COORD_LOOP": "loop"})

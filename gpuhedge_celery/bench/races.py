@@ -21,8 +21,6 @@ is deleted afterwards) and sim providers from a generated config. Rows:
   many plain Celery tasks as it has races, over the same ramp and window, each returning the
   same payload: the part of a race's CPU and Redis traffic that is Celery's own, and the rest
   (:mod:`.celery_floor`).
-* ``loop`` (only when asked for): the capacity row with the coordination loop ``threads``
-  and ``batched`` in alternating pairs (:mod:`._loop_row`).
 * ``records`` (only when asked for): the capacity row's CPU per race with race records on and
   off (``GPUHEDGE_RECORDS_MAXLEN``), in alternating pairs of fresh clusters
   (:mod:`._records_pair`).
@@ -405,14 +403,10 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     "--rows",
     default="overhead,capacity,cancel",
     show_default=True,
-    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, loop, "
-    "truth).",
+    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, truth).",
 )
 @click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
               help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
-@click.option("--loop-pairs", type=click.IntRange(1, 10), default=2, show_default=True,
-              help="loop row: alternating pairs of capacity runs with GPUHEDGE_COORD_LOOP "
-              "threads and batched, at the first --races count.")  # fmt: skip
 @click.option("--metrics-races", type=click.IntRange(1), default=600, show_default=True,
               help="Races per run in the metrics row.")  # fmt: skip
 @click.option("--metrics-duration-s", type=click.FloatRange(0.5), default=10.0,
@@ -444,7 +438,7 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
 def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
             ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
             memory_races: int, request_bytes: int, rows: str, record_pairs: int,
-            loop_pairs: int, metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
+            metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
             budget_races: int, budget_pairs: int, truth_races: int,
             seed: int, provider: str, webhooks: str,
             receiver_workers: int, webhook_senders: int, audio_s: float) -> None:  # fmt: skip
@@ -452,7 +446,7 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
         "overhead", "capacity", "cancel", "floor", "records", "memory", "metrics", "budget",
-        "loop", "truth",
+        "truth",
     }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
@@ -506,15 +500,6 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
 
         results.append(truth_row(bench_cluster, url, workers, concurrency, truth_races))
         wanted.remove("truth")
-    if "loop" in wanted:  # fresh workers for each of its runs, one loop or the other
-        from ._loop_row import loop_row
-
-        def loop_cluster(loop: str, scale: float) -> Any:
-            return bench_cluster(url, workers, concurrency, scale, {"GPUHEDGE_COORD_LOOP": loop})
-
-        results.append(loop_row(loop_cluster, capacity_row, levels[0], scale, loop_pairs, seed,
-                                ramp_s))  # fmt: skip
-        wanted.remove("loop")
     if "metrics" in wanted:  # fresh workers for each of its runs
         from .metrics_cost import metrics_row
 

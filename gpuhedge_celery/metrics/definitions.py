@@ -87,7 +87,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     _h("gpuhedge_timer_lag_seconds", "From a durable timer's due time to its handler starting.",
        FAST_S, "kind"),
     _c("gpuhedge_timers_batched",
-       "Due timers given to the batched coordination loop (GPUHEDGE_COORD_LOOP=batched), by "
+       "Due timers given to the batched coordination loop (race/watch_batch.py), by "
        "whether it finished them or handed them back to a timer thread.", "outcome"),
     # -- GPU pool and leases -------------------------------------------------------------------
     _h("gpuhedge_pool_wait_seconds", "A pooled request's wait in the FIFO queue for a GPU lease.",

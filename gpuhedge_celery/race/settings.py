@@ -29,12 +29,9 @@ class RaceSettings:
     event_linger_ms: float = 100.0
     ack_linger_ms: float = 250.0
     timer_namespace: str = "races"
-    submit_primary_inline: bool = True
-    launch_inline: bool = True
     launch_backstop_s: float = 60.0
     timer_threads: int = 16
     timer_ahead_ms: int = 25
-    coord_loop: str = "batched"
     cancel_threads: int = 32
     cancel_backstop_s: float = 30.0
     switch_interval_ms: float = 1.0

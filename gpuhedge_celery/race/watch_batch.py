@@ -1,8 +1,8 @@
 """The batched watch loop: a batch of due watch polls stepped in memory, saved in one round trip.
 
-With ``GPUHEDGE_COORD_LOOP=batched`` the timer service of a coordination worker hands each
-claimed batch of due timers to :meth:`WatchBatch.handle`, in its own thread, instead of one
-timer per handler thread. For the watch polls of providers that can answer many status polls
+The timer service of a coordination worker (with more than one timer thread) hands each
+claimed batch of due timers to :meth:`WatchBatch.handle`, in its own thread, before any goes
+to a handler thread. For the watch polls of providers that can answer many status polls
 at once (``status_and_next_change_many``), it:
 
 1. polls each provider's jobs of the batch in one call;

@@ -19,10 +19,10 @@ from typing import Any
 from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
 from ..errors import BudgetExceeded, RaceFailed
-from ..names import QUEUE_ATTEMPTS, TASK_RACE_SUBMIT
 from ..names import TASK_HEDGED_INFER as TASK_HEDGED_INFER
 from ..names import TASK_RACE_CANCEL as TASK_RACE_CANCEL
 from ..names import TASK_RACE_STEP as TASK_RACE_STEP
+from ..names import TASK_RACE_SUBMIT
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
 from ..race.backstops import launch_backstop_id
@@ -63,8 +63,8 @@ class CeleryEffects:
     its cancel threads: a hedge is due now and a loser must stop billing, neither should wait
     for a task hop (nor pay for one: a publish, a fetch, an ack and a trace per attempt).
     The driver armed a durable backstop timer first, so a launch or cancel that dies with this
-    process is finished by another worker. With ``GPUHEDGE_LAUNCH_INLINE=0`` launches are
-    ``race_submit`` tasks on the attempts queue instead (their redelivery covers a crash).
+    process is finished by another worker. (``race_submit`` tasks on the attempts queue are
+    for operators and other apps.)
     Task events are handed to one sender thread, so a race step never waits on publishing them.
     """
 
@@ -83,7 +83,7 @@ class CeleryEffects:
         self._dispatcher: Any = None
         self._cancels: ThreadPoolExecutor | None = None
         self._launches: ThreadPoolExecutor | None = None
-        self.launches_here = self.settings.launch_inline  # read by the driver
+        self.launches_here = True  # read by the driver: it arms each launch's backstop
         self._events: queue.SimpleQueue[tuple[str, str, dict[str, Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -91,14 +91,9 @@ class CeleryEffects:
         self.hostname: str | None = None  # the worker's node name, once known
 
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
-        args = (race_id, attempt_id, provider)
-        if self.launches_here:
-            self._pool("_launches", "gpuhedge-launch").submit(_launch_now, *args)
-            return
-        # Nobody waits on a launch's own result (the race's state is the record), so it is not
-        # stored: a result write and its publish less per attempt. An operator's send_task of
-        # race_submit still gets one.
-        _app().send_task(TASK_RACE_SUBMIT, args, queue=QUEUE_ATTEMPTS, ignore_result=True)
+        self._pool("_launches", "gpuhedge-launch").submit(
+            _launch_now, race_id, attempt_id, provider
+        )
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
         self._pool("_cancels", "gpuhedge-cancel").submit(_cancel_now, race_id, attempt_id, provider)
@@ -363,7 +358,7 @@ class RaceRuntime:
             budget=self.budget,
         )  # fmt: skip
         self.service: TimerService | None = None
-        self.watch_batch: WatchBatch | None = None  # GPUHEDGE_COORD_LOOP=batched
+        self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started
 
     def provider(self, name: str) -> Provider:
@@ -401,8 +396,9 @@ class RaceRuntime:
             return self.revokes
 
     def _batch_handler(self) -> Any:
-        """The batched watch loop's handler (``GPUHEDGE_COORD_LOOP=batched``), else None."""
-        if self.settings.coord_loop != "batched" or self.settings.timer_threads < 2:
+        """The batched watch loop's handler; None with one timer thread (a batch hands back
+        to the other threads what it does not step itself)."""
+        if self.settings.timer_threads < 2:
             return None
         self.watch_batch = WatchBatch(self.driver)
         return self.watch_batch.handle

@@ -7,8 +7,8 @@ worker.
 
 * ``gpuhedge.hedged_infer`` (queue ``gpuhedge.coord``): validates its arguments (one-line
   ``ConfigError``), creates the race under race id = the task id (a redelivery resumes it),
-  performs the engine's first actions (submitting the primary itself unless
-  ``GPUHEDGE_SUBMIT_PRIMARY_INLINE=0``) and returns a marker Celery does not store (see
+  performs the engine's first actions (submitting the primary itself, no task hop before it
+  runs) and returns a marker Celery does not store (see
   :class:`RaceTask`). The driver
   later marks the task id done the moment a winner is declared (``.get()`` returns then, before
   losers are cleaned up) or failed with :class:`~gpuhedge_celery.errors.RaceFailed` carrying
@@ -221,9 +221,7 @@ def hedged_infer(
     # here rather than failing the caller's .get() with StoreUnavailable while the race may run.
     through_outage(
         rt.driver.store.client, f"race {race_id}: start it",
-        lambda: rt.driver.create(
-            race_id, request, spec, caller, submit_first=rt.settings.submit_primary_inline
-        ),
+        lambda: rt.driver.create(race_id, request, spec, caller, submit_first=True),
     )  # fmt: skip
     if race_id in worker_state.revoked:  # revoked while it was being created: stop it now
         rt.driver.step(race_id, StopRequested(REVOKED_BY))
