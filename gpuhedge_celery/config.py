@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,7 +176,10 @@ class GpuHedgeConfig:
 
     def build(self, name: str, **kwargs: Any):
         """Build provider ``name`` (kwargs to the adapter: ``clock``, ``sleep``, ``env``...)."""
-        return build_provider(name, self.provider(name), **kwargs)
+        found = self.provider(name)
+        if found.timeout_s is None:  # the adapter sees the cap the races use (RunPod's own stop)
+            found = replace(found, timeout_s=self.attempt_cap_s)
+        return build_provider(name, found, **kwargs)
 
 
 class _StrictLoader(yaml.SafeLoader):

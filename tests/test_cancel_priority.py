@@ -39,6 +39,13 @@ def test_a_taker_behind_leaves_the_hold_and_never_reserves():
     assert limiter.take("ep", RL, 10.0).wait_s == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("limit", [2, 10, 19])
+def test_a_small_bucket_holds_nothing_back_so_a_running_jobs_cancel_still_goes(limit):
+    small = RouteLimit("cancel", limit, 10.0, 0.9)  # a burst of 1: nothing to hold back
+    assert small.hold == 0
+    assert LocalLimiter(clock=lambda: 0.0).take("ep", small, 5.0, behind=True).granted
+
+
 def test_the_redis_bucket_keeps_the_same_hold(redis_client, prefix):
     limiter = RedisLimiter(redis_client, prefix)
     slow = RouteLimit("cancel", 100, 1000.0, 0.9)  # hardly refills during the test

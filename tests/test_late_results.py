@@ -61,11 +61,13 @@ def test_a_finished_race_takes_a_leaked_losers_late_result_and_keeps_its_winner(
     race.clock.advance(4.0)
     assert race.handle(ResultArrived("a1", verified=verified)) == []  # no action, no new winner
     assert race.winner == "a2" and p.phase is Phase.ENDED and p.valid is False
-    assert p.result_at == pytest.approx(7.0) and not p.receipt.leaked
-    assert p.receipt.terminal_status is JobState.COMPLETED
-    # only a read of the provider proves a stop: a delivery nobody checked keeps the evidence
+    assert p.result_at == pytest.approx(7.0)  # priced to it either way
+    # only a read of the provider proves the end: a delivery nobody checked keeps the evidence
+    # and the leak flag (the job may still run, and a forger must not be able to hide it)
     expected = Evidence.CONFIRMED_TERMINAL if verified else Evidence.PROVIDER_ACK
     assert p.receipt.evidence is expected and p.receipt.confirmed_terminal is verified
+    assert p.receipt.leaked is not verified
+    assert p.receipt.terminal_status is (JobState.COMPLETED if verified else None)
     assert "after the race finished" in p.receipt.note
     # a second delivery of it changes nothing
     before = race.to_dict()
@@ -82,7 +84,9 @@ def test_a_finished_race_ignores_a_result_of_a_loser_shown_stopped():
     assert race.to_dict() == before
 
 
-def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefix):
+def leaked_driver_race(redis_client, prefix, accepted=True):
+    """A driver race on Redis with a budget: h wins, p's cancel is accepted (or refused) and
+    never confirmed, so p is a finished race's leak. Returns (driver, providers, ledger)."""
     ledger = BudgetStore(redis_client, prefix)
     driver, effects, cfg, _, providers = build_driver(redis_client, prefix, Recorder())
     driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
@@ -90,30 +94,48 @@ def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefi
     for race_id, attempt_id in effects.launched:
         driver.submit_attempt(race_id, attempt_id, decided_here=True)
     driver.step("r1", ResultArrived("a2"))  # h wins: p is cancelled...
-    driver.step("r1", (CancelAcknowledged("a1", None), CancelFailed("a1", "refused")))
+    refused = CancelReceipt("p", "", note="cancel: HTTP 500")  # no evidence: refused
+    driver.step("r1", (CancelAcknowledged("a1", None if accepted else refused),
+                       CancelFailed("a1", "no terminal state")))  # fmt: skip
+    return driver, providers, ledger
+
+
+def deliver_late(driver, provider, cost_usd):
+    state = driver.store.load("r1").state
+    handle = JobHandle.from_dict(state["race"]["attempts"][0]["handle"])
+    late = AttemptResult("p", handle.job_id, JobState.COMPLETED, 9000.0, {"audio": "x"},
+                         metrics={"cost_usd": cost_usd})  # fmt: skip
+    driver.conclude("r1", "a1", provider, handle, 60.0, state["spec"], result=late)
+    return driver.store.receipt("r1")
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefix, verified):
+    """Verified (a read of the provider, as RunPod's): the job is shown ended, its leak cleared
+    and its job unregistered. Nothing checked (as Cerebrium's): it is priced, but stays a
+    listed leak the janitor keeps trying to stop."""
+    driver, providers, ledger = leaked_driver_race(redis_client, prefix)
     receipt = driver.store.receipt("r1")
     assert receipt["finished"] and receipt["leaked"]
     # the cancel was accepted: settled at once, at its price to the acknowledgement
     first = int(ledger.reservation("r1", "a1")["settled"]) / 1e9
     assert first == pytest.approx(receipt["attempts"][0]["billed_usd"], abs=1e-9)
-    handle = JobHandle.from_dict(driver.store.load("r1").state["race"]["attempts"][0]["handle"])
-    late = AttemptResult("p", handle.job_id, JobState.COMPLETED, 9000.0, {"audio": "x"},
-                         metrics={"cost_usd": 0.0123})  # fmt: skip
-    spec = driver.store.load("r1").state["spec"]
-    driver.conclude("r1", "a1", providers["p"], handle, 60.0, spec, result=late)
-    receipt = driver.store.receipt("r1")
+    provider = providers["p"]
+    provider.delivery_is_verified = verified
+    receipt = deliver_late(driver, provider, 0.0123)
     p = receipt["attempts"][0]
-    assert receipt["winner"] == "a2" and not receipt["leaked"]
+    assert receipt["winner"] == "a2" and receipt["leaked"] is not verified
     assert p["usd"] == 0.0123 and p["cost_source"] == "provider"
-    assert p["cancel_receipt"]["terminal_status"] == "COMPLETED"
+    assert p["cancel_receipt"]["confirmed_terminal"] is verified
     # the ledger holds the same figure: the reported execution plus the worker's idle window
-    rate = spec["rates"]["p"]
+    rate = driver.store.load("r1").state["spec"]["rates"]["p"]
     settled = int(ledger.reservation("r1", "a1")["settled"]) / 1e9
     assert settled == pytest.approx(p["billed_usd"], abs=1e-9)
     assert p["billed_usd"] == pytest.approx(0.0123 + rate["idle_s"] * rate["rate_per_s"])
     # settled again, once: the difference joins the ledger as an adjustment
     adjusts = [e for _, e in ledger.entries() if e.get("type") == "adjust"]
     assert len(adjusts) == 1 and int(adjusts[0]["nano"]) / 1e9 == pytest.approx(settled - first)
+    assert adjusts[0]["source"] == ("late" if verified else "late_estimate")
     assert ledger.reservation("r1", "a1")["late"] == "1"
     assert ledger.settle("r1", [("a1", 1, "late")], 0) == (0, 0)  # once: a repeat is a no-op
     assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(settled)
@@ -121,8 +143,27 @@ def test_the_driver_prices_settles_and_records_a_late_result(redis_client, prefi
     totals = {k: v for k, v in ledger.totals().items() if k[:2] in ("r|", "s|", "o|")}
     assert differences(totals, counters_from_ledger(e for _, e in ledger.entries())) == {}
     record = list(driver.store.records.read())[-1][1]  # the corrected record, last
-    assert record["attempts"][0]["usd"] == 0.0123 and record["leaked"] is False
-    assert "a1" not in driver.store.live_jobs("r1")  # nothing left for the janitor to cancel
+    assert record["attempts"][0]["usd"] == 0.0123 and record["leaked"] is not verified
+    # a job shown ended leaves the janitor's list; one nothing checked stays on it
+    assert ("a1" in driver.store.live_jobs("r1")) is not verified
+
+
+def test_a_delivery_nothing_checked_never_lowers_the_ledger(redis_client, prefix):
+    """A refused cancel keeps the whole reservation (swept as unproven); a delivery nobody can
+    check (a forged one, say) then claims a tiny cost: the ledger keeps the figure, the leak
+    stays listed and the job stays on the janitor's list."""
+    driver, providers, ledger = leaked_driver_race(redis_client, prefix, accepted=False)
+    later = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000), clock=VirtualClock(time.time() + 1e5))
+    assert later.sweep(lambda race_id: driver.store.load(race_id).state, grace_ms=0) == 1
+    reserved = int(ledger.reservation("r1", "a1")["settled"])
+    assert reserved == int(ledger.reservation("r1", "a1")["amount"])
+    spent = dict(ledger.totals())
+    receipt = deliver_late(driver, providers["p"], 0.000001)  # the sim: nothing checks it
+    assert int(ledger.reservation("r1", "a1")["settled"]) == reserved
+    assert {k: v for k, v in ledger.totals().items() if k.startswith("s|")} == {
+        k: v for k, v in spent.items() if k.startswith("s|")
+    }
+    assert receipt["leaked"] and "a1" in driver.store.live_jobs("r1")
 
 
 @pytest.mark.parametrize("accepted", [True, False])
@@ -184,9 +225,9 @@ def test_a_janitor_confirmed_leak_replaces_its_acknowledgement_price_once(redis_
     state = {**state, "race": race.to_dict()}
     assert driver.budget.settle_race("r1", race, state) == 0  # settled already: unchanged
     assert int(ledger.reservation("r1", "a1")["settled"]) == first
-    driver.budget.settle_race("r1", race, state, again={"a1"})
+    driver.budget.settle_race("r1", race, state, resettle={"a1"})
     rate = state["spec"]["rates"]["p"]
     expected = 0.0042 + rate["idle_s"] * rate["rate_per_s"]
     assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(expected)
-    driver.budget.settle_race("r1", race, state, again={"a1"})  # once only
+    driver.budget.settle_race("r1", race, state, resettle={"a1"})  # once only
     assert int(ledger.reservation("r1", "a1")["settled"]) / 1e9 == pytest.approx(expected)

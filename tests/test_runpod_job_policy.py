@@ -39,7 +39,8 @@ def fate(run_s: float) -> dict:
         (30, {}, {"executionTimeout": 30000}),  # the cap, in milliseconds
         (2, {}, {"executionTimeout": 5001}),  # RunPod's floor: more than 5 s
         (30, {"executionTimeout": 90000}, {"executionTimeout": 90000}),  # the config's own wins
-        (None, {"ttl": 60000}, {"ttl": 60000}),  # no cap of its own: the policy as written
+        # no cap of its own: the fleet's (timeouts.attempt_cap_s, 180 s by default)
+        (None, {"ttl": 60000}, {"ttl": 60000, "executionTimeout": 180000}),
     ],
 )
 def test_the_cap_travels_as_the_jobs_execution_timeout(runpod, timeout_s, policy, sent):

@@ -213,9 +213,10 @@ def test_hedged_runpod_to_cerebrium(races):
 
 
 def test_the_runpod_primary_wins_and_the_cerebrium_loser_is_a_flagged_leak(races):
-    """Cerebrium's cancel is acknowledged only: its loser is listed as a leak until its run,
-    which went on, posts its webhook: the finished race takes that late result, and the
-    receipt then shows the run ended, priced to its end (what the fake billed)."""
+    """Cerebrium's cancel is acknowledged only: its loser is listed as a leak. Its run went on
+    and posts its webhook: the finished race takes that late result and prices the run to it
+    (what the fake billed), but nothing can check a Cerebrium delivery, so the leak stays
+    listed (a forged delivery must not hide a job that may still run)."""
     request = fates(rp={"queue_s": 0, "run_s": 0.6},
                     cb={"queue_s": 0, "run_s": 0.8, "finish_after_cancel": True})  # fmt: skip
     result, receipt = races.run(request, "hedge:rp->cb@0.2s")
@@ -229,18 +230,23 @@ def test_the_runpod_primary_wins_and_the_cerebrium_loser_is_a_flagged_leak(races
     assert any(x["provider"] == "cb" for x in receipt["leaks"]) and receipt["leaked"] is True
     assert races.cerebrium.run(cb["job_id"])["cancelled"] is True
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and races.cerebrium.stats()["webhooks"]["sent"] < 2:
+
+    def late_taken():
+        found = races.rc.store.receipt(receipt["race_id"])
+        return found if attempt(found, "cb")["state"] == "COMPLETED" else None
+
+    while time.monotonic() < deadline and not late_taken():
         time.sleep(0.05)
-    assert races.cerebrium.stats()["webhooks"]["sent"] >= 2  # this race's late one included
-    while time.monotonic() < deadline and races.rc.store.receipt(receipt["race_id"])["leaked"]:
-        time.sleep(0.05)
-    late = races.rc.store.receipt(receipt["race_id"])
+    late = late_taken()
+    assert late is not None, "the late result was not taken"
+    assert races.cerebrium.stats()["webhooks"]["sent"] >= 1  # the fake posted it
     cb = attempt(late, "cb")
-    assert late["winner"] == receipt["winner"] and late["leaks"] == []
+    assert late["winner"] == receipt["winner"]
     cancel = cb["cancel_receipt"]
-    # the run ended, but a delivery Cerebrium cannot confirm proves no stop: evidence stays
-    assert cancel["terminal_status"] == "COMPLETED" and cancel["leaked"] is False
+    # the run ended, but a delivery Cerebrium cannot confirm proves nothing: evidence and
+    # leak flag stay
     assert cancel["evidence"] == "provider_ack" and cancel["confirmed_terminal"] is False
+    assert cancel["leaked"] is True and any(x["provider"] == "cb" for x in late["leaks"])
     truth = races.cerebrium.truth()[cb["job_id"]]
     assert truth["stopped_by_cancel"] is False  # it ran to its end
     # priced from submit to the result's arrival: the billed run (within the two clocks'

@@ -36,7 +36,7 @@ def counters_from_ledger(entries: Iterable[Mapping[str, str]]) -> dict[str, int]
             else:
                 add(f"r|{scope}", -int(entry["reserved_nano"]))
                 add(f"s|{scope}", int(entry["nano"]))
-        if kind == "settle" and entry.get("over_reported") == "1":
+        if kind in ("settle", "adjust") and entry.get("over_reported") == "1":
             add(f"o|{entry.get('provider', '')}", 1)
     return totals
 

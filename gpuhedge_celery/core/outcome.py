@@ -132,6 +132,9 @@ def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
         a.result_at is not None and a.result_state not in _STOPPED_BY_US
     ):
         return a.result_at  # it ended with a result (one after its cancel included)
+    if r is None or r.cancel_ack_ms is None:  # our cancel never reached it
+        if a.result_at is not None:
+            return a.result_at  # seen ended (cancelled by someone else): billed until then
     if r is not None and r.cancel_ack_ms is not None and started_at is not None:
         # the provider had the cancel by then: the job stopped no later (a cancel that waited
         # for a rate-limit token reached the provider long after it was decided)

@@ -310,7 +310,13 @@ class Race(CancelRules):
         state = event.state if event.state.terminal else JobState.FAILED
         reasons = [*event.reasons, "late: the race had finished"]
         self._end(a, state, False, reasons, f"{state} (late result)")
-        self._cancel_outrun(a, state, event.verified, "ran to its end after the race finished")
+        if event.verified:
+            self._cancel_outrun(a, state, True, "ran to its end after the race finished")
+        else:  # nothing checked it: it prices the job, it proves no end (the leak stays listed)
+            r = a.receipt
+            r.note = (r.note + "; " if r.note else "") + (
+                "a result was delivered after the race finished (not verified with the provider)"
+            )
 
     def _cancel_outrun(self, a: Attempt, state: JobState, verified: bool, why: str) -> None:
         """A result ended a job we were cancelling: only a verified one confirms it stopped (a

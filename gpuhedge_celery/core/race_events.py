@@ -123,6 +123,12 @@ class ResultArrived(Event):
     #: ends the attempt, but is no proof that a cancelled job stopped
     verified: bool = True
 
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.verified:  # the default: left out, so a worker of the previous release reads it
+            del data["verified"]
+        return data
+
 
 @dataclass(frozen=True)
 class CancelAcknowledged(Event):
@@ -191,7 +197,8 @@ def event_from_dict(data: dict[str, Any]) -> Event:
         data["receipt"] = CancelReceipt.from_dict(data["receipt"])
     if cls is ResultArrived:
         data["reasons"] = tuple(data.get("reasons") or ())
-    return cls(**data)
+    names = _field_names(cls)
+    return cls(**{k: v for k, v in data.items() if k in names})  # a newer writer's extras
 
 
 # --------------------------------------------------------------------------- actions (out)

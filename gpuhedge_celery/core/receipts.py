@@ -7,6 +7,7 @@ never from the cancel call's own reply.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -114,12 +115,12 @@ class CancelReceipt:
             "billing_stop_confirmed": self.billing_stop_confirmed,
             "leaked": self.leaked,
             "note": self.note,
-            "token_wait_ms": self.token_wait_ms,
+            **({} if self.token_wait_ms is None else {"token_wait_ms": self.token_wait_ms}),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CancelReceipt:
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k in _RECEIPT_FIELDS}  # a newer writer's extras
         status = data.get("terminal_status")
         data["terminal_status"] = to_enum(JobState, _JOB_STATES, status) if status else None
         data["evidence"] = to_enum(Evidence, _EVIDENCES, data.get("evidence", _NO_EVIDENCE))
@@ -127,6 +128,7 @@ class CancelReceipt:
         return cls(**data)
 
 
+_RECEIPT_FIELDS = frozenset(f.name for f in dataclasses.fields(CancelReceipt))
 _JOB_STATES = enum_by_value(JobState)
 _EVIDENCES = enum_by_value(Evidence)
 _SCOPES = enum_by_value(CancelScope)

@@ -65,7 +65,7 @@ class RouteLimit:
     def hold(self) -> float:
         """Tokens a taker ``behind`` the others leaves for them (half the burst): it is only
         granted a token free beyond these, never a reservation (see :class:`Limiter`)."""
-        return max(1.0, self.capacity // 2)
+        return max(0.0, min(self.capacity - 1, self.capacity // 2))  # a bucket of 1: no hold
 
     def most_per_window(self) -> float:
         """The most requests sent on time that any ``window_s`` window can hold."""

@@ -179,6 +179,7 @@ class RunpodApi:
         ``reserve_s`` ahead (raises, see :meth:`call`), else refused (raises). ``behind``:
         asked again at each time the limiter names until granted or ``block_s`` runs out."""
         started = self._clock()
+        self._waited.s = 0.0  # a call refused its token waited for nothing it got
         grant = self.limiter.take(self.scope, limit, max(block_s, reserve_s), behind=behind)
         while behind and not grant.granted and self._clock() + grant.wait_s <= started + block_s:
             self._sleep(max(grant.wait_s, 0.001))

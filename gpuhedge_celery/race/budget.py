@@ -35,7 +35,7 @@ from ..core.budget import (
 from ..core.clock import Clock, WallClock
 from ..core.outcome import ProviderRate, unaccepted
 from ..core.race import Race
-from ..core.settlement import UNPROVEN, ready_to_settle, settle_attempt
+from ..core.settlement import RECONCILED, UNPROVEN, ready_to_settle, settle_attempt
 from ..store.budget import MAX_NANO, BudgetStore, PendingReservation
 from .attempts import UNKNOWN_SUBMIT
 from .base import find_attempt
@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CAP_S = 180.0
 MAX_USD = MAX_NANO / 1e9  # a larger reported cost converts as this (the script caps it anyway)
 Items = list[tuple[str, int, str]]  # (attempt id, cost in nano-dollars, source)
-LATE = "late"  # a second settlement, once: a late result's price (budget_settle.lua)
+LATE = "late"  # a second settlement, once, at the provider's own figure (budget_settle.lua)
+LATE_ESTIMATE = "late_estimate"  # the same at our clock's figure: it never lowers the first
 
 
 def _rate(spec: Mapping[str, Any], provider: str) -> ProviderRate:
@@ -61,6 +62,21 @@ def attempt_worst_case_usd(spec: Mapping[str, Any], provider: str) -> float:
     """The worst case of one attempt of ``provider`` in a race with this stored spec."""
     rate = _rate(spec, provider)
     return worst_case_usd(_cap(spec, provider), rate.rate_per_s, rate.idle_s)
+
+
+def again(race: Race, items: Items) -> Items:
+    """``items`` as second settlements: at the provider's own figure on a job shown ended by a
+    read of the provider (``late``) the ledger follows it either way; otherwise
+    (``late_estimate``: our clock, or a delivery nothing checked) it never lowers the first."""
+
+    def proven(attempt_id: str) -> bool:
+        a = find_attempt(race, attempt_id)
+        return a is not None and a.receipt is not None and a.receipt.confirmed_terminal
+
+    return [
+        (aid, nano, LATE if src == RECONCILED and proven(aid) else LATE_ESTIMATE)
+        for aid, nano, src in items
+    ]
 
 
 def _accepted_leak(a: Attempt) -> bool:
@@ -151,7 +167,7 @@ class RaceBudget:
         late = [a for a in ended if not a.live and before.get(a.id) is Phase.LEAKED]
         items = self.settlements(race, state, [a for a in ended if not a.live and a not in late])
         items += self.settlements(race, state, accepted, force=True)
-        items += [(aid, nano, LATE) for aid, nano, _ in self.settlements(race, state, late)]
+        items += again(race, self.settlements(race, state, late))
         if not items:
             return None
         now_ms = int(self.clock.now() * 1000)
@@ -162,17 +178,18 @@ class RaceBudget:
         return queue, self.store.settle_script
 
     def settle_race(
-        self, race_id: str, race: Race, state: Mapping[str, Any], again: Collection[str] = ()
+        self, race_id: str, race: Race, state: Mapping[str, Any], resettle: Collection[str] = ()
     ) -> int:
         """Settle every attempt of the race that can no longer cost more (one round trip).
 
-        ``again``: attempts whose new figure may replace the one they settled at while leaked
-        (the janitor's cancel of a finished race's leak): settled ``late``, once.
+        ``resettle``: attempts whose new figure may replace the one they settled at while leaked
+        (the janitor's cancel of a finished race's leak): settled again, once (:func:`again`).
         """
         if not self.enabled:
             return 0
         items = self.settlements(race, state, list(race.attempts))
-        items = [(aid, nano, LATE if aid in again else source) for aid, nano, source in items]
+        items = [*again(race, [i for i in items if i[0] in resettle]),
+                 *(i for i in items if i[0] not in resettle)]  # fmt: skip
         count, _ = self.store.settle(race_id, items, int(self.clock.now() * 1000))
         return count
 

@@ -261,13 +261,14 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
 
     def _late_result_taken(self, race_id: str, race: Race, events: tuple[Event, ...]) -> None:
-        """A finished race took a loser's late result: its job has ended (nothing left for the
-        janitor to cancel), and the receipt and record are rewritten with its price."""
-        for event in events:
-            self.store.remove_job(race_id, getattr(event, "attempt_id", ""))
+        """A finished race took a loser's late result: the receipt and record are rewritten with
+        its price; a verified one shows the job ended, so the janitor has nothing to cancel."""
         log.info("race %s: a late result priced %s", race_id,
                  ", ".join(getattr(e, "attempt_id", "") for e in events))  # fmt: skip
-        self.refresh_receipt(race_id)
+        self.refresh_receipt(race_id)  # first: a crash after it leaves the job to the janitor
+        for event in events:
+            if getattr(event, "verified", False):  # a delivery nobody checked proves no end
+                self.store.remove_job(race_id, getattr(event, "attempt_id", ""))
 
     def _with_settlements(
         self, race_id: str, race: Race, state: dict[str, Any], before: dict[str, Phase],

@@ -300,8 +300,8 @@ class Janitor:
         if self.budget is not None:  # every attempt shown stopped settles its reservation
             # a finished race's leaks may have settled at their cancel's acknowledgement: the
             # figure the janitor's cancel shows replaces it, once
-            again = set(receipts) if was_finished else set()
-            self.budget.settle_race(race_id, race, record.state, again)
+            resettle = set(receipts) if was_finished else set()
+            self.budget.settle_race(race_id, race, record.state, resettle)
         caller = record.state.get("caller") or {}
         if race.winner is None:
             cleanup.failed = True
@@ -353,6 +353,8 @@ def apply_cleanup(
         elif isinstance(found, CancelReceipt):
             if a.receipt is not None:
                 found.cancel_sent_ms = a.receipt.cancel_sent_ms or found.cancel_sent_ms
+                # the provider had the first cancel then: a repeat must not move the job's stop
+                found.cancel_ack_ms = a.receipt.cancel_ack_ms or found.cancel_ack_ms
             a.receipt = found
             a.job_id = a.job_id or found.job_id
             a.cancel_requested = True
@@ -370,7 +372,7 @@ def apply_cleanup(
             a.reasons = [UNKNOWN_SUBMIT]
             a.receipt = unknown_submit_receipt(a)  # leaked: a job may run that nobody can stop
             a.timeline.append([rel, "abandoned mid-submit"])
-        elif isinstance(found, str):
+        elif isinstance(found, str) and a.live:  # an attempt that ended meanwhile stays ended
             if a.receipt is None:
                 a.receipt = CancelReceipt(provider=a.provider, job_id=a.job_id)
             a.receipt.leaked = True

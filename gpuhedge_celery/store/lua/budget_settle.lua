@@ -12,11 +12,14 @@
 --         saves (field s). A save that lost its version check was computed from an old copy
 --         of the race, and a reservation settles once: its figure would stick.
 -- ARGV[4 ..] per reservation, in KEYS order: cost in integer nano-dollars, and its source
---            (reconciled | estimated | unproven | not_submitted | late)
--- Source 'late' settles again, once, a reservation already settled: a job settled at its price
--- to an accepted cancel that then ran on and reported a result. Its spent counters move by
--- the difference (the new figure, at most the reservation, less the old), an 'adjust' entry
--- (nano: that difference, maybe negative) joins the ledger, and the record keeps 'late' 1.
+--            (reconciled | estimated | unproven | not_submitted | late | late_estimate)
+-- Sources 'late' and 'late_estimate' settle again, once, a reservation already settled: a job
+-- settled at its price to an accepted cancel that then showed more (a late result, the
+-- janitor's confirmed cancel). Its spent counters move by the difference (the new figure, at
+-- most the reservation, less the old), an 'adjust' entry (nano: that difference) joins the
+-- ledger, and the record keeps 'late' 1 and 'late_source'. A 'late' figure is the provider's
+-- own and moves either way; a 'late_estimate' (our clock, after a delivery nothing checked)
+-- never lowers the first. On a reservation not settled yet, either settles as usual.
 -- A cost above its reservation settles at the reservation (the worst case was the bound the
 -- caps were checked against); the figure asked for stays in the ledger entry as
 -- 'reported_nano' with 'over_reported' 1, and the provider's count of such settlements in
@@ -52,8 +55,11 @@ for k = first, #KEYS do
   local cost, source = costs[k], ARGV[a + 1]
   local r = redis.call('HMGET', KEYS[k], 'amount', 'settled', 'scopes', 'race', 'attempt',
     'provider', 'key', 'role', 'day', 'late')
-  if r[1] and r[2] and source == 'late' and not r[10] then
+  if r[1] and r[2] and (source == 'late' or source == 'late_estimate') and not r[10] then
     local new = math.min(cost, tonumber(r[1]))
+    if source == 'late_estimate' then
+      new = math.max(new, tonumber(r[2]))
+    end
     local delta = new - tonumber(r[2])
     for scope in string.gmatch(r[3], '[^,]+') do
       redis.call('HINCRBY', KEYS[1], 's|' .. scope, delta)
@@ -61,10 +67,17 @@ for k = first, #KEYS do
     if redis.call('EXISTS', KEYS[4]) == 1 then
       redis.call('INCRBY', KEYS[4], delta)
     end
-    redis.call('HSET', KEYS[k], 'settled', new, 'late', 1, 'settled_at', ARGV[2])
-    redis.call('XADD', KEYS[3], '*', 'type', 'adjust', 'id', r[4] .. '/' .. r[5], 'nano', delta,
-      'source', source, 'race', r[4], 'attempt', r[5], 'provider', r[6], 'key', r[7],
-      'role', r[8], 'day', r[9])
+    redis.call('HSET', KEYS[k], 'settled', new, 'late', 1, 'late_source', source,
+      'settled_at', ARGV[2])
+    local entry = {'type', 'adjust', 'id', r[4] .. '/' .. r[5], 'nano', delta, 'source', source,
+      'race', r[4], 'attempt', r[5], 'provider', r[6], 'key', r[7], 'role', r[8], 'day', r[9]}
+    if cost > new and cost > tonumber(r[1]) then
+      for _, v in ipairs({'reported_nano', string.format('%d', cost), 'over_reported', 1}) do
+        entry[#entry + 1] = v
+      end
+      redis.call('HINCRBY', KEYS[1], 'o|' .. r[6], 1)
+    end
+    redis.call('XADD', KEYS[3], '*', unpack(entry))
     total = total + delta
   elseif r[1] and not r[2] then
     local amount = tonumber(r[1])
