@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import pathlib
+import socket
+import subprocess
 
 import pytest
 
@@ -114,3 +116,14 @@ def test_process_starts_are_found_through_helpers_and_cli_commands():
     assert not tiers._spawns("tests.support.http_provider_server", "HttpProviderServer", set())
     assert tiers._command_spawns(("bench", "report")) and tiers._command_spawns(("demo",))
     assert not tiers._command_spawns(("receipt",))
+
+
+def test_the_fast_tiers_guard_refuses_processes_and_the_test_servers_then_steps_aside():
+    before = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    with tiers.ProcessGuard() as guard:
+        with pytest.raises(AssertionError, match="does not start processes"):
+            subprocess.run(["true"], check=False)
+        for host, port in guard.servers:
+            with pytest.raises(AssertionError, match="does not reach the test servers"):
+                socket.create_connection((host, port), timeout=1)
+    assert subprocess.Popen._execute_child is before  # type: ignore[attr-defined]
