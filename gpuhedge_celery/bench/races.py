@@ -63,6 +63,7 @@ from .. import envvars, names
 from ..settings import ProcessSettings
 from ..store.keys import all_keys
 from . import redis_probe
+from ._checkout import runpod_fake
 from ._procs import cpu_s as _cpu_s
 from ._procs import free_port as _free_port
 from .race_capacity import _summary, capacity_row, meets_capacity_target
@@ -450,6 +451,8 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
     }  # fmt: skip
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
+    if provider == "runpod-fake" or "truth" in wanted:
+        runpod_fake()  # a wheel install has none: say so before any process starts
     try:
         levels = [int(x) for x in races.split(",") if x.strip()]
     except ValueError:
