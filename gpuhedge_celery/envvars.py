@@ -422,3 +422,17 @@ def signing_values(env: Mapping[str, str]) -> dict[str, Any] | None:
         key_password=env.get("GPUHEDGE_SECURITY_KEY_PASSWORD") or None,
         digest=digest,
     )
+
+
+# Switches of paths a measurement retired: a worker that still finds one set says it is ignored.
+RETIRED_VARS = (
+    ("GPUHEDGE_COORD_LOOP", "the batched coordination loop is the only one"),
+    ("GPUHEDGE_LAUNCH_INLINE", "launches always run on the coordinator's launch threads"),
+    ("GPUHEDGE_SUBMIT_PRIMARY_INLINE", "hedged_infer always submits its first attempt itself"),
+)
+
+
+def retired_set(env: Mapping[str, str]) -> list[str]:
+    """One line for each retired variable set in ``env``."""
+    found = [(name, why) for name, why in RETIRED_VARS if name in env]
+    return [f"{name} is set but no longer read: {why}" for name, why in found]

@@ -184,3 +184,14 @@ def test_a_bad_value_fails_only_the_section_that_reads_it():
     assert every.receipt_ttl_s == 86400.0
     with pytest.raises(ConfigError, match="GPUHEDGE_TIMER_NAMESPACE: expected letters"):
         every.race  # noqa: B018 - parsed on first use
+
+
+def test_a_retired_switch_still_set_is_named_in_one_warning_line():
+    from gpuhedge_celery.envvars import retired_set
+
+    env = {"GPUHEDGE_COORD_LOOP": "threads", "GPUHEDGE_TIMER_THREADS": "4"}
+    assert retired_set(env) == [
+        "GPUHEDGE_COORD_LOOP is set but no longer read: the batched coordination loop is the "
+        "only one"
+    ]
+    assert retired_set({}) == []

@@ -307,6 +307,14 @@ logging.getLogger("celery.app.trace").addFilter(ExpectedFailureFilter())
 
 
 @signals.celeryd_init.connect
+def _warn_retired(**_: Any) -> None:
+    from ..envvars import retired_set
+
+    for line in retired_set(os.environ):
+        log.warning("%s", line)
+
+
+@signals.celeryd_init.connect
 @signals.after_setup_logger.connect  # sent only when no app has its own setup_logging
 @signals.worker_process_init.connect
 def _quiet_http_clients(**_: Any) -> None:
