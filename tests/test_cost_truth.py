@@ -110,3 +110,9 @@ def test_an_accepted_but_unconfirmed_cancel_is_priced_to_its_acknowledgement():
 def test_the_clock_estimate_never_passes_the_cap():
     a = loser(cancel_at=500.0, ack_at=900.0)
     assert cost(a, cap_s=60.0).active_usd == pytest.approx(0.06)
+
+
+def test_a_job_seen_cancelled_after_a_refused_cancel_is_priced_to_the_sighting():
+    a = loser(cancel_at=2.0, result_at=7.0, state="CANCELLED")
+    a.timeline.append([2.0, "cancel_refused"])  # the provider refused ours: someone else's stop
+    assert cost(a).active_usd == pytest.approx((7.0 - 0.5) * 0.001)

@@ -125,6 +125,11 @@ def unaccepted(a: Attempt) -> bool:
     return r is None or r.cancel_ack_ms is None or r.evidence.rank < Evidence.PROVIDER_ACK.rank
 
 
+def _cancel_refused(a: Attempt) -> bool:
+    """Whether the provider refused (or never answered) ``a``'s cancel (race_cancels.py)."""
+    return any(len(t) > 1 and t[1] == "cancel_refused" for t in a.timeline)
+
+
 def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
     """When (race-relative s) our clock last knew ``a``'s job to be running, or None if live."""
     r = a.receipt
@@ -132,9 +137,8 @@ def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
         a.result_at is not None and a.result_state not in _STOPPED_BY_US
     ):
         return a.result_at  # it ended with a result (one after its cancel included)
-    if r is None or r.cancel_ack_ms is None:  # our cancel never reached it
-        if a.result_at is not None:
-            return a.result_at  # seen ended (cancelled by someone else): billed until then
+    if a.result_at is not None and _cancel_refused(a):
+        return a.result_at  # seen ended, not by our cancel (refused): billed until then
     if r is not None and r.cancel_ack_ms is not None and started_at is not None:
         # the provider had the cancel by then: the job stopped no later (a cancel that waited
         # for a rate-limit token reached the provider long after it was decided)
