@@ -28,6 +28,7 @@ Rules enforced here for every policy:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .attempts import LIVE_PHASES, UNSETTLED_PHASES, Attempt, Phase
@@ -469,7 +470,8 @@ def late_result(race: Race, event: Any) -> bool:
     return a is not None and a.phase is Phase.LEAKED and a.receipt is not None
 
 
-_HANDLERS = {
+# the event handlers that take an attempt, by event type
+_HANDLERS: dict[type[Event], Callable[[Race, Attempt, Any], None]] = {
     AttemptSubmitted: Race._on_submitted,
     SubmitFailed: Race._on_submit_failed,
     StatusObserved: Race._on_status,
