@@ -149,8 +149,9 @@ class GpuHedgeConfig:
             return parse_policy(spec)
         cls = _policy_class(spec, None, unchecked=plugins_dry() and bool(self.plugins))
         if cls is None:
-            raise PluginNotImported(f"policy {spec!r} is a plugin's, not imported here",
-                                    key="policy")  # fmt: skip
+            raise PluginNotImported(
+                f"policy {spec!r} is a plugin's, not imported here", key="policy"
+            )
         params = self.policy.params if spec == self.policy.name else {}
         args: dict[str, Any] = {}
         for arg, parameter in _policy_args(cls).items():
@@ -320,8 +321,9 @@ def _load_plugins(root: Block) -> bool:
     policy = root.data.get("policy") if isinstance(root.data, Mapping) else None
     name = policy.get("name") if isinstance(policy, Mapping) else None
     if isinstance(name, str) and ":" in name:
-        load_plugins([name.partition(":")[0]], key="policy.name", file=root.file,
-                     what="policy module")  # fmt: skip
+        load_plugins(
+            [name.partition(":")[0]], key="policy.name", file=root.file, what="policy module"
+        )
     return plugins_dry() and bool(listed)
 
 
@@ -341,8 +343,10 @@ def _policy_class(
         if not plugin_loaded(module):
             if plugins_dry():
                 return None
-            message = (f"policy module {module!r} is not a plugin of this deployment (list it "
-                       "under plugins: in the config or in GPUHEDGE_PLUGINS)")  # fmt: skip
+            message = (
+                f"policy module {module!r} is not a plugin of this deployment (list it "
+                "under plugins: in the config or in GPUHEDGE_PLUGINS)"
+            )
             raise block.error("name", message) if block else ConfigError(message, key="policy")
     cls = registered_policies().get(kind)
     if cls is None and unchecked:

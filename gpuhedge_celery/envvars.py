@@ -67,30 +67,50 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
     return env_number(
-        env, name, default, cast=float, kind="a number", valid=lambda v: v > minimum,
+        env,
+        name,
+        default,
+        cast=float,
+        kind="a number",
+        valid=lambda v: v > minimum,
         bound=f"a number > {minimum:g}",
-    )  # fmt: skip
+    )
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:
     return env_number(
-        env, name, default, cast=int, kind="a whole number", valid=lambda v: 1 <= v <= 1024,
+        env,
+        name,
+        default,
+        cast=int,
+        kind="a whole number",
+        valid=lambda v: 1 <= v <= 1024,
         bound="a number from 1 to 1024",
-    )  # fmt: skip
+    )
 
 
 def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
     return env_number(
-        env, name, default, cast=int, kind="a whole number (0: off)", valid=lambda v: v >= 0,
+        env,
+        name,
+        default,
+        cast=int,
+        kind="a whole number (0: off)",
+        valid=lambda v: v >= 0,
         bound="a whole number >= 0 (0: off)",
-    )  # fmt: skip
+    )
 
 
 def _positive(env: Mapping[str, str], name: str, default: D) -> float | D:
     return env_number(
-        env, name, default, cast=float, kind="a number", valid=lambda v: v > 0,
+        env,
+        name,
+        default,
+        cast=float,
+        kind="a number",
+        valid=lambda v: v > 0,
         bound="a positive number",
-    )  # fmt: skip
+    )
 
 
 TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
@@ -164,9 +184,14 @@ def janitor_values(env: Mapping[str, str]) -> dict[str, Any]:
         ("GPUHEDGE_JANITOR_LIMIT", "limit", int),
     ):
         value = env_number(
-            env, name, None, cast=cast, kind="a positive number", valid=lambda v: v > 0,
+            env,
+            name,
+            None,
+            cast=cast,
+            kind="a positive number",
+            valid=lambda v: v > 0,
             bound="a positive number",
-        )  # fmt: skip
+        )
         if value is not None:
             values[attr] = value
     return values

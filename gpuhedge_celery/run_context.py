@@ -19,20 +19,52 @@ from .secrets import SECRET_NAME
 # What a model command or model server inherits from the worker: what a program needs to run
 # and find its GPU, libraries and caches, never the worker's own credentials (the Redis URL,
 # the webhook secret, providers' keys). More names: GPUHEDGE_RUNNER_ENV=NAME,NAME.
-CHILD_ENV_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
-    "PWD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
-    "CONDA_PREFIX", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-    "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "XDG_CACHE_HOME", "XDG_RUNTIME_DIR",
-    "TOKENIZERS_PARALLELISM",
-})  # fmt: skip
-CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
-                      "NCCL_", "XLA_")  # fmt: skip
+CHILD_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "PWD",
+        "LD_LIBRARY_PATH",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONUNBUFFERED",
+        "VIRTUAL_ENV",
+        "CONDA_PREFIX",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "OPENBLAS_CORETYPE",
+        "OPENBLAS_L2_SIZE",
+        "XDG_CACHE_HOME",
+        "XDG_RUNTIME_DIR",
+        "TOKENIZERS_PARALLELISM",
+    }
+)
+CHILD_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TORCH_",
+    "PYTORCH_",
+    "NCCL_",
+    "XLA_",
+)
 RUNNER_ENV_VAR = envvars.RUNNER_ENV_VAR
 
 
-def child_env(extra: Mapping[str, str] | None = None,
-              environ: Mapping[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+def child_env(
+    extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The environment of a model command or model server: the allow-listed part of
     ``environ`` (this process's by default), the names ``GPUHEDGE_RUNNER_ENV`` lists, then
     ``extra``. A name under an allowed prefix that looks like a credential (``HF_TOKEN``)
@@ -40,10 +72,12 @@ def child_env(extra: Mapping[str, str] | None = None,
     env = os.environ if environ is None else environ
     listed = envvars.runner_env_names(env)
     found = {
-        name: value for name, value in env.items()
-        if name in listed or name in CHILD_ENV_NAMES
+        name: value
+        for name, value in env.items()
+        if name in listed
+        or name in CHILD_ENV_NAMES
         or (name.startswith(CHILD_ENV_PREFIXES) and not SECRET_NAME.search(name))
-    }  # fmt: skip
+    }
     return {**found, **(extra or {})}
 
 

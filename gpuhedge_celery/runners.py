@@ -48,10 +48,19 @@ from .run_context import RunContext, RunnerFailed, RunnerStopped, RunnerUnavaila
 DEFAULT_RUNNER = "cpu"
 
 __all__ = [
-    "CallableRunner", "CommandRunner", "CpuRunner", "Duration", "PythonRunner", "RunContext",
-    "Runner", "RunnerFailed", "RunnerStopped", "RunnerUnavailable", "needs_load",
+    "CallableRunner",
+    "CommandRunner",
+    "CpuRunner",
+    "Duration",
+    "PythonRunner",
+    "RunContext",
+    "Runner",
+    "RunnerFailed",
+    "RunnerStopped",
+    "RunnerUnavailable",
+    "needs_load",
     "runner_from_spec",
-]  # fmt: skip
+]
 
 
 class Runner(Protocol):

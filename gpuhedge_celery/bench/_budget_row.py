@@ -44,8 +44,12 @@ def _stats(bench: Any) -> tuple[int, int, int]:
 class Tools:
     """What the row borrows from ``bench/races.py`` (handed in: that module imports this one)."""
 
-    def __init__(self, cluster: Callable[..., Any], cpu_s: Callable[[int], float],
-                 wait_receipt: Callable[[Any, str, float], dict]):  # fmt: skip
+    def __init__(
+        self,
+        cluster: Callable[..., Any],
+        cpu_s: Callable[[int], float],
+        wait_receipt: Callable[[Any, str, float], dict],
+    ):
         self.cluster, self.cpu_s, self.wait_receipt = cluster, cpu_s, wait_receipt
 
 

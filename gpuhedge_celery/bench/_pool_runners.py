@@ -172,8 +172,18 @@ def run_overhead(
         for _ in range(jobs):  # interleaved, so every runner sees the same machine
             for n, send in enumerate(sends):
                 rows[n].append(measure_job(send, ready_timeout_s))
-        keys = ("e2e_ms", "compute_ms", "overhead_ms", "scheduling_ms", "lease_ms",
-                "dispatch_ms", "hop_ms", "start_ms", "result_ms", "runner_ms")  # fmt: skip
+        keys = (
+            "e2e_ms",
+            "compute_ms",
+            "overhead_ms",
+            "scheduling_ms",
+            "lease_ms",
+            "dispatch_ms",
+            "hop_ms",
+            "start_ms",
+            "result_ms",
+            "runner_ms",
+        )
         for (i, how), measured in zip(cases, rows, strict=True):
             results.append(
                 {
@@ -216,22 +226,45 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
 def runner_options(command: Any) -> Any:
     """The ``bench pool`` options of this mode (``--runner`` switches the bench to it)."""
     options = [
-        click.option("--runner", "runners", multiple=True, metavar="SPEC",
-                     help="Measure per-job overhead of real GPU workers with this runner instead "
-                     "(repeatable)."),
-        click.option("--jobs", default=50, show_default=True,
-                     help="With --runner: requests measured per runner."),
-        click.option("--warmup", default=5, show_default=True,
-                     help="With --runner: requests not measured."),
-        click.option("--request", "request_json", default=None, metavar="JSON",
-                     help="With --runner: the request sent (default: one each kind accepts)."),
-        click.option("--server-cmd", default=None, metavar="CMD",
-                     help="With --runner server:...: GPUHEDGE_SERVER_CMD for its GPU worker."),
-        click.option("--dispatch", type=click.Choice(["both", "direct", "queued"]),
-                     default="both", show_default=True,
-                     help="With --runner: requests sent straight to the free GPU (direct), "
-                     "through a coordination worker's wait (queued), or both interleaved."),
-    ]  # fmt: skip
+        click.option(
+            "--runner",
+            "runners",
+            multiple=True,
+            metavar="SPEC",
+            help="Measure per-job overhead of real GPU workers with this runner instead "
+            "(repeatable).",
+        ),
+        click.option(
+            "--jobs",
+            default=50,
+            show_default=True,
+            help="With --runner: requests measured per runner.",
+        ),
+        click.option(
+            "--warmup", default=5, show_default=True, help="With --runner: requests not measured."
+        ),
+        click.option(
+            "--request",
+            "request_json",
+            default=None,
+            metavar="JSON",
+            help="With --runner: the request sent (default: one each kind accepts).",
+        ),
+        click.option(
+            "--server-cmd",
+            default=None,
+            metavar="CMD",
+            help="With --runner server:...: GPUHEDGE_SERVER_CMD for its GPU worker.",
+        ),
+        click.option(
+            "--dispatch",
+            type=click.Choice(["both", "direct", "queued"]),
+            default="both",
+            show_default=True,
+            help="With --runner: requests sent straight to the free GPU (direct), "
+            "through a coordination worker's wait (queued), or both interleaved.",
+        ),
+    ]
     for option in reversed(options):
         command = option(command)
     return command
@@ -255,6 +288,13 @@ def run_from_cli(
     except ValueError as e:
         raise click.BadParameter(f"--request is not JSON: {e}") from None
     dispatches = ("queued", "direct") if dispatch == "both" else (dispatch,)
-    report = run_overhead(settings, runners, jobs=jobs, warmup=warmup, request=request,
-                          server_cmd=server_cmd, dispatches=dispatches)  # fmt: skip
+    report = run_overhead(
+        settings,
+        runners,
+        jobs=jobs,
+        warmup=warmup,
+        request=request,
+        server_cmd=server_cmd,
+        dispatches=dispatches,
+    )
     print_report(report, as_json)

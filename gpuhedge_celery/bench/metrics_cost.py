@@ -116,13 +116,25 @@ def alternating_pairs(run: Callable[[bool], dict[str, Any]], pairs: int) -> dict
     runs: list[dict[str, Any]] = []
     for i, on in alternating_sides(pairs):
         row = run(on)
-        runs.append({"pair": i + 1, "metrics": "on" if on else "off",
-                     "cpu_ms_per_race": row["cpu_ms_per_race"],
-                     "cpu_ms_per_race_by": row["cpu_ms_per_race_by"],
-                     "timer_lag_p99_ms": row["timer_lag_ms"]["p99_ms"],
-                     "finished": row["finished"], "races": row["races"],
-                     **({k: row[k] for k in ("scrapes", "scrape_failures", "scrape_wall_ms",
-                                             "scrape_bytes")} if on else {})})  # fmt: skip
+        runs.append(
+            {
+                "pair": i + 1,
+                "metrics": "on" if on else "off",
+                "cpu_ms_per_race": row["cpu_ms_per_race"],
+                "cpu_ms_per_race_by": row["cpu_ms_per_race_by"],
+                "timer_lag_p99_ms": row["timer_lag_ms"]["p99_ms"],
+                "finished": row["finished"],
+                "races": row["races"],
+                **(
+                    {
+                        k: row[k]
+                        for k in ("scrapes", "scrape_failures", "scrape_wall_ms", "scrape_bytes")
+                    }
+                    if on
+                    else {}
+                ),
+            }
+        )
     off_cpu = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "off"]
     on_cpu = [r["cpu_ms_per_race"] for r in runs if r["metrics"] == "on"]
     ratios = [b / a - 1.0 for a, b in zip(_side(runs, "off"), _side(runs, "on"), strict=True)]
@@ -141,5 +153,6 @@ def alternating_pairs(run: Callable[[bool], dict[str, Any]], pairs: int) -> dict
 
 def _side(runs: list[dict[str, Any]], side: str) -> list[float]:
     """CPU per race of one side, in pair order."""
-    return [r["cpu_ms_per_race"] for r in sorted(runs, key=lambda r: r["pair"])
-            if r["metrics"] == side]  # fmt: skip
+    return [
+        r["cpu_ms_per_race"] for r in sorted(runs, key=lambda r: r["pair"]) if r["metrics"] == side
+    ]

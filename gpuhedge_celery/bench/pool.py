@@ -333,8 +333,7 @@ def command(
     --runner, the per-job overhead of GPU workers running real runners."""
     if runners:
         settings = click.get_current_context().find_root().obj.settings
-        run_from_cli(settings, runners, jobs, warmup, request_json, server_cmd, as_json,
-                     dispatch)  # fmt: skip
+        run_from_cli(settings, runners, jobs, warmup, request_json, server_cmd, as_json, dispatch)
         return
     loads = rho or (0.5, 0.7, 0.9)
     if k < 1 or n < 1 or mean_job_s <= 0 or sigma < 0 or real_mean_job_s <= 0:

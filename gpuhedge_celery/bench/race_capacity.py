@@ -158,9 +158,13 @@ def traffic_fields(before: dict[str, Any], after: dict[str, Any], races: int) ->
 
 
 def capacity_row(
-    bench: Bench, races: int, scale: float, seed: int, ramp_s: float | None = None,
+    bench: Bench,
+    races: int,
+    scale: float,
+    seed: int,
+    ramp_s: float | None = None,
     provider: str = "sim",
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``races`` races in flight at once with 5-30 s jobs (scaled); lag, CPU and memory.
 
     ``provider``: ``sim`` (providers ``p`` -> ``h``) or ``runpod-fake`` (``rp`` -> ``rh`` on the
@@ -199,11 +203,16 @@ def capacity_row(
         p_queue = rng.uniform(0, min(5, p_total - 5))
         h_total = rng.uniform(5, 10)
         if runpod:  # the fake runs in real time: the same fates, scaled here
-            request = races_runpod.request(p_queue * scale, (p_total - p_queue) * scale,
-                                           0.5 * scale, (h_total - 0.5) * scale)  # fmt: skip
+            request = races_runpod.request(
+                p_queue * scale, (p_total - p_queue) * scale, 0.5 * scale, (h_total - 0.5) * scale
+            )
         else:
-            request = {"sim": {"p": {"queue_s": p_queue, "run_s": p_total - p_queue},
-                               "h": {"queue_s": 0.5, "run_s": h_total - 0.5}}}  # fmt: skip
+            request = {
+                "sim": {
+                    "p": {"queue_s": p_queue, "run_s": p_total - p_queue},
+                    "h": {"queue_s": 0.5, "run_s": h_total - 0.5},
+                }
+            }
         sent_at.append(time.time())  # the race's own start is on the same host's clock
         ids.append(bench.send(request, policy=policy).id)
         ends[(ids[-1], "primary")] = p_total * scale
@@ -287,8 +296,9 @@ def capacity_row(
         "Redis traffic: see bench/race_capacity.py",
     }
     if runpod:
-        row["runpod"] = races_runpod.report(bench.fake, fake_cpu0, receipts, bench.receiver
-                                            is not None, bench.receiver_workers)  # fmt: skip
+        row["runpod"] = races_runpod.report(
+            bench.fake, fake_cpu0, receipts, bench.receiver is not None, bench.receiver_workers
+        )
         with_fake = cpu + row["runpod"]["fake_cpu_s"]
         row["cpu_ms_per_race_with_fake"] = round(1000.0 * with_fake / races, 1)
     return row

@@ -98,8 +98,10 @@ def memory_row(bench: Any, races: int, request_bytes: int, scale: float) -> dict
     used0 = int(bench.client.info("memory")["used_memory"])
     text = "x" * max(0, request_bytes - 100)
     t0 = time.monotonic()
-    ids = [bench.send({"text": text, "sim": sim}, policy=f"hedge:p->h@{hedge_s}s").id
-           for _ in range(races)]  # fmt: skip
+    ids = [
+        bench.send({"text": text, "sim": sim}, policy=f"hedge:p->h@{hedge_s}s").id
+        for _ in range(races)
+    ]
     sent_s = time.monotonic() - t0
     phases: dict[str, Any] = {}
     request_size = 0

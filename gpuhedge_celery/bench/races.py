@@ -153,8 +153,12 @@ class Bench:
         # and register the Celery floor's task (bench/celery_floor.py)
         self.env["GPUHEDGE_PLUGINS"] = ",".join([*plugins, redis_probe.__name__, FLOOR_PLUGIN])
         self.env[redis_probe.DIR_ENV] = str(self.probe_dir)
-        for name in (envvars.GPU_VAR, "CUDA_VISIBLE_DEVICES", envvars.METRICS_PORT_VAR,
-                     "PROMETHEUS_MULTIPROC_DIR"):  # fmt: skip
+        for name in (
+            envvars.GPU_VAR,
+            "CUDA_VISIBLE_DEVICES",
+            envvars.METRICS_PORT_VAR,
+            "PROMETHEUS_MULTIPROC_DIR",
+        ):
             self.env.pop(name, None)
         if webhooks:
             from . import races_runpod
@@ -186,10 +190,22 @@ class Bench:
             raise click.UsageError("no redis-server installed: pass --redis-url")
         port = _free_port()
         self.redis_proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.tmp)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"redis://127.0.0.1:{port}/0"
         import redis
 
@@ -209,16 +225,37 @@ class Bench:
             env["GPUHEDGE_METRICS"] = "0"
         elif self.metrics:
             self.metrics_ports.append(_free_port())
-            env.update(GPUHEDGE_METRICS="1", GPUHEDGE_METRICS_ADDR="127.0.0.1",
-                       GPUHEDGE_METRICS_PORT=str(self.metrics_ports[-1]))  # fmt: skip
-        argv = [sys.executable, "-m", "celery", "-A", "gpuhedge_celery", "worker",
-                "-n", f"bench{i}.{self.prefix}@localhost", "--loglevel", "WARNING",
-                "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+            env.update(
+                GPUHEDGE_METRICS="1",
+                GPUHEDGE_METRICS_ADDR="127.0.0.1",
+                GPUHEDGE_METRICS_PORT=str(self.metrics_ports[-1]),
+            )
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "gpuhedge_celery",
+            "worker",
+            "-n",
+            f"bench{i}.{self.prefix}@localhost",
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         with open(log, "wb") as out:
             self.workers.append(
-                subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 cwd=str(self.tmp), start_new_session=True)
-            )  # fmt: skip
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(self.tmp),
+                    start_new_session=True,
+                )
+            )
         self.logs.append(log)
 
     def _wait_ready(self) -> None:
@@ -289,9 +326,19 @@ def bench_cluster(
 ) -> Iterator[Bench]:
     """A :class:`Bench` that is always cleaned up."""
     bench = Bench(
-        redis_url, workers, concurrency, scale, extra_env, provider, metrics, webhooks,
-        extra_config, receiver_workers, webhook_senders, audio_s,
-    )  # fmt: skip
+        redis_url,
+        workers,
+        concurrency,
+        scale,
+        extra_env,
+        provider,
+        metrics,
+        webhooks,
+        extra_config,
+        receiver_workers,
+        webhook_senders,
+        audio_s,
+    )
     try:
         yield bench
     finally:
@@ -323,8 +370,9 @@ def overhead_rows(bench: Bench, n: int) -> list[dict[str, Any]]:
     return [race, trip]
 
 
-def _floor(bench: Bench, tasks: int, scale: float, ramp_s: float | None,
-           capacity: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _floor(
+    bench: Bench, tasks: int, scale: float, ramp_s: float | None, capacity: dict[str, Any] | None
+) -> dict[str, Any]:
     """The Celery floor row, over the capacity row's ramp and window when it is beside one."""
     from .celery_floor import beside_capacity, floor_row
 
@@ -381,74 +429,202 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.option("--overhead-races", type=click.IntRange(1), default=1000, show_default=True,
-              help="Races (and round trips) in the overhead row.")  # fmt: skip
-@click.option("--races", default="1000,2400,2800", show_default=True,
-              help="Races in the capacity row (a comma list: one row each).")  # fmt: skip
-@click.option("--duration-s", type=click.FloatRange(0.5), default=30.0, show_default=True,
-              help="Real seconds of the longest (30 provider s) capacity-row job.")  # fmt: skip
-@click.option("--ramp-s", type=click.FloatRange(0.1), default=None,
-              help="Seconds over which the capacity row starts its races "
-              "[default: half the longest job, 15 s at --duration-s 30].")  # fmt: skip
-@click.option("--cancel-races", type=click.IntRange(1), default=200, show_default=True,
-              help="Races in the cancel row.")  # fmt: skip
-@click.option("--workers", type=click.IntRange(1, 16), default=2, show_default=True,
-              help="Coordination worker processes.")  # fmt: skip
-@click.option("--concurrency", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Threads per worker.")  # fmt: skip
-@click.option("--memory-races", type=click.IntRange(1), default=200, show_default=True,
-              help="Races in the memory row.")  # fmt: skip
-@click.option("--request-bytes", type=click.IntRange(100), default=1000, show_default=True,
-              help="Size of each memory-row race's request (JSON bytes, about).")  # fmt: skip
+@click.option(
+    "--overhead-races",
+    type=click.IntRange(1),
+    default=1000,
+    show_default=True,
+    help="Races (and round trips) in the overhead row.",
+)
+@click.option(
+    "--races",
+    default="1000,2400,2800",
+    show_default=True,
+    help="Races in the capacity row (a comma list: one row each).",
+)
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(0.5),
+    default=30.0,
+    show_default=True,
+    help="Real seconds of the longest (30 provider s) capacity-row job.",
+)
+@click.option(
+    "--ramp-s",
+    type=click.FloatRange(0.1),
+    default=None,
+    help="Seconds over which the capacity row starts its races "
+    "[default: half the longest job, 15 s at --duration-s 30].",
+)
+@click.option(
+    "--cancel-races",
+    type=click.IntRange(1),
+    default=200,
+    show_default=True,
+    help="Races in the cancel row.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 16),
+    default=2,
+    show_default=True,
+    help="Coordination worker processes.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 256),
+    default=8,
+    show_default=True,
+    help="Threads per worker.",
+)
+@click.option(
+    "--memory-races",
+    type=click.IntRange(1),
+    default=200,
+    show_default=True,
+    help="Races in the memory row.",
+)
+@click.option(
+    "--request-bytes",
+    type=click.IntRange(100),
+    default=1000,
+    show_default=True,
+    help="Size of each memory-row race's request (JSON bytes, about).",
+)
 @click.option(
     "--rows",
     default="overhead,capacity,cancel",
     show_default=True,
     help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, truth).",
 )
-@click.option("--record-pairs", type=click.IntRange(1, 20), default=3, show_default=True,
-              help="records row: alternating off/on pairs of capacity runs.")  # fmt: skip
-@click.option("--metrics-races", type=click.IntRange(1), default=600, show_default=True,
-              help="Races per run in the metrics row.")  # fmt: skip
-@click.option("--metrics-duration-s", type=click.FloatRange(0.5), default=10.0,
-              show_default=True,
-              help="Real seconds of the longest job in the metrics row's runs.")  # fmt: skip
-@click.option("--metrics-pairs", type=click.IntRange(1), default=3, show_default=True,
-              help="Off/on pairs in the metrics row.")  # fmt: skip
-@click.option("--budget-races", type=click.IntRange(10), default=600, show_default=True,
-              help="Hedged races per side in the budget row (budgets off, then on).")  # fmt: skip
-@click.option("--budget-pairs", type=click.IntRange(1, 10), default=2, show_default=True,
-              help="Alternating off/on pairs in the budget row.")  # fmt: skip
-@click.option("--truth-races", type=click.IntRange(10, 2000), default=300, show_default=True,
-              help="truth row: races started within 10 s.")  # fmt: skip
+@click.option(
+    "--record-pairs",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="records row: alternating off/on pairs of capacity runs.",
+)
+@click.option(
+    "--metrics-races",
+    type=click.IntRange(1),
+    default=600,
+    show_default=True,
+    help="Races per run in the metrics row.",
+)
+@click.option(
+    "--metrics-duration-s",
+    type=click.FloatRange(0.5),
+    default=10.0,
+    show_default=True,
+    help="Real seconds of the longest job in the metrics row's runs.",
+)
+@click.option(
+    "--metrics-pairs",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Off/on pairs in the metrics row.",
+)
+@click.option(
+    "--budget-races",
+    type=click.IntRange(10),
+    default=600,
+    show_default=True,
+    help="Hedged races per side in the budget row (budgets off, then on).",
+)
+@click.option(
+    "--budget-pairs",
+    type=click.IntRange(1, 10),
+    default=2,
+    show_default=True,
+    help="Alternating off/on pairs in the budget row.",
+)
+@click.option(
+    "--truth-races",
+    type=click.IntRange(10, 2000),
+    default=300,
+    show_default=True,
+    help="truth row: races started within 10 s.",
+)
 @click.option("--seed", type=int, default=1, show_default=True, help="Random seed.")
-@click.option("--provider", type=click.Choice(["sim", "runpod-fake"]), default="sim",
-              show_default=True, help="runpod-fake: also run each capacity row on RunPod "
-              "endpoints of a loopback fake in its own process (see --webhooks), beside the "
-              "sim row of the same run.")  # fmt: skip
-@click.option("--webhooks", type=click.Choice(["off", "on"]), default="off", show_default=True,
-              help="on: run the webhook receiver too; RunPod jobs report their end by webhook "
-              "and are polled only before decisions and as a 30 s safety net.")  # fmt: skip
-@click.option("--receiver-workers", type=click.IntRange(1, 16), default=1, show_default=True,
-              help="With --webhooks on: receiver processes (webhooks --workers N).")  # fmt: skip
-@click.option("--webhook-senders", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="The RunPod fake's webhook delivery threads.")  # fmt: skip
-@click.option("--audio-s", type=click.FloatRange(0.01, 600), default=1.0, show_default=True,
-              help="Seconds of 16 kHz WAV each sim job returns: the payload's size (1 s: 42.7 "
-              "KB as base64 JSON) in the overhead, capacity, cancel and memory rows.")  # fmt: skip
-def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
-            ramp_s: float | None, cancel_races: int, workers: int, concurrency: int,
-            memory_races: int, request_bytes: int, rows: str, record_pairs: int,
-            metrics_races: int, metrics_duration_s: float, metrics_pairs: int,
-            budget_races: int, budget_pairs: int, truth_races: int,
-            seed: int, provider: str, webhooks: str,
-            receiver_workers: int, webhook_senders: int, audio_s: float) -> None:  # fmt: skip
+@click.option(
+    "--provider",
+    type=click.Choice(["sim", "runpod-fake"]),
+    default="sim",
+    show_default=True,
+    help="runpod-fake: also run each capacity row on RunPod "
+    "endpoints of a loopback fake in its own process (see --webhooks), beside the "
+    "sim row of the same run.",
+)
+@click.option(
+    "--webhooks",
+    type=click.Choice(["off", "on"]),
+    default="off",
+    show_default=True,
+    help="on: run the webhook receiver too; RunPod jobs report their end by webhook "
+    "and are polled only before decisions and as a 30 s safety net.",
+)
+@click.option(
+    "--receiver-workers",
+    type=click.IntRange(1, 16),
+    default=1,
+    show_default=True,
+    help="With --webhooks on: receiver processes (webhooks --workers N).",
+)
+@click.option(
+    "--webhook-senders",
+    type=click.IntRange(1, 256),
+    default=8,
+    show_default=True,
+    help="The RunPod fake's webhook delivery threads.",
+)
+@click.option(
+    "--audio-s",
+    type=click.FloatRange(0.01, 600),
+    default=1.0,
+    show_default=True,
+    help="Seconds of 16 kHz WAV each sim job returns: the payload's size (1 s: 42.7 "
+    "KB as base64 JSON) in the overhead, capacity, cancel and memory rows.",
+)
+def command(
+    as_json: bool,
+    overhead_races: int,
+    races: str,
+    duration_s: float,
+    ramp_s: float | None,
+    cancel_races: int,
+    workers: int,
+    concurrency: int,
+    memory_races: int,
+    request_bytes: int,
+    rows: str,
+    record_pairs: int,
+    metrics_races: int,
+    metrics_duration_s: float,
+    metrics_pairs: int,
+    budget_races: int,
+    budget_pairs: int,
+    truth_races: int,
+    seed: int,
+    provider: str,
+    webhooks: str,
+    receiver_workers: int,
+    webhook_senders: int,
+    audio_s: float,
+) -> None:
     """Race overhead vs a Celery round trip, concurrent-race capacity, and cancel latency."""
     wanted = [r.strip() for r in rows.split(",") if r.strip()]
     unknown = set(wanted) - {
-        "overhead", "capacity", "cancel", "floor", "records", "memory", "metrics", "budget",
+        "overhead",
+        "capacity",
+        "cancel",
+        "floor",
+        "records",
+        "memory",
+        "metrics",
+        "budget",
         "truth",
-    }  # fmt: skip
+    }
     if unknown:
         raise click.BadParameter(f"unknown row(s) {sorted(unknown)}", param_hint="--rows")
     if provider == "runpod-fake" or "truth" in wanted:
@@ -458,8 +634,9 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
     except ValueError:
         levels = []
     if not levels or min(levels) < 1:
-        raise click.BadParameter(f"expected counts like 2000 or 500,1000, got {races!r}",
-                                 param_hint="--races")  # fmt: skip
+        raise click.BadParameter(
+            f"expected counts like 2000 or 500,1000, got {races!r}", param_hint="--races"
+        )
     root = click.get_current_context().find_root().obj
     url = None if shutil.which("redis-server") else root.settings.redis_url
     results: list[dict[str, Any]] = []
@@ -479,7 +656,7 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
                 record_pairs,
                 seed,
                 ramp_s,
-            )  # fmt: skip
+            )
         )
         wanted.remove("records")
     setup = {
@@ -509,11 +686,18 @@ def command(as_json: bool, overhead_races: int, races: str, duration_s: float,
         def cluster(on: bool, scale: float) -> Any:
             return bench_cluster(url, workers, concurrency, scale, metrics=on)
 
-        results.append(metrics_row(cluster, capacity_row, metrics_races, metrics_duration_s,
-                                   metrics_pairs, seed))  # fmt: skip
+        results.append(
+            metrics_row(
+                cluster, capacity_row, metrics_races, metrics_duration_s, metrics_pairs, seed
+            )
+        )
         wanted.remove("metrics")
-    hooks: dict[str, Any] = {"webhooks": webhooks == "on", "receiver_workers": receiver_workers,
-             "webhook_senders": webhook_senders, "audio_s": audio_s}  # fmt: skip
+    hooks: dict[str, Any] = {
+        "webhooks": webhooks == "on",
+        "receiver_workers": receiver_workers,
+        "webhook_senders": webhook_senders,
+        "audio_s": audio_s,
+    }
     with (
         bench_cluster(url, workers, concurrency, scale, provider=provider, **hooks)
         if wanted

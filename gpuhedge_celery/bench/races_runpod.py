@@ -88,11 +88,25 @@ def start_receiver(env: dict[str, str], tmp: Path, workers: int = 1) -> subproce
         port = s.getsockname()[1]
     env["GPUHEDGE_WEBHOOK_URL"] = f"http://127.0.0.1:{port}/hooks"
     env["GPUHEDGE_WEBHOOK_SECRET"] = secrets.token_hex(16)
-    argv = [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--port", str(port),
-            "--workers", str(workers)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gpuhedge_celery",
+        "webhooks",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
     with open(tmp / "receiver.log", "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                cwd=str(tmp), start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp),
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     seen: set[str] = set()  # the pids that answered (each check a new connection)
     while time.monotonic() < deadline:
@@ -121,8 +135,13 @@ def receiver_cpu_s(proc: subprocess.Popen) -> float:
     return tree_cpu_s(proc.pid)
 
 
-def report(fake: Any, cpu0: float, receipts: list[dict[str, Any]],
-           webhooks: bool = False, receivers: int = 0) -> dict[str, Any]:  # fmt: skip
+def report(
+    fake: Any,
+    cpu0: float,
+    receipts: list[dict[str, Any]],
+    webhooks: bool = False,
+    receivers: int = 0,
+) -> dict[str, Any]:
     """The fake's view of one row: per route, per job, against RunPod's limits."""
     stats = fake.stats()
     routes = stats["routes"]

@@ -46,25 +46,53 @@ def our_record(rng: random.Random, i: int) -> dict[str, Any]:
     e2e = None if failed else rng.lognormvariate(9.5, 0.8)  # ms: median ~13 s
     usd = rng.uniform(0.001, 0.03)
     attempts = [
-        {"provider": p, "role": role, "state": "COMPLETED" if p == winner else "CANCELLED",
-         "usd": round(usd / 2, 6), "billed_usd": round(usd, 6)}
+        {
+            "provider": p,
+            "role": role,
+            "state": "COMPLETED" if p == winner else "CANCELLED",
+            "usd": round(usd / 2, 6),
+            "billed_usd": round(usd, 6),
+        }
         for p, role in zip(providers[: 2 if hedged else 1], ("primary", "hedge"), strict=False)
-    ]  # fmt: skip
-    cancels = [
-        {"provider": providers[0], "evidence": "confirmed_terminal", "was_running": True,
-         "terminal": "CANCELLED", "ack_ms": 260.0, "leaked": rng.random() < 0.001}
-    ] if hedged and not failed else []  # fmt: skip
+    ]
+    cancels = (
+        [
+            {
+                "provider": providers[0],
+                "evidence": "confirmed_terminal",
+                "was_running": True,
+                "terminal": "CANCELLED",
+                "ack_ms": 260.0,
+                "leaked": rng.random() < 0.001,
+            }
+        ]
+        if hedged and not failed
+        else []
+    )
     return {
-        "v": 1, "kind": "race", "race_id": f"r{i:07d}", "ts": 1783857600.0 + i,
-        "started": 1783857600.0 + i - 20, "policy": policy, "providers": list(providers),
-        "winner": winner, "e2e_ms": None if e2e is None else round(e2e, 1),
-        "winner_ms": None if e2e is None else round(e2e * 0.9, 1), "hedged": hedged,
-        "cut_over": hedged and policy.startswith("cutover"), "escalated": False,
-        "attempts": attempts, "cancels": cancels,
-        "leaked": any(c["leaked"] for c in cancels), "usd": round(usd, 6),
-        "billed_usd": round(usd * 2, 6), "wasted_usd": round(usd / 2, 6) if hedged else 0.0,
-        "budget_key": f"team-{i % 7}", "arm": None, "time_scale": 1.0,
-    }  # fmt: skip
+        "v": 1,
+        "kind": "race",
+        "race_id": f"r{i:07d}",
+        "ts": 1783857600.0 + i,
+        "started": 1783857600.0 + i - 20,
+        "policy": policy,
+        "providers": list(providers),
+        "winner": winner,
+        "e2e_ms": None if e2e is None else round(e2e, 1),
+        "winner_ms": None if e2e is None else round(e2e * 0.9, 1),
+        "hedged": hedged,
+        "cut_over": hedged and policy.startswith("cutover"),
+        "escalated": False,
+        "attempts": attempts,
+        "cancels": cancels,
+        "leaked": any(c["leaked"] for c in cancels),
+        "usd": round(usd, 6),
+        "billed_usd": round(usd * 2, 6),
+        "wasted_usd": round(usd / 2, 6) if hedged else 0.0,
+        "budget_key": f"team-{i % 7}",
+        "arm": None,
+        "time_scale": 1.0,
+    }
 
 
 def gpuhedge_lines(rng: random.Random, request_id: int) -> list[dict[str, Any]]:
@@ -72,16 +100,28 @@ def gpuhedge_lines(rng: random.Random, request_id: int) -> list[dict[str, Any]]:
     total = None if rng.random() < 0.03 else round(rng.lognormvariate(9.8, 0.7), 1)
     winner = None if total is None else "cerebrium"
     full = {
-        "kind": "state_aware_request", "stage": "validation", "request_id": request_id,
-        "policy": "cutover:runpod->cerebrium@q2.5s+s8.5s", "cutover_fired": True,
-        "safety_hedge_fired": False, "winner": winner, "winner_valid_at_ms": total,
-        "winner_total_ms": total, "cancellation": {"provider": "runpod", "leaked": False},
-    }  # fmt: skip
+        "kind": "state_aware_request",
+        "stage": "validation",
+        "request_id": request_id,
+        "policy": "cutover:runpod->cerebrium@q2.5s+s8.5s",
+        "cutover_fired": True,
+        "safety_hedge_fired": False,
+        "winner": winner,
+        "winner_valid_at_ms": total,
+        "winner_total_ms": total,
+        "cancellation": {"provider": "runpod", "leaked": False},
+    }
     index = {
-        "kind": "validation_index", "stage": "validation", "request_id": request_id,
-        "arm": "queue-cutover", "policy": full["policy"], "winner": winner,
-        "winner_total_ms": total, "cutover_fired": True, "safety_hedge_fired": False,
-    }  # fmt: skip
+        "kind": "validation_index",
+        "stage": "validation",
+        "request_id": request_id,
+        "arm": "queue-cutover",
+        "policy": full["policy"],
+        "winner": winner,
+        "winner_total_ms": total,
+        "cutover_fired": True,
+        "safety_hedge_fired": False,
+    }
     return [full, index]
 
 
@@ -123,8 +163,10 @@ def time_command(path: Path, repeat: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-m", "gpuhedge_celery", "report", str(path), "--json"],
-            capture_output=True, env=env, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            env=env,
+            check=False,
+        )
         walls.append(time.perf_counter() - t0)
         if done.returncode != 0:
             raise click.ClickException(f"report failed: {done.stderr.decode()[-500:]}")
@@ -132,12 +174,28 @@ def time_command(path: Path, repeat: int) -> dict[str, Any]:
 
 
 @click.command("report")
-@click.option("--records", "n", type=click.IntRange(1), default=100_000, show_default=True,
-              help="Requests in the synthetic file.")  # fmt: skip
-@click.option("--gpuhedge-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,
-              help="Share of requests written in GPUHedge's live-record format.")  # fmt: skip
-@click.option("--repeat", type=click.IntRange(1, 20), default=3, show_default=True,
-              help="Timed runs of each kind (the best is reported).")  # fmt: skip
+@click.option(
+    "--records",
+    "n",
+    type=click.IntRange(1),
+    default=100_000,
+    show_default=True,
+    help="Requests in the synthetic file.",
+)
+@click.option(
+    "--gpuhedge-share",
+    type=click.FloatRange(0, 1),
+    default=0.1,
+    show_default=True,
+    help="Share of requests written in GPUHedge's live-record format.",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="Timed runs of each kind (the best is reported).",
+)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the only format).")
 def command(n: int, gpuhedge_share: float, repeat: int, seed: int, as_json: bool) -> None:

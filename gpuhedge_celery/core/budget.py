@@ -70,13 +70,10 @@ class BudgetCaps:
     def enabled(self) -> bool:
         """Whether any cap is set (then every submit reserves, and the ledger records it)."""
         scoped = [c for c in (*self.providers.values(), *self.keys.values())]
-        return (
-            any(
-                v is not None
-                for v in (self.max_usd_per_request, self.max_usd_per_day, self.ceiling_usd)
-            )  # fmt: skip
-            or any(c.max_usd_per_day is not None or c.max_usd_total is not None for c in scoped)
-        )
+        return any(
+            v is not None
+            for v in (self.max_usd_per_request, self.max_usd_per_day, self.ceiling_usd)
+        ) or any(c.max_usd_per_day is not None or c.max_usd_total is not None for c in scoped)
 
     def key_cap(self, key: str | None) -> ScopeCap | None:
         """The caps of budget key ``key`` (its own entry), or None."""

@@ -19,9 +19,16 @@ PHASES = ("early", "late")
 COLUMNS = ("attempts", "terminal", "leaked", "was_running")
 
 
-def forced_cancel_record(provider: str, phase: str, attempt: int, *, cancel_at_s: float,
-                         state_before: str, receipt: Mapping[str, Any],
-                         ts: float) -> dict[str, Any]:  # fmt: skip
+def forced_cancel_record(
+    provider: str,
+    phase: str,
+    attempt: int,
+    *,
+    cancel_at_s: float,
+    state_before: str,
+    receipt: Mapping[str, Any],
+    ts: float,
+) -> dict[str, Any]:
     """One forced cancel as a JSON line (``receipt``: the adapter's ``CancelReceipt.to_dict``)."""
     return {
         "kind": "forced_cancel",
@@ -69,8 +76,9 @@ def summary_record(matrix: Mapping[str, Any], projected_usd: float, ts: float) -
     }
 
 
-def format_matrix(matrix: Mapping[str, Mapping[str, Mapping[str, int]]],
-                  providers: Sequence[str]) -> list[str]:  # fmt: skip
+def format_matrix(
+    matrix: Mapping[str, Mapping[str, Mapping[str, int]]], providers: Sequence[str]
+) -> list[str]:
     """The matrix as a text table, one line per provider and phase."""
     width = max([8, *(len(p) for p in providers)])
     lines = [f"{'provider':<{width}} {'phase':<6} " + " ".join(f"{c:>11}" for c in COLUMNS)]

@@ -25,10 +25,25 @@ from ..errors import ConfigError
 ARM_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
 PERCENTILES = ("p50", "p90", "p95", "p99")
 #: what a plan may name as its primary metric (columns of ``report``'s rows)
-PRIMARY_METRICS = (*PERCENTILES, "miss_rate", "hedge_rate", "active_usd_per_request",
-                   "billed_usd_per_request")  # fmt: skip
-TOP_KEYS = ("name", "seed", "arms", "blocks_per_arm", "block_size", "cadence_s",
-            "primary_metric", "deadline_s", "request", "timeout_s")  # fmt: skip
+PRIMARY_METRICS = (
+    *PERCENTILES,
+    "miss_rate",
+    "hedge_rate",
+    "active_usd_per_request",
+    "billed_usd_per_request",
+)
+TOP_KEYS = (
+    "name",
+    "seed",
+    "arms",
+    "blocks_per_arm",
+    "block_size",
+    "cadence_s",
+    "primary_metric",
+    "deadline_s",
+    "request",
+    "timeout_s",
+)
 ARM_KEYS = ("name", "policy", "providers")
 MAX_REQUESTS = 100_000
 
@@ -76,7 +91,7 @@ class Prereg:
                     "providers": list(a.providers) if a.providers else None,
                 }
                 for a in self.arms
-            ],  # fmt: skip
+            ],
             "blocks_per_arm": self.blocks_per_arm,
             "block_size": self.block_size,
             "cadence_s": self.cadence_s,
@@ -113,8 +128,9 @@ def _positive_int(data: Mapping[str, Any], key: str, source: str) -> int:
     return value
 
 
-def _seconds(data: Mapping[str, Any], key: str, source: str, default: float,
-             *, positive: bool = False) -> float:  # fmt: skip
+def _seconds(
+    data: Mapping[str, Any], key: str, source: str, default: float, *, positive: bool = False
+) -> float:
     value = data.get(key, default)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
@@ -129,15 +145,20 @@ def _arm(raw: Any, i: int, source: str) -> PlanArm:
         raise ConfigError("expected a mapping with name and policy", file=source, key=where)
     for key in raw:
         if key not in ARM_KEYS:
-            raise ConfigError(f"unknown key (known: {', '.join(ARM_KEYS)})", file=source,
-                              key=f"{where}.{key}")  # fmt: skip
+            raise ConfigError(
+                f"unknown key (known: {', '.join(ARM_KEYS)})", file=source, key=f"{where}.{key}"
+            )
     name, policy = raw.get("name"), raw.get("policy")
     if not isinstance(name, str) or not ARM_RE.match(name):
-        raise ConfigError(f"expected an arm name of 1-100 letters, digits, '_', '-', '.', ':', "
-                          f"got {name!r}", file=source, key=f"{where}.name")  # fmt: skip
+        raise ConfigError(
+            f"expected an arm name of 1-100 letters, digits, '_', '-', '.', ':', got {name!r}",
+            file=source,
+            key=f"{where}.name",
+        )
     if not isinstance(policy, str) or not policy.strip():
-        raise ConfigError(f"expected a policy name or spec, got {policy!r}", file=source,
-                          key=f"{where}.policy")  # fmt: skip
+        raise ConfigError(
+            f"expected a policy name or spec, got {policy!r}", file=source, key=f"{where}.policy"
+        )
     providers = raw.get("providers")
     if providers is not None:
         if isinstance(providers, str):
@@ -147,8 +168,11 @@ def _arm(raw: Any, i: int, source: str) -> PlanArm:
             or not providers
             or not all(isinstance(p, str) and p for p in providers)
         ):
-            raise ConfigError(f"expected a list of provider names, got {providers!r}",
-                              file=source, key=f"{where}.providers")  # fmt: skip
+            raise ConfigError(
+                f"expected a list of provider names, got {providers!r}",
+                file=source,
+                key=f"{where}.providers",
+            )
         providers = tuple(providers)
     return PlanArm(name, policy.strip(), providers)
 
@@ -159,8 +183,9 @@ def parse_prereg(data: Any, source: str = "<prereg>") -> Prereg:
         raise ConfigError("expected a mapping at the top level", file=source)
     for key in data:
         if key not in TOP_KEYS:
-            raise ConfigError(f"unknown key (known: {', '.join(TOP_KEYS)})", file=source,
-                              key=str(key))  # fmt: skip
+            raise ConfigError(
+                f"unknown key (known: {', '.join(TOP_KEYS)})", file=source, key=str(key)
+            )
     raw_arms = data.get("arms")
     if not isinstance(raw_arms, list) or len(raw_arms) < 2:
         raise ConfigError("expected a list of at least two arms", file=source, key="arms")
@@ -171,16 +196,25 @@ def parse_prereg(data: Any, source: str = "<prereg>") -> Prereg:
         raise ConfigError(f"arm {twice!r} appears twice", file=source, key="arms")
     metric = data.get("primary_metric")
     if metric not in PRIMARY_METRICS:
-        raise ConfigError(f"expected one of {', '.join(PRIMARY_METRICS)}, got {metric!r}",
-                          file=source, key="primary_metric")  # fmt: skip
+        raise ConfigError(
+            f"expected one of {', '.join(PRIMARY_METRICS)}, got {metric!r}",
+            file=source,
+            key="primary_metric",
+        )
     name = data.get("name", "experiment")
     if not isinstance(name, str) or not ARM_RE.match(name):
-        raise ConfigError(f"expected a name of letters, digits, '_', '-', '.', ':', got {name!r}",
-                          file=source, key="name")  # fmt: skip
+        raise ConfigError(
+            f"expected a name of letters, digits, '_', '-', '.', ':', got {name!r}",
+            file=source,
+            key="name",
+        )
     request = data.get("request", {})
     if not isinstance(request, Mapping):
-        raise ConfigError(f"expected a mapping (the request's JSON object), got {request!r}",
-                          file=source, key="request")  # fmt: skip
+        raise ConfigError(
+            f"expected a mapping (the request's JSON object), got {request!r}",
+            file=source,
+            key="request",
+        )
     plan = Prereg(
         name=name,
         seed=_int(data, "seed", source),
@@ -195,8 +229,12 @@ def parse_prereg(data: Any, source: str = "<prereg>") -> Prereg:
         source=source,
     )
     if plan.requests > MAX_REQUESTS:
-        raise ConfigError(f"{plan.requests:,} requests in all, over {MAX_REQUESTS:,}: fewer "
-                          "blocks or smaller ones", file=source, key="blocks_per_arm")  # fmt: skip
+        raise ConfigError(
+            f"{plan.requests:,} requests in all, over {MAX_REQUESTS:,}: fewer "
+            "blocks or smaller ones",
+            file=source,
+            key="blocks_per_arm",
+        )
     return plan
 
 

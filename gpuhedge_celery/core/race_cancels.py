@@ -52,8 +52,12 @@ class CancelRules:
             r.was_running = p.was_running
         if p.scope is not CancelScope.UNKNOWN:
             r.scope = p.scope
-        for name in ("execution_ms_before_cancel", "estimated_cost_usd", "reconciled_cost_usd",
-                     "token_wait_ms"):  # fmt: skip
+        for name in (
+            "execution_ms_before_cancel",
+            "estimated_cost_usd",
+            "reconciled_cost_usd",
+            "token_wait_ms",
+        ):
             if getattr(p, name) is not None:
                 setattr(r, name, getattr(p, name))
         r.billing_stop_confirmed = r.billing_stop_confirmed or p.billing_stop_confirmed

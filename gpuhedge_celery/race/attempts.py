@@ -51,8 +51,9 @@ class FirstSubmit:
     redelivered create that conflicts claims and reserves nothing). The submit that follows
     then needs no round trip before the provider's."""
 
-    def __init__(self, store: RaceStore, race_id: str, claim: ClaimedSubmit, attempt_id: str,
-                 mark: Any) -> None:  # fmt: skip
+    def __init__(
+        self, store: RaceStore, race_id: str, claim: ClaimedSubmit, attempt_id: str, mark: Any
+    ) -> None:
         self.store, self.race_id, self.claim = store, race_id, claim
         self.attempt_id, self.mark = attempt_id, mark
         self._data = ""
@@ -119,10 +120,16 @@ class AttemptWork(CancelWork, WatchWork):
         raise NotImplementedError
 
     def submit_attempt(
-        self, race_id: str, attempt_id: str, *, new_race: bool = False,
-        backstop: str | None = None, takeover: bool = False, decided_here: bool = False,
+        self,
+        race_id: str,
+        attempt_id: str,
+        *,
+        new_race: bool = False,
+        backstop: str | None = None,
+        takeover: bool = False,
+        decided_here: bool = False,
         claimed: ClaimedSubmit | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Submit a launched attempt's job once, register it, report it, start watching it.
 
         Idempotent: a redelivered submit whose job was registered before a crash reports that
@@ -221,18 +228,24 @@ class AttemptWork(CancelWork, WatchWork):
         # intent found is ours (store/race_jobs.py), the reservation a repeat. Failing instead
         # would leave an intent the launch backstop must judge "outcome unknown".
         known, request = self._within_window(
-            f"race {race_id}: claim the submit of {a.id}", float(intent["until"]),
+            f"race {race_id}: claim the submit of {a.id}",
+            float(intent["until"]),
             lambda: self.store.claim_submit_with_request(race_id, a.id, intent, also=budget),
-        )  # fmt: skip
+        )
         if known is None and budget is not None and not budget.result.granted:
             self._refused(race_id, a, budget.result, drop)
             return None
         return known, intent, request
 
     def _submit_claimed(
-        self, race_id: str, a: Attempt, state: dict[str, Any], intent: dict[str, Any],
-        request: dict[str, Any] | None, drop: BackstopDrop,
-    ) -> JobHandle | None:  # fmt: skip
+        self,
+        race_id: str,
+        a: Attempt,
+        state: dict[str, Any],
+        intent: dict[str, Any],
+        request: dict[str, Any] | None,
+        drop: BackstopDrop,
+    ) -> JobHandle | None:
         """Submit the job of an attempt whose submit claim is this process's, and register
         it; None if it was not submitted (the attempt is then reported ended)."""
         # (a race created before the request had its own key still carries it inline)
@@ -254,9 +267,13 @@ class AttemptWork(CancelWork, WatchWork):
         return handle
 
     def _submitting_elsewhere(
-        self, race_id: str, attempt_id: str, known: dict[str, Any], takeover: bool,
+        self,
+        race_id: str,
+        attempt_id: str,
+        known: dict[str, Any],
+        takeover: bool,
         drop: BackstopDrop,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Another process claimed the submit: left to it while its window lasts; past it,
         that submitter died mid-submit and the attempt ends."""
         until = known.get("until")
@@ -271,9 +288,14 @@ class AttemptWork(CancelWork, WatchWork):
         self._submit_failed(race_id, attempt_id, UNKNOWN_SUBMIT, drop)
 
     def _submit_failed(
-        self, race_id: str, attempt_id: str, reason: str, drop: BackstopDrop,
-        unknown: bool = False, unsent: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        race_id: str,
+        attempt_id: str,
+        reason: str,
+        drop: BackstopDrop,
+        unknown: bool = False,
+        unsent: bool = False,
+    ) -> None:
         """Report that the attempt was not submitted (``unknown``: a job may exist; ``unsent``:
         nothing reached the provider), dropping the launch's backstop in the same round trip."""
         failed = SubmitFailed(attempt_id, reason, unknown, unsent=unsent)
@@ -281,9 +303,14 @@ class AttemptWork(CancelWork, WatchWork):
         drop.now()
 
     def _first_submit(
-        self, race_id: str, race: Race, state: dict[str, Any], request: dict[str, Any],
-        first: Any, save_id: str,
-    ) -> FirstSubmit | None:  # fmt: skip
+        self,
+        race_id: str,
+        race: Race,
+        state: dict[str, Any],
+        request: dict[str, Any],
+        first: Any,
+        save_id: str,
+    ) -> FirstSubmit | None:
         """The claim of ``first`` (the Launch a create submits itself), to ride in the create
         saved with ``save_id``; None without one."""
         a = find_attempt(race, first.attempt_id) if first is not None else None
@@ -305,9 +332,10 @@ class AttemptWork(CancelWork, WatchWork):
         id: the registration (an ``HSET`` of the same handle, harmless to repeat) waits for
         Redis within the submit intent's window (:meth:`_within_window`)."""
         self._within_window(
-            f"race {race_id}: register the job of {attempt_id}", until,
+            f"race {race_id}: register the job of {attempt_id}",
+            until,
             lambda: self.store.add_job(race_id, attempt_id, handle.to_dict()),
-        )  # fmt: skip
+        )
 
     def _within_window(self, what: str, until: float, call: Callable[[], Any]) -> Any:
         """``call()``, repeated while Redis is unreachable until a second before ``until`` (the
@@ -337,9 +365,13 @@ class AttemptWork(CancelWork, WatchWork):
         drop.now()
 
     def _reported(
-        self, race_id: str, attempt_id: str, saved: Race | None, handle: JobHandle,
+        self,
+        race_id: str,
+        attempt_id: str,
+        saved: Race | None,
+        handle: JobHandle,
         provider: Provider,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Whether the race took a submit's report; if it had ended the attempt before the
         report (its submit outlived the launch window and was taken for dead), nobody else
         knows this job: it is cancelled now."""

@@ -111,12 +111,17 @@ class RaceBudget:
         cap_s = _cap(spec, a.provider)
         provider, caps = a.provider, self.caps
         return self.store.prepare(
-            race_id, a.id, amount_usd=worst_case_usd(cap_s, rate.rate_per_s, rate.idle_s),
-            day=utc_day(now), provider=provider, key=key, role=a.role,
+            race_id,
+            a.id,
+            amount_usd=worst_case_usd(cap_s, rate.rate_per_s, rate.idle_s),
+            day=utc_day(now),
+            provider=provider,
+            key=key,
+            role=a.role,
             caps_nano=cap_slots(caps, provider, key),
             cap_name=lambda slot: cap_name(caps, provider, key, slot),
             open_until_ms=int((now + cap_s + rate.idle_s) * 1000),
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ when attempts end
     def settlements(
@@ -148,9 +153,13 @@ class RaceBudget:
         return items
 
     def on_step(
-        self, race_id: str, race: Race, state: Mapping[str, Any], before: Mapping[str, Phase],
+        self,
+        race_id: str,
+        race: Race,
+        state: Mapping[str, Any],
+        before: Mapping[str, Phase],
         saved: tuple[str, str],
-    ) -> tuple[Callable[[Any], None], Any] | None:  # fmt: skip
+    ) -> tuple[Callable[[Any], None], Any] | None:
         """Settlements of the attempts this step ended, to ride in its save (or None).
 
         ``saved``: the save's mark (:meth:`RaceStore.save_mark`): they settle only if that
@@ -188,8 +197,10 @@ class RaceBudget:
         if not self.enabled:
             return 0
         items = self.settlements(race, state, list(race.attempts))
-        items = [*again(race, [i for i in items if i[0] in resettle]),
-                 *(i for i in items if i[0] not in resettle)]  # fmt: skip
+        items = [
+            *again(race, [i for i in items if i[0] in resettle]),
+            *(i for i in items if i[0] not in resettle),
+        ]
         count, _ = self.store.settle(race_id, items, int(self.clock.now() * 1000))
         return count
 
@@ -219,6 +230,9 @@ class RaceBudget:
             count, _ = self.store.settle(race_id, items, now_ms)
             settled += count
             if count:
-                log.warning("budget: reservation %s settled by the janitor (%s)",
-                            record.get("id"), items[0][2])  # fmt: skip
+                log.warning(
+                    "budget: reservation %s settled by the janitor (%s)",
+                    record.get("id"),
+                    items[0][2],
+                )
         return settled

@@ -56,8 +56,11 @@ class CancelWork(ResultWork):
         """
         log.error(
             "race %s: %s's submit returned job %s after the attempt ended (its launch window "
-            "passed); cancelling it", race_id, attempt_id, handle.job_id,
-        )  # fmt: skip
+            "passed); cancelling it",
+            race_id,
+            attempt_id,
+            handle.job_id,
+        )
         try:
             confirmed = provider.cancel(handle).confirmed_terminal
         except Exception:
@@ -69,9 +72,14 @@ class CancelWork(ResultWork):
             self.store.add_job(race_id, attempt_id, handle.to_dict())
 
     def request_cancel(
-        self, race_id: str, attempt_id: str, provider: str, saved: Race | None = None,
-        caps: dict[str, Any] | None = None, armed: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        race_id: str,
+        attempt_id: str,
+        provider: str,
+        saved: Race | None = None,
+        caps: dict[str, Any] | None = None,
+        armed: bool = False,
+    ) -> None:
         """Have an attempt's job cancelled now, durably: a backstop timer, then the effect.
 
         :meth:`Effects.cancel` runs the cancel at once (in production: on a thread of this
@@ -150,9 +158,13 @@ class CancelWork(ResultWork):
         if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
             # It finished before the cancel took effect: its result may still win the race.
             ack = replace(
-                receipt, confirmed_terminal=False, terminal_status=None, terminal_ms=None,
-                leaked=True, evidence=Evidence.PROVIDER_ACK,
-            )  # fmt: skip
+                receipt,
+                confirmed_terminal=False,
+                terminal_status=None,
+                terminal_ms=None,
+                leaked=True,
+                evidence=Evidence.PROVIDER_ACK,
+            )
             self.step(race_id, CancelAcknowledged(attempt_id, ack))
             cap = float((caps or {}).get(a.provider, 180.0))
             self.conclude(race_id, attempt_id, provider, handle, cap)
@@ -162,8 +174,11 @@ class CancelWork(ResultWork):
             self.step(race_id, acknowledged, None, drop.queue)
         else:  # both in one save
             refused = receipt.evidence is Evidence.NO_EVIDENCE  # the provider did not accept it
-            why = "the provider refused the cancel or never answered" if refused else (
-                "no terminal state within the cancel window")  # fmt: skip
+            why = (
+                "the provider refused the cancel or never answered"
+                if refused
+                else ("no terminal state within the cancel window")
+            )
             failed = CancelFailed(attempt_id, why)
             self.step(race_id, (acknowledged, failed), None, drop.queue)
 

@@ -76,9 +76,15 @@ class ResultWork:
         raise NotImplementedError
 
     def conclude(
-        self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle, cap_s: float,
-        spec: dict[str, Any] | None = None, result: AttemptResult | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        race_id: str,
+        attempt_id: str,
+        provider: Provider,
+        handle: JobHandle,
+        cap_s: float,
+        spec: dict[str, Any] | None = None,
+        result: AttemptResult | None = None,
+    ) -> None:
         """Fetch a terminal (or capped) job's result, validate it and report it to the race.
 
         ``result``: the job's result as its webhook delivered it (nothing to fetch).
@@ -89,9 +95,12 @@ class ResultWork:
                 result = provider.result(handle, cap_s)
         except Exception as e:
             result = AttemptResult(
-                provider.name, handle.job_id, JobState.FAILED, provider.elapsed_ms(handle),
+                provider.name,
+                handle.job_id,
+                JobState.FAILED,
+                provider.elapsed_ms(handle),
                 error=f"{type(e).__name__}: {e}",
-            )  # fmt: skip
+            )
         if spec is None:
             # A race's spec never changes: this process's last saved copy serves (no read).
             record = self.store.load(race_id, fresh=True)

@@ -138,11 +138,18 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         try:
             # the request has its own key, written once (each step rewrites the state)
             self.store.create(
-                race_id, state, request, also=also, save_id=save_id,
+                race_id,
+                state,
+                request,
+                also=also,
+                save_id=save_id,
                 took=ride.take if ride is not None else None,
-                scripts=(self.timers.arm_script, self.timers.cancel_script,
-                         *(ride.scripts if ride is not None else ())),
-            )  # fmt: skip
+                scripts=(
+                    self.timers.arm_script,
+                    self.timers.cancel_script,
+                    *(ride.scripts if ride is not None else ()),
+                ),
+            )
         except VersionConflict:
             self.resume(race_id)
             return False
@@ -177,7 +184,7 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             source, change = pending.pop(0)
             race, follow = self._step_once(
                 race_id, source, change, before if first else None, answered if first else None
-            )  # fmt: skip
+            )
             first = False
             pending.extend((e, None) for e in follow)
         return race
@@ -238,15 +245,23 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             save_id = new_save_id()
             saved = self.store.save_mark(race_id, record.version, save_id)
             also, scripts = self._with_settlements(race_id, race, new, phases, arms, saved)
-            also, scripts, claimed = self._with_winner_claim(race_id, race, actions, saved,
-                                                             also, scripts)  # fmt: skip
-            also, scripts, finished = self._with_finish(race_id, race, new, actions, saved,
-                                                        also, scripts)  # fmt: skip
+            also, scripts, claimed = self._with_winner_claim(
+                race_id, race, actions, saved, also, scripts
+            )
+            also, scripts, finished = self._with_finish(
+                race_id, race, new, actions, saved, also, scripts
+            )
             try:
                 self.store.save(
-                    race_id, new, record.version, also=also, before=before, scripts=scripts,
-                    save_id=save_id, took=claimed.take if claimed else None,
-                )  # fmt: skip
+                    race_id,
+                    new,
+                    record.version,
+                    also=also,
+                    before=before,
+                    scripts=scripts,
+                    save_id=save_id,
+                    took=claimed.take if claimed else None,
+                )
             except VersionConflict as e:
                 reread = e if e.read else None
                 continue
@@ -254,26 +269,43 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                 self._late_result_taken(race_id, race, events)
                 return race, []
             follow = self._perform(
-                race_id, race, new, actions, phases, flags, gone, events, armed=arms is not None,
-                claim=claimed, finished=finished,
-            )  # fmt: skip
+                race_id,
+                race,
+                new,
+                actions,
+                phases,
+                flags,
+                gone,
+                events,
+                armed=arms is not None,
+                claim=claimed,
+                finished=finished,
+            )
             return race, follow
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
 
     def _late_result_taken(self, race_id: str, race: Race, events: tuple[Event, ...]) -> None:
         """A finished race took a loser's late result: the receipt and record are rewritten with
         its price; a verified one shows the job ended, so the janitor has nothing to cancel."""
-        log.info("race %s: a late result priced %s", race_id,
-                 ", ".join(getattr(e, "attempt_id", "") for e in events))  # fmt: skip
+        log.info(
+            "race %s: a late result priced %s",
+            race_id,
+            ", ".join(getattr(e, "attempt_id", "") for e in events),
+        )
         self.refresh_receipt(race_id)  # first: a crash after it leaves the job to the janitor
         for event in events:
             if getattr(event, "verified", False):  # a delivery nobody checked proves no end
                 self.store.remove_job(race_id, getattr(event, "attempt_id", ""))
 
     def _with_settlements(
-        self, race_id: str, race: Race, state: dict[str, Any], before: dict[str, Phase],
-        arms: Callable[[Any], None] | None, saved: SaveMark,
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...]]:  # fmt: skip
+        self,
+        race_id: str,
+        race: Race,
+        state: dict[str, Any],
+        before: dict[str, Phase],
+        arms: Callable[[Any], None] | None,
+        saved: SaveMark,
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...]]:
         """The save's extra commands: the timer arms, and the budget settlements of attempts
         this step ended, which run only if the save wins (``saved``: its mark): one that
         loses worked from an old copy of the race, and a reservation settles once."""
@@ -292,9 +324,14 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         return also, (*scripts, script)
 
     def _with_winner_claim(
-        self, race_id: str, race: Race, actions: list[Action], saved: SaveMark,
-        also: Callable[[Any], None] | None, scripts: tuple[Any, ...],
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], RidingClaim | None]:  # fmt: skip
+        self,
+        race_id: str,
+        race: Race,
+        actions: list[Action],
+        saved: SaveMark,
+        also: Callable[[Any], None] | None,
+        scripts: tuple[Any, ...],
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], RidingClaim | None]:
         """When the step declares a winner, its claim rides in the save, first among the extra
         commands, and claims only if the save wins: no round trip of its own. The caller's
         result rides with it where the effects can say how it is stored."""
@@ -341,9 +378,13 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             if isinstance(action, ScheduleTimer):
                 payload = {"race": race_id, "kind": "policy", "key": action.key}
                 queued.append(
-                    (f"{race_id}:{action.key}", due_ms(action.at), payload,
-                     state["timer_ids"][action.key])
-                )  # fmt: skip
+                    (
+                        f"{race_id}:{action.key}",
+                        due_ms(action.at),
+                        payload,
+                        state["timer_ids"][action.key],
+                    )
+                )
             elif isinstance(action, Cancel):
                 queued.append(self._backstop(race_id, action.attempt_id))
             elif isinstance(action, Launch) and self._launches_here:

@@ -76,8 +76,9 @@ class OutcomeWork:
             if a.role == "primary" or phases.get(a.id) is not Phase.LAUNCHING:
                 continue
             if a.phase is not Phase.LAUNCHING and a.sent:
-                self._event(race_id, "escalated" if a.role == "fallback" else "hedge_launched",
-                            race, a.id)  # fmt: skip
+                self._event(
+                    race_id, "escalated" if a.role == "fallback" else "hedge_launched", race, a.id
+                )
 
     def _result_write(self, race_id: str, race: Race, riding: RidingClaim) -> ResultWrite | None:
         """The caller's result, to ride with the winner claim in the declaring save, where the
@@ -161,9 +162,15 @@ class OutcomeWork:
         return receipt, ended, race_record(self.store, race, state, spec, receipt)
 
     def _with_finish(
-        self, race_id: str, race: Race, state: dict[str, Any], actions: list[Any],
-        saved: SaveMark, also: Callable[[Any], None] | None, scripts: tuple[Any, ...],
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], dict[str, Any] | None]:  # fmt: skip
+        self,
+        race_id: str,
+        race: Race,
+        state: dict[str, Any],
+        actions: list[Any],
+        saved: SaveMark,
+        also: Callable[[Any], None] | None,
+        scripts: tuple[Any, ...],
+    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], dict[str, Any] | None]:
         """When the step finishes the race, its finish (receipt, record, indexes) rides in the
         save, last among the extra commands, and runs only if the save wins: no round trip
         of its own. Returns the extras, their scripts and the receipt (None: no finish)."""
@@ -182,9 +189,12 @@ class OutcomeWork:
         return with_finish, (*scripts, self.store.finish_script), receipt
 
     def _finish(
-        self, race_id: str, race: Race, state: dict[str, Any],
+        self,
+        race_id: str,
+        race: Race,
+        state: dict[str, Any],
         stored: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The race's end: its receipt and record stored (unless ``stored``, the receipt its
         step's save stored already), its metrics, and a failed caller told."""
         receipt = stored

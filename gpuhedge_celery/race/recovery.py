@@ -56,23 +56,30 @@ class RecoveryWork:
             # backstop: it died (or its provider is very slow). Cancelling again is harmless.
             log.warning(
                 "race %s: cancel of %s taken over by the backstop timer",
-                payload["race"], payload["attempt"],
-            )  # fmt: skip
+                payload["race"],
+                payload["attempt"],
+            )
             self.cancel_attempt(payload["race"], payload["attempt"])
         elif kind == "launch":
             # The process that launched this attempt did not get its job watched in time: it
             # died (before, during or after the submit). The submit claim decides what to do.
             log.warning(
                 "race %s: launch of %s taken over by the backstop timer",
-                payload["race"], payload["attempt"],
-            )  # fmt: skip
+                payload["race"],
+                payload["attempt"],
+            )
             self.submit_attempt(payload["race"], payload["attempt"], takeover=True)
         elif kind == "watch":
             self.watch(
-                payload["race"], payload["attempt"], payload["provider"], payload["handle"],
-                payload.get("last"), float(payload.get("cap_s", 180.0)),
-                decide=payload.get("decide"), reserved=payload.get("reserved"),
-            )  # fmt: skip
+                payload["race"],
+                payload["attempt"],
+                payload["provider"],
+                payload["handle"],
+                payload.get("last"),
+                float(payload.get("cap_s", 180.0)),
+                decide=payload.get("decide"),
+                reserved=payload.get("reserved"),
+            )
             if timer.deliveries > 1:  # its first claimer may have died after saving a step
                 # (this job's next poll was just armed, or it was concluded: not armed again,
                 # or the job would be watched by two chains of polls from now on)

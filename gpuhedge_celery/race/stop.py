@@ -30,11 +30,13 @@ def check_by(by: Any) -> str:
     """The stopper's name as the receipt keeps it (``cli``, ``revoke`` or a caller's word);
     ConfigError for one that is not a short single line."""
     if not isinstance(by, str) or not by.strip():
-        raise ConfigError(f"expected a non-empty string naming who stops the race, got {by!r}",
-                          key="by")  # fmt: skip
+        raise ConfigError(
+            f"expected a non-empty string naming who stops the race, got {by!r}", key="by"
+        )
     if len(by) > BY_MAX or any(ord(c) < 32 for c in by):
-        raise ConfigError(f"expected one line of at most {BY_MAX} characters, got {by[:40]!r}...",
-                          key="by")  # fmt: skip
+        raise ConfigError(
+            f"expected one line of at most {BY_MAX} characters, got {by[:40]!r}...", key="by"
+        )
     return by.strip()
 
 
@@ -105,17 +107,29 @@ def read_stop(store: Any, race_id: str, by: str | None = None) -> StopAnswer:
     stopped_by = race.get("stopped_by")
     if stopped_by is not None:
         cancelling = [
-            {"attempt": a.get("id"), "provider": a.get("provider"), "role": a.get("role"),
-             "job_id": a.get("job_id"), "phase": a.get("phase")}
+            {
+                "attempt": a.get("id"),
+                "provider": a.get("provider"),
+                "role": a.get("role"),
+                "job_id": a.get("job_id"),
+                "phase": a.get("phase"),
+            }
             for a in race.get("attempts") or []
             if a.get("cancel_reason") == STOP_REASON
-        ]  # fmt: skip
+        ]
         outcome = STOPPED if by is not None and stopped_by == by else ALREADY_STOPPED
-        return StopAnswer(race_id, outcome, stopped_by, race.get("stopped_at"),
-                          note=race.get("note") or "", cancelling=cancelling)  # fmt: skip
+        return StopAnswer(
+            race_id,
+            outcome,
+            stopped_by,
+            race.get("stopped_at"),
+            note=race.get("note") or "",
+            cancelling=cancelling,
+        )
     winner = race.get("winner")
     if winner is not None or race.get("finished") or race.get("gave_up"):
-        provider = next((a.get("provider") for a in race.get("attempts") or []
-                         if a.get("id") == winner), None)  # fmt: skip
+        provider = next(
+            (a.get("provider") for a in race.get("attempts") or [] if a.get("id") == winner), None
+        )
         return StopAnswer(race_id, ALREADY_FINISHED, winner=provider, note=race.get("note") or "")
     return StopAnswer(race_id, "")

@@ -67,9 +67,16 @@ class NextPoll:
         if ahead and not self.deferred:  # a deferred poll keeps its reserved slot's time
             when = _before_decision(self.at, ahead, self.now)
         arm = work._watch_arm(
-            self.race_id, self.attempt_id, self.provider, self.handle, self.label, self.cap_s,
-            min(when, self.deadline), ahead or None, self.slot,
-        )  # fmt: skip
+            self.race_id,
+            self.attempt_id,
+            self.provider,
+            self.handle,
+            self.label,
+            self.cap_s,
+            min(when, self.deadline),
+            ahead or None,
+            self.slot,
+        )
         arm(pipe)
 
 
@@ -82,9 +89,13 @@ class WatchWork(ResultWork):
     clock: Clock
 
     def _reported(
-        self, race_id: str, attempt_id: str, saved: Race | None, handle: JobHandle,
+        self,
+        race_id: str,
+        attempt_id: str,
+        saved: Race | None,
+        handle: JobHandle,
         provider: Provider,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         raise NotImplementedError
 
     def _pushed(self, provider: Provider) -> bool:
@@ -169,10 +180,19 @@ class WatchWork(ResultWork):
             except Exception:
                 at = None
         nxt = NextPoll(
-            race_id, attempt_id, provider_name, handle_data, label, cap_s,
-            self._poll_at(provider, at, now, deferred), deadline, now,
-            bool(getattr(provider, "polls_before_decisions", False)), deferred, slot,
-        )  # fmt: skip
+            race_id,
+            attempt_id,
+            provider_name,
+            handle_data,
+            label,
+            cap_s,
+            self._poll_at(provider, at, now, deferred),
+            deadline,
+            now,
+            bool(getattr(provider, "polls_before_decisions", False)),
+            deferred,
+            slot,
+        )
         stepped: list[Race] = []  # the race this step saves (its timers: the decisions ahead)
 
         def arm(pipe: Any) -> None:

@@ -158,9 +158,17 @@ class WatchBatch:
                     back(poll.timer, _conclude(d, race_id, attempt_id, name, poll, cap_s))
                     continue
                 poll.next = NextPoll(
-                    race_id, attempt_id, name, payload["handle"], state.value, cap_s,
-                    d._poll_at(provider, at, now), deadline, now, near,
-                )  # fmt: skip
+                    race_id,
+                    attempt_id,
+                    name,
+                    payload["handle"],
+                    state.value,
+                    cap_s,
+                    d._poll_at(provider, at, now),
+                    deadline,
+                    now,
+                    near,
+                )
                 if state.value != payload.get("last"):
                     poll.observed = StatusObserved(attempt_id, state, None)
                 races.setdefault(race_id, _RaceWork(race_id)).polls.append(poll)
@@ -179,8 +187,9 @@ class WatchBatch:
                 if work.record is None:
                     missing.append(work)
         if missing:
-            for work, record in zip(missing, store.load_many([w.race_id for w in missing]),
-                                    strict=True):  # fmt: skip
+            for work, record in zip(
+                missing, store.load_many([w.race_id for w in missing]), strict=True
+            ):
                 work.record = record
 
     # -- 3. apply ---------------------------------------------------------------------------
@@ -315,8 +324,9 @@ class WatchBatch:
         while True:
             try:
                 with store_errors(f"writing {what}"):
-                    return run_pipeline(self.driver.store.client, build, scripts,
-                                        raise_on_error=False)  # fmt: skip
+                    return run_pipeline(
+                        self.driver.store.client, build, scripts, raise_on_error=False
+                    )
             except StoreUnavailable as e:
                 if time.monotonic() >= give_up:
                     log.warning("%s: not written (%s); each race again alone", what, e)
@@ -341,8 +351,9 @@ class WatchBatch:
                 if p.observed is not None:
                     back(p.timer, _restep(d, work.race_id, p, answer))
             return
-        d._perform(work.race_id, work.stepped, new, list(actions), phases, flags, gone, events,
-                   armed=True)  # fmt: skip
+        d._perform(
+            work.race_id, work.stepped, new, list(actions), phases, flags, gone, events, armed=True
+        )
 
 
 def _nothing() -> None:
@@ -359,8 +370,9 @@ def _live(race: Race, poll: _Poll) -> bool:
     return a is not None and a.live
 
 
-def _conclude(d: RaceDriver, race_id: str, attempt_id: str, provider: str, poll: _Poll,
-              cap_s: float) -> Callable[[], None]:  # fmt: skip
+def _conclude(
+    d: RaceDriver, race_id: str, attempt_id: str, provider: str, poll: _Poll, cap_s: float
+) -> Callable[[], None]:
     """The per-timer work for a job the batch saw end: fetch, validate and report it."""
     return lambda: d.conclude(race_id, attempt_id, d.providers(provider), poll.handle, cap_s, None)
 

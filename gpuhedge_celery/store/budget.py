@@ -67,8 +67,9 @@ class PendingReservation:
     def queue_on_save(self, pipe: Any, saved: SaveMark) -> None:
         """:meth:`queue`, to reserve only if the race save it rides with wins (``saved``: its
         mark; the create of the race, which a redelivery may lose)."""
-        queue_script(pipe, self.store.reserve_script, [*self.keys, saved.state_key],
-                     [*self.args, saved.mark])  # fmt: skip
+        queue_script(
+            pipe, self.store.reserve_script, [*self.keys, saved.state_key], [*self.args, saved.mark]
+        )
 
     def take(self, replies: Sequence[Any]) -> Reservation:
         code, value, used, slot = (int(x) for x in replies[0])
@@ -125,9 +126,16 @@ class BudgetStore:
         k = self.keys
         keys = [k.totals, k.open, k.ledger, k.reservation(rid), k.request(race_id)]
         args: list[Any] = [
-            rid, to_nano(amount_usd, round_up=True), open_until_ms, self.keep_ms,
-            day, provider, key or "", role, *caps_nano,
-        ]  # fmt: skip
+            rid,
+            to_nano(amount_usd, round_up=True),
+            open_until_ms,
+            self.keep_ms,
+            day,
+            provider,
+            key or "",
+            role,
+            *caps_nano,
+        ]
         return PendingReservation(self, rid, keys, args, cap_name, scripts=(self.reserve_script,))
 
     def reserve(self, pending: PendingReservation) -> Reservation:
@@ -139,9 +147,12 @@ class BudgetStore:
     # -- settling ----------------------------------------------------------------------------
 
     def _settle_call(
-        self, race_id: str, items: Sequence[tuple[str, int, str]], now_ms: int,
+        self,
+        race_id: str,
+        items: Sequence[tuple[str, int, str]],
+        now_ms: int,
         only_if: tuple[str, str] | None = None,
-    ) -> tuple[list[str], list[Any]]:  # fmt: skip
+    ) -> tuple[list[str], list[Any]]:
         k = self.keys
         keys = [k.totals, k.open, k.ledger, k.request(race_id)]
         args: list[Any] = [self.keep_ms, now_ms, ""]
@@ -158,9 +169,14 @@ class BudgetStore:
         return keys, args
 
     def queue_settle(
-        self, pipe: Any, race_id: str, items: Sequence[tuple[str, int, str]], now_ms: int,
-        *, only_if: tuple[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        pipe: Any,
+        race_id: str,
+        items: Sequence[tuple[str, int, str]],
+        now_ms: int,
+        *,
+        only_if: tuple[str, str] | None = None,
+    ) -> None:
         """Queue the settlement of ``items`` (attempt id, cost in nano-dollars, source).
 
         ``only_if``: the mark of the race save queued before it on ``pipe``
@@ -288,16 +304,22 @@ class BudgetStore:
             if "no such key" not in str(e).lower():
                 raise
             if self.client.hlen(self.keys.totals):
-                raise StoreError("the ledger stream is gone but the counters are not: they "
-                                 "cannot be rebuilt from it") from None  # fmt: skip
+                raise StoreError(
+                    "the ledger stream is gone but the counters are not: they "
+                    "cannot be rebuilt from it"
+                ) from None
             return
         added, length = info.get("entries-added"), info.get("length")
         if added is None:
-            raise StoreError("this Redis does not say whether the ledger was trimmed (Redis 7 "
-                             "does): the counters cannot be rebuilt from it safely")  # fmt: skip
+            raise StoreError(
+                "this Redis does not say whether the ledger was trimmed (Redis 7 "
+                "does): the counters cannot be rebuilt from it safely"
+            )
         if int(added) != int(length):
-            raise StoreError(f"the ledger was trimmed ({length} of {added} entries left): the "
-                             "counters cannot be rebuilt from it")  # fmt: skip
+            raise StoreError(
+                f"the ledger was trimmed ({length} of {added} entries left): the "
+                "counters cannot be rebuilt from it"
+            )
 
     def add_reconciliation(self, fields: dict[str, Any]) -> str:
         """Append one reconciliation record (``costs``: a provider's figure beside ours)."""
@@ -310,9 +332,13 @@ class BudgetStore:
 
 
 def _row(
-    scope: str, kind: str, name: str, what: str, cap: float | None,
+    scope: str,
+    kind: str,
+    name: str,
+    what: str,
+    cap: float | None,
     counters: dict[str, tuple[int, int]],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     reserved, spent = counters.get(scope, (0, 0))
     used = reserved + spent
     return {
@@ -328,9 +354,13 @@ def _row(
 
 
 def budget_report(
-    ledger: BudgetStore, caps: BudgetCaps, providers: list[str], day: str,
-    *, seen_keys: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    ledger: BudgetStore,
+    caps: BudgetCaps,
+    providers: list[str],
+    day: str,
+    *,
+    seen_keys: bool = True,
+) -> dict[str, Any]:
     """Caps and counters for ``day``, from one ledger: rows for the day, the ceiling, each
     provider and each budget key (today and lifetime). Keys are those the config names, plus,
     with ``seen_keys``, every key the ledger has counters for (spend recorded before the keys
@@ -350,16 +380,48 @@ def budget_report(
     ]
     for p in providers:
         own = caps.providers.get(p)
-        rows.append(_row(f"d:{day}:p:{p}", "provider_day", p, f"provider {p}, today",
-                         own.max_usd_per_day if own else None, counters))  # fmt: skip
-        rows.append(_row(f"p:{p}", "provider", p, f"provider {p}, lifetime",
-                         own.max_usd_total if own else None, counters))  # fmt: skip
+        rows.append(
+            _row(
+                f"d:{day}:p:{p}",
+                "provider_day",
+                p,
+                f"provider {p}, today",
+                own.max_usd_per_day if own else None,
+                counters,
+            )
+        )
+        rows.append(
+            _row(
+                f"p:{p}",
+                "provider",
+                p,
+                f"provider {p}, lifetime",
+                own.max_usd_total if own else None,
+                counters,
+            )
+        )
     for k in keys:
         own = caps.key_cap(k)
-        rows.append(_row(f"d:{day}:k:{k}", "key_day", k, f"key {k}, today",
-                         own.max_usd_per_day if own else None, counters))  # fmt: skip
-        rows.append(_row(f"k:{k}", "key", k, f"key {k}, lifetime",
-                         own.max_usd_total if own else None, counters))  # fmt: skip
+        rows.append(
+            _row(
+                f"d:{day}:k:{k}",
+                "key_day",
+                k,
+                f"key {k}, today",
+                own.max_usd_per_day if own else None,
+                counters,
+            )
+        )
+        rows.append(
+            _row(
+                f"k:{k}",
+                "key",
+                k,
+                f"key {k}, lifetime",
+                own.max_usd_total if own else None,
+                counters,
+            )
+        )
     return {
         "enabled": caps.enabled,
         "day": day,

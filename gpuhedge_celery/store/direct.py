@@ -58,18 +58,36 @@ class DirectClaims:
         pool, labels = kwargs.get("pool", "default"), kwargs.get("labels") or {}
         if not isinstance(pool, str) or not isinstance(labels, dict):
             return None  # the queued path refuses it with a one-line ConfigError
-        candidates = [g for g in self._registered(pool)
-                      if all(g.labels.get(a) == b for a, b in labels.items())]  # fmt: skip
+        candidates = [
+            g
+            for g in self._registered(pool)
+            if all(g.labels.get(a) == b for a, b in labels.items())
+        ]
         if not candidates:
             return None  # the queued path raises UnknownPool / EmptyPool with their reasons
         k = self.store.keys
-        keys = [self.records.record_key(request_id), self.records.handed_key, k.waiters(pool),
-                k.pool_ttl(), k.freeat(pool)]  # fmt: skip
+        keys = [
+            self.records.record_key(request_id),
+            self.records.handed_key,
+            k.waiters(pool),
+            k.pool_ttl(),
+            k.freeat(pool),
+        ]
         for g in candidates:
-            keys += [k.lease(g.gpu_id), k.fence(g.gpu_id), k.out(g.gpu_id), k.host(g.host),
-                     k.gpu(g.gpu_id)]  # fmt: skip
-        args_ = [request_id, record_data(request_id, args, kwargs, queue), self.records.ttl_ms,
-                 pool, DEFAULT_POOL_TTL_MS] + [g.gpu_id for g in candidates]  # fmt: skip
+            keys += [
+                k.lease(g.gpu_id),
+                k.fence(g.gpu_id),
+                k.out(g.gpu_id),
+                k.host(g.host),
+                k.gpu(g.gpu_id),
+            ]
+        args_ = [
+            request_id,
+            record_data(request_id, args, kwargs, queue),
+            self.records.ttl_ms,
+            pool,
+            DEFAULT_POOL_TTL_MS,
+        ] + [g.gpu_id for g in candidates]
         with store_errors(f"claiming a GPU of pool {pool!r} for request {request_id!r}"):
             reply = lua_script(self.store.client, "pooled_direct")(keys=keys, args=args_)
         if int(reply[0]) != 1:

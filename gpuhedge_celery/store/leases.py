@@ -374,7 +374,7 @@ class LeaseStore:
                     g.labels,
                     parse_out({_text(a): _text(b) for a, b in out.items()}),
                     _json_or_none(health),
-                )  # fmt: skip
+                )
             )
         return rows
 

@@ -49,18 +49,24 @@ RECORD_TTL_S = 86_400.0  # a record outlives any wait it covers; its request's e
 
 # what :meth:`PooledRecords.take` and :meth:`PooledRecords.handoff` answer
 TAKEN, DUPLICATE, HANDED, UNRECORDED, SUPERSEDED = (
-    "taken", "duplicate", "handed", "unrecorded", "superseded",
-)  # fmt: skip
+    "taken",
+    "duplicate",
+    "handed",
+    "unrecorded",
+    "superseded",
+)
 
 
 def record_data(request_id: str, args: Any, kwargs: Any, queue: str | None) -> str:
     """A record's ``data`` field: what sending the request again takes (JSON)."""
     try:
-        return json.dumps({"args": list(args), "kwargs": dict(kwargs), "queue": queue},
-                          separators=(",", ":"))  # fmt: skip
+        return json.dumps(
+            {"args": list(args), "kwargs": dict(kwargs), "queue": queue}, separators=(",", ":")
+        )
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"pooled request {request_id}: not JSON-serialisable ({e})",
-                          key="request") from None  # fmt: skip
+        raise ConfigError(
+            f"pooled request {request_id}: not JSON-serialisable ({e})", key="request"
+        ) from None
 
 
 class PooledRecords:
@@ -107,10 +113,23 @@ class PooledRecords:
         """This delivery takes the request: :data:`TAKEN` (or :data:`UNRECORDED`: sent without
         a record) to go on, :data:`DUPLICATE` or :data:`HANDED` to drop it. A higher
         ``attempt`` (sent back to waiting after its GPU was lost) always takes it."""
-        keys = [self.record_key(request_id), self.unseen_key, self.taken_key,
-                self.missing_key, self.keys.procs(), self.handed_key]  # fmt: skip
-        args = [request_id, process_id, delivery, PROCESS_TTL_MS, self.keys.proc_channel(),
-                int(attempt), self.ttl_ms]  # fmt: skip
+        keys = [
+            self.record_key(request_id),
+            self.unseen_key,
+            self.taken_key,
+            self.missing_key,
+            self.keys.procs(),
+            self.handed_key,
+        ]
+        args = [
+            request_id,
+            process_id,
+            delivery,
+            PROCESS_TTL_MS,
+            self.keys.proc_channel(),
+            int(attempt),
+            self.ttl_ms,
+        ]
         with store_errors(f"taking pooled request {request_id!r}"):
             return as_text(lua_script(self.client, "pooled_take")(keys=keys, args=args))
 
@@ -150,8 +169,7 @@ class PooledRecords:
         dead: the taker as judged dead, so a live delivery that takes the request meanwhile is
         not sent again over (see :meth:`requeue`)."""
         keys = [self.taken_key, self.keys.procs()]
-        args = [self.keys.pooled(""), PROCESS_TTL_MS, self.keys.proc_channel(), limit,
-                min_age_ms]  # fmt: skip
+        args = [self.keys.pooled(""), PROCESS_TTL_MS, self.keys.proc_channel(), limit, min_age_ms]
         with store_errors("listing pooled requests of dead processes"):
             found = lua_script(self.client, "pooled_dead_takers")(keys=keys, args=args)
         flat = [as_text(i) for i in found]
@@ -181,8 +199,13 @@ class PooledRecords:
         """Mark the request sent again (no taker) if it is still in ``seen_state`` with
         ``seen_taker`` ('' for none); its arguments and queue to send, or None when it changed
         meanwhile (taken by a live delivery, handed to a GPU, ended)."""
-        keys = [self.record_key(request_id), self.unseen_key, self.taken_key, self.missing_key,
-                self.handed_key]  # fmt: skip
+        keys = [
+            self.record_key(request_id),
+            self.unseen_key,
+            self.taken_key,
+            self.missing_key,
+            self.handed_key,
+        ]
         with store_errors(f"sending pooled request {request_id!r} again"):
             raw = lua_script(self.client, "pooled_requeue")(
                 keys=keys, args=[request_id, seen_state, seen_taker, now_ms]

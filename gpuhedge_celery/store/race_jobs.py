@@ -107,8 +107,9 @@ class RaceJobs:
         scripts; read the reply with :meth:`submit_intent_ours`. Returns the intent's JSON."""
         keys = race_keys(self.prefix, race_id)
         data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
-        queue_script(pipe, self._submit_intent, [keys.jobs, saved.state_key],
-                     [saved.mark, attempt_id, data])  # fmt: skip
+        queue_script(
+            pipe, self._submit_intent, [keys.jobs, saved.state_key], [saved.mark, attempt_id, data]
+        )
         return data
 
     @property

@@ -74,9 +74,14 @@ class RaceKeys:
     def all(self) -> tuple[str, ...]:
         """Every key of the race, for expiry and clean-up."""
         return (
-            self.state, self.winner, self.jobs, self.owner, self.owner_seq, self.receipt,
+            self.state,
+            self.winner,
+            self.jobs,
+            self.owner,
+            self.owner_seq,
+            self.receipt,
             self.request,
-        )  # fmt: skip
+        )
 
 
 def race_key_head(prefix: str) -> str:

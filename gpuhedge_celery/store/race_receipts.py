@@ -55,7 +55,7 @@ class RaceReceipts:
                 self.client,
                 lambda pipe: self._queue_finish(
                     pipe, race_id, receipt, "", ttl_s, drop_jobs, record
-                ),  # fmt: skip
+                ),
                 [self._finish],
             )
         return int(reply[1])
@@ -78,9 +78,15 @@ class RaceReceipts:
         self._queue_finish(pipe, race_id, receipt, saved.mark, ttl_s, drop_jobs, record)
 
     def _queue_finish(
-        self, pipe: Any, race_id: str, receipt: dict[str, Any], mark: str,
-        ttl_s: float | None, drop_jobs: Iterable[str], record: dict[str, Any] | None,
-    ) -> None:  # fmt: skip
+        self,
+        pipe: Any,
+        race_id: str,
+        receipt: dict[str, Any],
+        mark: str,
+        ttl_s: float | None,
+        drop_jobs: Iterable[str],
+        record: dict[str, Any] | None,
+    ) -> None:
         """Queue ``race_finish.lua`` (``mark``: '' to finish now, or the save's mark). One
         script across the race's, the records' and the race indexes' slots: it needs a single
         primary (``docs/architecture.md``, *Redis topology*)."""
@@ -89,12 +95,31 @@ class RaceReceipts:
         ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         line = codec.dumps(record) if record is not None and self.records.enabled else ""
         queue_script(
-            pipe, self._finish,
-            [keys.receipt, keys.jobs, keys.state, keys.request, self.records.key,
-             self.finished_key, self.live_key, keys.winner, keys.owner_seq],
-            [mark, data, ttl_ms, self.now_ms(), race_id, RECENT_FINISHED, line,
-             self.records.maxlen, *drop_jobs],
-        )  # fmt: skip
+            pipe,
+            self._finish,
+            [
+                keys.receipt,
+                keys.jobs,
+                keys.state,
+                keys.request,
+                self.records.key,
+                self.finished_key,
+                self.live_key,
+                keys.winner,
+                keys.owner_seq,
+            ],
+            [
+                mark,
+                data,
+                ttl_ms,
+                self.now_ms(),
+                race_id,
+                RECENT_FINISHED,
+                line,
+                self.records.maxlen,
+                *drop_jobs,
+            ],
+        )
 
     @property
     def finish_script(self) -> Any:

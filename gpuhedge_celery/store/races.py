@@ -246,8 +246,15 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             base_id = base.save_id
             changed, gone = race_parts.delta(base.parts, data.parts)
         # The id lets a save whose answer was lost be sent again and recognised (race_save.lua)
-        args = [expected_version, base_id, ms(self.state_ttl_s), save_id, len(changed) // 2,
-                *changed, *gone]  # fmt: skip
+        args = [
+            expected_version,
+            base_id,
+            ms(self.state_ttl_s),
+            save_id,
+            len(changed) // 2,
+            *changed,
+            *gone,
+        ]
         queue_script(pipe, self._save, [keys.state], args)
         self._touch(pipe, race_id)
 
@@ -277,8 +284,12 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                     conflict.found = self._record(race_id, dict(zip(flat, flat, strict=True)))
                     conflict.read = True
                 except Exception as e:  # the caller reads it again (and meets the error there)
-                    log.warning("race %s: the state a refused save was answered with does not "
-                                "decode (%s); it is read again", race_id, e)  # fmt: skip
+                    log.warning(
+                        "race %s: the state a refused save was answered with does not "
+                        "decode (%s); it is read again",
+                        race_id,
+                        e,
+                    )
             raise conflict
         self.copies.keep_saved(race_id, Copy(int(version), save_id, data.parts))
         return int(version)
@@ -309,8 +320,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             except StoreUnavailable:
                 if time.monotonic() >= give_up:
                     raise
-                log.warning("race %s: save not answered (Redis unreachable); sending it again",
-                            race_id)  # fmt: skip
+                log.warning(
+                    "race %s: save not answered (Redis unreachable); sending it again", race_id
+                )
                 time.sleep(SAVE_RETRY_INTERVAL_S)
 
     def load(self, race_id: str, *, fresh: bool = False) -> RaceRecord | None:
@@ -409,9 +421,13 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
 
     def queue_claim_winner(
-        self, pipe: Any, race_id: str, attempt_id: str, saved: SaveMark,
+        self,
+        pipe: Any,
+        race_id: str,
+        attempt_id: str,
+        saved: SaveMark,
         result: ResultWrite | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Queue :meth:`claim_winner` on a save's pipeline, to claim only if that save wins
         (``saved``: its :meth:`save_mark`); read the reply with :meth:`winner_claim`. Pass
         :attr:`claim_winner_script` among the save's scripts.
@@ -424,8 +440,12 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         if result is None:
             queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
             return
-        queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key, result.key],
-                     [*args, result.value, int(result.expires_ms)])  # fmt: skip
+        queue_script(
+            pipe,
+            self._claim_winner,
+            [keys.winner, saved.state_key, result.key],
+            [*args, result.value, int(result.expires_ms)],
+        )
 
     @property
     def claim_winner_script(self) -> Any:

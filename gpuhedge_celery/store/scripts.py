@@ -61,9 +61,12 @@ def lua_script(client: Any, name: str) -> Any:
 
 
 def run_pipeline(
-    client: Any, build: Callable[[Any], None], scripts: Iterable[Any] = (),
-    *, raise_on_error: bool = True,
-) -> list[Any]:  # fmt: skip
+    client: Any,
+    build: Callable[[Any], None],
+    scripts: Iterable[Any] = (),
+    *,
+    raise_on_error: bool = True,
+) -> list[Any]:
     """Run the commands ``build(pipe)`` queues in one non-transactional pipeline (one round trip).
 
     Scripts must be queued as ``pipe.evalsha(script.sha, ...)`` (see :func:`queue_script`), not

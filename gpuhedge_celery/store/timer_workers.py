@@ -87,9 +87,13 @@ class TimerWorkers:
         acks, cancels = self._take_acks(), self.store.take_deferred()
         try:
             claim = self.store.claim(
-                self.now_ms(), min(self.batch, free), self.lease_ms, self.ahead_ms,
-                acks=acks, cancels=cancels,
-            )  # fmt: skip
+                self.now_ms(),
+                min(self.batch, free),
+                self.lease_ms,
+                self.ahead_ms,
+                acks=acks,
+                cancels=cancels,
+            )
         except BaseException:
             self._keep_acks(acks)  # sent again with the next claim
             self.store.keep_deferred(cancels)

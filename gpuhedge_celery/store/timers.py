@@ -96,9 +96,13 @@ class TimerStore:
         self._release = lua_script(client, "timer_release")
 
     def _arm_args(
-        self, key: str, due_ms: int, payload: dict[str, Any], timer_id: str | None,
+        self,
+        key: str,
+        due_ms: int,
+        payload: dict[str, Any],
+        timer_id: str | None,
         chain: str = "",
-    ) -> tuple[list[str], list[Any]]:  # fmt: skip
+    ) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of lua/timer_arm.lua for one timer; ValueError naming bad input."""
         if not isinstance(key, str) or not key or "\n" in key or len(key) > 300:
             raise ValueError(f"invalid timer key {key!r}: expected 1-300 characters, no newline")
@@ -120,9 +124,14 @@ class TimerStore:
         return keys, [key, due_ms, record, timer_id or "", k.channel, chain]
 
     def arm(
-        self, key: str, due_ms: int, payload: dict[str, Any], *, timer_id: str | None = None,
+        self,
+        key: str,
+        due_ms: int,
+        payload: dict[str, Any],
+        *,
+        timer_id: str | None = None,
         chain: str = "",
-    ) -> str:  # fmt: skip
+    ) -> str:
         """Schedule a timer due at ``due_ms`` (epoch ms) and return its id (``key|seq``).
 
         With an explicit ``timer_id`` arming is idempotent: arming an id that is already
@@ -152,9 +161,14 @@ class TimerStore:
             return [as_text(found[0]) for found in run_pipeline(self.client, build, [self._arm])]
 
     def queue_arm(
-        self, pipe: Any, key: str, due_ms: int, payload: dict[str, Any], timer_id: str,
+        self,
+        pipe: Any,
+        key: str,
+        due_ms: int,
+        payload: dict[str, Any],
+        timer_id: str,
         chain: str = "",
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Queue an idempotent arming (fixed ``timer_id``) on someone else's pipeline
         (``chain`` as for :meth:`arm`).
 
@@ -169,9 +183,14 @@ class TimerStore:
         return self._arm
 
     def _claim_args(
-        self, now_ms: int, limit: int, lease_ms: int, ahead_ms: int,
-        acks: Iterable[Timer] = (), cancels: Iterable[str] = (),
-    ) -> list[Any]:  # fmt: skip
+        self,
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        ahead_ms: int,
+        acks: Iterable[Timer] = (),
+        cancels: Iterable[str] = (),
+    ) -> list[Any]:
         pairs: list[Any] = []
         for t in acks:
             pairs += [t.id, t.lease_deadline_ms]
@@ -230,9 +249,14 @@ class TimerStore:
             self._deferred[:0] = timer_ids
 
     def claim(
-        self, now_ms: int, limit: int = 100, lease_ms: int = 10_000, ahead_ms: int = 0,
-        acks: Iterable[Timer] = (), cancels: Iterable[str] = (),
-    ) -> Claim:  # fmt: skip
+        self,
+        now_ms: int,
+        limit: int = 100,
+        lease_ms: int = 10_000,
+        ahead_ms: int = 0,
+        acks: Iterable[Timer] = (),
+        cancels: Iterable[str] = (),
+    ) -> Claim:
         """Atomically take up to ``limit`` timers due at ``now_ms``, each leased for ``lease_ms``.
 
         Timers whose earlier claim's lease has passed are taken first. Nothing else can claim a

@@ -127,8 +127,11 @@ class QoS(kombu_redis.QoS):
                 pipe.execute()
         except Exception as e:
             self._keep(tags)
-            log.warning("%d broker acknowledgement(s) not sent yet (%s); sent with the next "
-                        "round trip", len(tags), e)  # fmt: skip
+            log.warning(
+                "%d broker acknowledgement(s) not sent yet (%s); sent with the next round trip",
+                len(tags),
+                e,
+            )
 
     def restore_unacked(self, client: Any = None) -> Any:
         self.flush_acks()  # acknowledged messages are not restored, nor left in the index
@@ -137,8 +140,10 @@ class QoS(kombu_redis.QoS):
         except AttributeError as e:  # the connection is gone (see the module docstring)
             log.warning(
                 "broker connection lost with %d unacknowledged message(s): they are "
-                "redelivered after the visibility timeout (%s)", len(self._delivered), e,
-            )  # fmt: skip
+                "redelivered after the visibility timeout (%s)",
+                len(self._delivered),
+                e,
+            )
             self._delivered.clear()  # kombu asserts an empty state once marked restored
             return None
 
@@ -148,8 +153,9 @@ class QoS(kombu_redis.QoS):
             return False
         log.warning(
             "broker connection lost before a message could be %s: it is redelivered after the "
-            "visibility timeout", what,
-        )  # fmt: skip
+            "visibility timeout",
+            what,
+        )
         self._delivered.pop(delivery_tag, None)
         return True
 

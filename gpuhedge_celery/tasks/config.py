@@ -21,8 +21,13 @@ from ..names import COORD_QUEUES
 from ..runners import runner_from_spec
 from ..shared_settings import Settings, redact_url
 
-BROKER_SCHEMES = {"redis": "redis", "rediss": "redis", "amqp": "amqp", "amqps": "amqp",
-                  "pyamqp": "amqp"}  # fmt: skip
+BROKER_SCHEMES = {
+    "redis": "redis",
+    "rediss": "redis",
+    "amqp": "amqp",
+    "amqps": "amqp",
+    "pyamqp": "amqp",
+}
 GPU_RE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?$")
 
 

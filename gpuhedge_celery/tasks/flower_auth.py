@@ -35,8 +35,9 @@ def basic_auth_problem(env: Mapping[str, str], argv: Sequence[str]) -> str | Non
     sources = []
     if ENV in env:
         sources.append((ENV, env[ENV]))
-    sources += [(arg.split("=", 1)[0], arg.split("=", 1)[1]) for arg in argv
-                if arg.startswith(OPTIONS)]  # fmt: skip
+    sources += [
+        (arg.split("=", 1)[0], arg.split("=", 1)[1]) for arg in argv if arg.startswith(OPTIONS)
+    ]
     for where, value in sources:
         # Flower splits on commas, as here: "a:1,b:2" is two users
         for number, entry in enumerate(value.split(","), start=1):

@@ -57,8 +57,12 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
     (:data:`STARTED`, whether a crashed delivery of this job left its running record);
     :class:`~gpuhedge_celery.errors.StaleToken` / ``LeaseLost`` when the fence refuses it."""
     k = store.keys
-    keys = [k.lease(lease.gpu_id), k.accepted(lease.gpu_id), stop_key(store, running.task_id),
-            running.key]  # fmt: skip
+    keys = [
+        k.lease(lease.gpu_id),
+        k.accepted(lease.gpu_id),
+        stop_key(store, running.task_id),
+        running.key,
+    ]
     with store.guard():
         code, detail = store.scripts.check_fence(keys=keys, args=[int(lease.token), running.value])
     code = int(code)
@@ -100,14 +104,20 @@ def finish(store: LeaseStore, lease: Lease, task_id: str) -> bool:
         raise_for_code(int(code), lease.gpu_id, lease.token)
 
     try:
-        through_outage(store.client, f"request {task_id}: release GPU {lease.gpu_id}", release,
-                       on_retry=lambda: repeated.append(True))  # fmt: skip
+        through_outage(
+            store.client,
+            f"request {task_id}: release GPU {lease.gpu_id}",
+            release,
+            on_retry=lambda: repeated.append(True),
+        )
         return True
     except LeaseLost:
         if repeated:
             log.warning(
                 "request %s: GPU %s was already free when its release was repeated after an "
-                "outage; the job had finished", task_id, lease.gpu_id,
-            )  # fmt: skip
+                "outage; the job had finished",
+                task_id,
+                lease.gpu_id,
+            )
             return True
         return False

@@ -80,6 +80,8 @@ def janitor() -> dict[str, Any]:
     if report.races:
         log.info(
             "janitor: %d races looked at, %d jobs cancelled, %d not confirmed",
-            len(report.races), report.cancelled, report.leaked,
-        )  # fmt: skip
+            len(report.races),
+            report.cancelled,
+            report.leaked,
+        )
     return report.to_dict()

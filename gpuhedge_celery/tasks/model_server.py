@@ -110,9 +110,11 @@ class ServerSupervisor:
         if self.argv is not None:
             try:
                 self.process = subprocess.Popen(
-                    self.argv, start_new_session=True, preexec_fn=_die_with_parent,
+                    self.argv,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
                     env=child_env(),
-                )  # fmt: skip
+                )
             except OSError as e:
                 return f"cannot start the model server {self.argv[0]!r}: {e}"
             self.starts += 1

@@ -122,12 +122,14 @@ def pooled_infer(
         holder = self.request.id or f"pooled-{time.time_ns()}"
         waiter, records, delivery = waiter_for(store), records_for(self.app), uuid.uuid4().hex
         took = through_outage(
-            store.client, f"request {holder}: take it",
+            store.client,
+            f"request {holder}: take it",
             lambda: records.take(holder, waiter.listener.process_id, delivery, attempt),
-        )  # fmt: skip
+        )
         if took in (DUPLICATE, HANDED):  # the broker delivered it again (store/pooled.py)
-            log.info("request %s: a second delivery while another one has it (%s); dropped",
-                     holder, took)  # fmt: skip
+            log.info(
+                "request %s: a second delivery while another one has it (%s); dropped", holder, took
+            )
             raise Ignore()
         config = glue_config()
         wait_s = timeout_s if timeout_s is not None else config.acquire_timeout_s
@@ -139,12 +141,17 @@ def pooled_infer(
         raise
     except (UnknownPool, EmptyPool, LeaseLost, StaleToken, ConfigError) as e:
         raise celery_safe(e) from None
-    handed = through_outage(store.client, f"request {holder}: hand it to a GPU",
-                            lambda: records.handoff(holder, delivery, lease.gpu_id,
-                                                    lease.token))  # fmt: skip
+    handed = through_outage(
+        store.client,
+        f"request {holder}: hand it to a GPU",
+        lambda: records.handoff(holder, delivery, lease.gpu_id, lease.token),
+    )
     if handed == SUPERSEDED:  # this process was judged dead meanwhile and the request re-sent
-        log.warning("request %s: taken again by another delivery while this one waited; "
-                    "GPU %s given back", holder, lease.gpu_id)  # fmt: skip
+        log.warning(
+            "request %s: taken again by another delivery while this one waited; GPU %s given back",
+            holder,
+            lease.gpu_id,
+        )
         _give_back(store, lease, holder)
         raise Ignore()
     return hand_to_gpu(
@@ -153,9 +160,14 @@ def pooled_infer(
 
 
 def hand_to_gpu(
-    task: Any, request: Any, lease: Any, attempt: int, labels: dict[str, str] | None,
-    give_back: Any, waits_s: tuple[float, ...] = PUBLISH_RETRY_WAITS_S,
-) -> Any:  # fmt: skip
+    task: Any,
+    request: Any,
+    lease: Any,
+    attempt: int,
+    labels: dict[str, str] | None,
+    give_back: Any,
+    waits_s: tuple[float, ...] = PUBLISH_RETRY_WAITS_S,
+) -> Any:
     """Replace ``task`` with ``gpu_run`` on the leased GPU's queue (``Task.replace``).
 
     A publish that fails is tried again after each of ``waits_s`` (a fresh signature each time:
@@ -180,8 +192,14 @@ def hand_to_gpu(
                 give_back()  # the job never reached the GPU's queue
                 cause = f"{type(e).__name__}: {e}"
                 raise HandoffFailed(task.request.id, lease.gpu_id, len(waits_s) + 1, cause) from e
-            log.warning("request %s: handing it to GPU %s failed (%s: %s); again in %.1f s",
-                        task.request.id, lease.gpu_id, type(e).__name__, e, wait_s)  # fmt: skip
+            log.warning(
+                "request %s: handing it to GPU %s failed (%s: %s); again in %.1f s",
+                task.request.id,
+                lease.gpu_id,
+                type(e).__name__,
+                e,
+                wait_s,
+            )
             time.sleep(wait_s)
     raise AssertionError("unreachable: the last try returns or raises")
 
@@ -189,7 +207,8 @@ def hand_to_gpu(
 def _give_back(store: Any, lease: Any, holder: str) -> None:
     """Release a lease this request will not use, rather than strand the GPU until its TTL."""
     try:
-        through_outage(store.client, f"request {holder}: give its GPU back",
-                       lambda: store.release(lease))  # fmt: skip
+        through_outage(
+            store.client, f"request {holder}: give its GPU back", lambda: store.release(lease)
+        )
     except LeaseLost:
         pass

@@ -44,8 +44,9 @@ def direct_enabled(app: Any) -> bool:
     return process_settings.current().pool_direct
 
 
-def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwargs: Any,
-                options: dict[str, Any]) -> bool:  # fmt: skip
+def send_direct(
+    app: Any, records: PooledRecords, task_id: str, args: Any, kwargs: Any, options: dict[str, Any]
+) -> bool:
     """Send the request straight to a free GPU (see the module docstring): True when it went,
     False when it should be sent to wait in the queue. ``records``: the deployment's pooled
     records (``records_for(app)``). A publish that raises gives the GPU back and forgets the
@@ -53,12 +54,17 @@ def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwarg
     from .app import TASK_GPU_RUN, gpu_queue
 
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    if (len(args) != 1 or set(kwargs) - DIRECT_KWARGS or set(options) - DIRECT_OPTIONS
-            or not direct_enabled(app)):  # fmt: skip
+    if (
+        len(args) != 1
+        or set(kwargs) - DIRECT_KWARGS
+        or set(options) - DIRECT_OPTIONS
+        or not direct_enabled(app)
+    ):
         return False
     try:
-        check_arguments(kwargs.get("pool", "default"), kwargs.get("labels"),
-                        kwargs.get("timeout_s"))  # fmt: skip
+        check_arguments(
+            kwargs.get("pool", "default"), kwargs.get("labels"), kwargs.get("timeout_s")
+        )
     except ConfigError:
         return False  # pooled_infer refuses it with this one-line error, as it always did
     claims = claims_for(app, records)
@@ -75,9 +81,14 @@ def send_direct(app: Any, records: PooledRecords, task_id: str, args: Any, kwarg
         return False
     job_kwargs = {"attempt": 0, "labels": kwargs.get("labels"), "leased_at": time.time()}
     try:
-        app.send_task(TASK_GPU_RUN, args=(args[0], lease.to_dict()), kwargs=job_kwargs,
-                      task_id=task_id, queue=gpu_queue(lease.gpu_id),
-                      headers={DIRECT_HEADER: 1})  # fmt: skip
+        app.send_task(
+            TASK_GPU_RUN,
+            args=(args[0], lease.to_dict()),
+            kwargs=job_kwargs,
+            task_id=task_id,
+            queue=gpu_queue(lease.gpu_id),
+            headers={DIRECT_HEADER: 1},
+        )
     except BaseException:
         claims.undo(lease)
         raise

@@ -48,9 +48,12 @@ class PooledResult(AsyncResult):
         self._gone_since: float | None = None
 
     def get(
-        self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        interval: float = 0.5,
         **kwargs: Any,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         from .result import get_in_slices
 
         def fetch(slice_s: float) -> Any:
@@ -86,8 +89,9 @@ class PooledTask(Task):
         kwargs.setdefault("backend", self.app.backend)
         return PooledResult(task_id, task_name=self.name, app=self.app, **kwargs)
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    **options: Any) -> Any:  # fmt: skip
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
         if self.app.conf.task_always_eager or options.get("producer") is not None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         _check_size(args, kwargs)
@@ -96,8 +100,9 @@ class PooledTask(Task):
         with broker_errors(self.app):
             if send_direct(self.app, records, task_id, args, kwargs, options):  # a free GPU
                 return self.AsyncResult(task_id, recorded=True)
-        records.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000),
-                     options.get("queue"))  # fmt: skip
+        records.sent(
+            task_id, args or (), kwargs or {}, int(time.time() * 1000), options.get("queue")
+        )
         with _unsent_forgotten(records, task_id), broker_errors(self.app):
             result = super().apply_async(args, kwargs, task_id=task_id, **options)
         if isinstance(result, PooledResult):
@@ -126,8 +131,9 @@ def forget_on_end(task: Task, status: str) -> None:
         pass
 
 
-def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: bool = True,
-                **kwargs: Any) -> Any:  # fmt: skip
+def send_pooled(
+    app: Any, request: Any, *, task_id: str | None = None, direct: bool = True, **kwargs: Any
+) -> Any:
     """``pooled_infer`` for an app that calls it by name (``send_task``), recorded the same way;
     ``kwargs``: ``pool``, ``labels``, ``timeout_s``, and Celery's options (``queue``, ...).
     ``direct=False`` always sends it to wait in the queue, whatever ``GPUHEDGE_POOL_DIRECT``."""
@@ -141,11 +147,11 @@ def send_pooled(app: Any, request: Any, *, task_id: str | None = None, direct: b
     with broker_errors(app):
         if direct and send_direct(app, records, task_id, (request,), task_kwargs, kwargs):
             return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
-    records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000),
-                 kwargs["queue"])  # fmt: skip
+    records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000), kwargs["queue"])
     with _unsent_forgotten(records, task_id), broker_errors(app):
-        app.send_task(TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id,
-                      **kwargs)  # fmt: skip
+        app.send_task(
+            TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id, **kwargs
+        )
     return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
 
 

@@ -105,9 +105,13 @@ def resend_unrun(celery_app: Any, records: PooledRecords, leases: Any, now_ms: i
             records.found(request_id)  # its GPU job holds the lease: running, or about to
         elif now_ms - records.missing_since(request_id, now_ms) >= MISSING_S * 1000:
             if _send_again(celery_app, records, request_id, "handed", taker, now_ms):
-                log.warning("pooled request %s: handed to GPU %s under token %d, whose lease "
-                            "ended with no GPU job ending the request; sent again",
-                            request_id, gpu_id, token)  # fmt: skip
+                log.warning(
+                    "pooled request %s: handed to GPU %s under token %d, whose lease "
+                    "ended with no GPU job ending the request; sent again",
+                    request_id,
+                    gpu_id,
+                    token,
+                )
                 resent.append(request_id)
     return resent
 
@@ -117,8 +121,11 @@ def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> lis
     resent = []
     for request_id, taker in records.dead_takers(int(ORPHAN_MIN_AGE_S * 1000), LIMIT):
         if taker and _send_again(celery_app, records, request_id, "taken", taker, now_ms):
-            log.warning("pooled request %s: its process %s died while it waited for a GPU; "
-                        "sent again", request_id, taker)  # fmt: skip
+            log.warning(
+                "pooled request %s: its process %s died while it waited for a GPU; sent again",
+                request_id,
+                taker,
+            )
             resent.append(request_id)
     return resent
 
@@ -143,9 +150,12 @@ def resend_unseen(celery_app: Any, records: PooledRecords, now_ms: int) -> list[
             records.found(request_id)
         elif now_ms - records.missing_since(request_id, now_ms) >= MISSING_S * 1000:
             if _send_again(celery_app, records, request_id, "sent", "", now_ms):
-                log.warning("pooled request %s: its message was on no queue and "
-                            "unacknowledged by no worker on two sweeps, and no worker took it; "
-                            "sent again", request_id)  # fmt: skip
+                log.warning(
+                    "pooled request %s: its message was on no queue and "
+                    "unacknowledged by no worker on two sweeps, and no worker took it; "
+                    "sent again",
+                    request_id,
+                )
                 resent.append(request_id)
     return resent
 
@@ -162,8 +172,9 @@ def _send_again(
     if arguments is None:
         return False
     args, kwargs, queue = arguments
-    celery_app.send_task(TASK_POOLED_INFER, args=args, kwargs=kwargs, task_id=request_id,
-                         queue=queue or QUEUE_POOL)  # fmt: skip
+    celery_app.send_task(
+        TASK_POOLED_INFER, args=args, kwargs=kwargs, task_id=request_id, queue=queue or QUEUE_POOL
+    )
     return True
 
 
@@ -182,6 +193,7 @@ def in_redis_broker(celery_app: Any, queues: list[str], task_ids: list[str]) -> 
         ]
         hashes = [prefix + channel.unacked_key]
         plain = redis.Redis(connection_pool=channel.client.connection_pool)  # no key prefixing
-        found = plain.eval(FIND_IDS, len(lists) + len(hashes), *lists, *hashes, len(lists),
-                           *task_ids)  # fmt: skip
+        found = plain.eval(
+            FIND_IDS, len(lists) + len(hashes), *lists, *hashes, len(lists), *task_ids
+        )
     return {v.decode() if isinstance(v, bytes) else str(v) for v in found}

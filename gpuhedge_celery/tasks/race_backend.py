@@ -57,13 +57,19 @@ class RaceRedisBackend(RedisBackend):
             self._unread.task_id = None
 
     def _store_result(
-        self, task_id: Any, result: Any, state: str, traceback: Any = None, request: Any = None,
+        self,
+        task_id: Any,
+        result: Any,
+        state: str,
+        traceback: Any = None,
+        request: Any = None,
         **kwargs: Any,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         if state != states.SUCCESS or getattr(self._unread, "task_id", None) != task_id:
             return super()._store_result(task_id, result, state, traceback, request, **kwargs)
-        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
-                                     request=request)  # fmt: skip
+        meta = self._get_result_meta(
+            result=result, state=state, traceback=traceback, request=request
+        )
         meta["task_id"] = bytes_to_str(task_id)
         self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
         return result
@@ -76,14 +82,16 @@ class RaceRedisBackend(RedisBackend):
         if not same_database(self.client, store_client):
             return None
         encoded = self.encode_result(result, states.SUCCESS)
-        meta = self._get_result_meta(result=encoded, state=states.SUCCESS, traceback=None,
-                                     request=None)  # fmt: skip
+        meta = self._get_result_meta(
+            result=encoded, state=states.SUCCESS, traceback=None, request=None
+        )
         meta["task_id"] = bytes_to_str(task_id)
         expires = self.expires
         return ResultWrite(
-            bytes_to_str(self.get_key_for_task(task_id)), self.encode(meta),
+            bytes_to_str(self.get_key_for_task(task_id)),
+            self.encode(meta),
             int(expires * 1000) if expires else 0,
-        )  # fmt: skip
+        )
 
     def meta_from_decoded(self, meta: dict[str, Any]) -> dict[str, Any]:
         meta = super().meta_from_decoded(meta)

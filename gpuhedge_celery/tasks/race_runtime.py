@@ -69,9 +69,11 @@ class CeleryEffects:
     """
 
     def __init__(
-        self, settings: RaceSettings | None = None, prefix: str | None = None,
+        self,
+        settings: RaceSettings | None = None,
+        prefix: str | None = None,
         client: Any = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.settings = settings or race_settings()
         # With the key prefix, a winner's payload is marked by reference to its stored result
         # where the result backend reads it back (tasks/race_backend.py): Redis gets one copy.
@@ -188,8 +190,9 @@ class CeleryEffects:
         # Celery's task-failed has no runtime; Flower shows this one: the race's, to its end
         created = receipt.get("created_at")
         runtime_s = None if created is None else max(0.0, time.time() - float(created))
-        self.send(race_id, "task-failed",
-                  {"exception": str(error), "traceback": "", "runtime": runtime_s})  # fmt: skip
+        self.send(
+            race_id, "task-failed", {"exception": str(error), "traceback": "", "runtime": runtime_s}
+        )
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
         self.send(race_id, f"task-{name}", fields)
@@ -230,9 +233,12 @@ class CeleryEffects:
                     if self._dispatcher is None:
                         app = _app()
                         self._dispatcher = app.events.Dispatcher(
-                            app.connection_for_write(), enabled=True, hostname=self.hostname,
-                            buffer_group=["task"], buffer_limit=EVENT_BATCH + 1,
-                        )  # fmt: skip
+                            app.connection_for_write(),
+                            enabled=True,
+                            hostname=self.hostname,
+                            buffer_group=["task"],
+                            buffer_limit=EVENT_BATCH + 1,
+                        )
                     for race_id, kind, fields in events:
                         self._dispatcher.send(kind, uuid=race_id, **fields)
                     self._dispatcher.flush(errors=False)
@@ -254,19 +260,32 @@ def _launch_now(race_id: str, attempt_id: str, provider: str) -> None:
     log.info("race_submit[%s:%s] submitting to %s", race_id, attempt_id, provider)
     rt = runtime()
     uuid, started = f"{race_id}:{attempt_id}", time.monotonic()
-    rt.effects.send(uuid, "task-received", {
-        "name": TASK_RACE_SUBMIT, "args": repr((race_id, attempt_id, provider)), "kwargs": "{}",
-        "root_id": race_id, "parent_id": race_id, "retries": 0, "eta": None, "expires": None,
-    })  # fmt: skip
+    rt.effects.send(
+        uuid,
+        "task-received",
+        {
+            "name": TASK_RACE_SUBMIT,
+            "args": repr((race_id, attempt_id, provider)),
+            "kwargs": "{}",
+            "root_id": race_id,
+            "parent_id": race_id,
+            "retries": 0,
+            "eta": None,
+            "expires": None,
+        },
+    )
     rt.effects.send(uuid, "task-started", {})
     try:
         rt.driver.submit_attempt(
-            race_id, attempt_id, backstop=launch_backstop_id(race_id, attempt_id),
+            race_id,
+            attempt_id,
+            backstop=launch_backstop_id(race_id, attempt_id),
             decided_here=True,
-        )  # fmt: skip
+        )
     except Exception as e:  # the backstop timer takes it over; say why here
-        log.exception("race %s: launch of %s failed; the backstop timer takes it over",
-                      race_id, attempt_id)  # fmt: skip
+        log.exception(
+            "race %s: launch of %s failed; the backstop timer takes it over", race_id, attempt_id
+        )
         rt.effects.send(uuid, "task-failed", {"exception": repr(e), "traceback": ""})
         return
     runtime_s = time.monotonic() - started
@@ -281,8 +300,9 @@ def _cancel_now(race_id: str, attempt_id: str, provider: str) -> None:
     try:
         runtime().driver.cancel_attempt(race_id, attempt_id)
     except Exception:  # the backstop timer retries it; say why here
-        log.exception("race %s: cancel of %s failed; the backstop timer retries it",
-                      race_id, attempt_id)  # fmt: skip
+        log.exception(
+            "race %s: cancel of %s failed; the backstop timer retries it", race_id, attempt_id
+        )
 
 
 def _continue(race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
@@ -354,9 +374,14 @@ class RaceRuntime:
         # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
         self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
         self.driver = RaceDriver(
-            self.store, self.timers, self.provider, self.effects, self.settings, self.clock,
+            self.store,
+            self.timers,
+            self.provider,
+            self.effects,
+            self.settings,
+            self.clock,
             budget=self.budget,
-        )  # fmt: skip
+        )
         self.service: TimerService | None = None
         self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started

@@ -133,8 +133,9 @@ class RaceTask(Task):
         kwargs.setdefault("backend", self.app.backend)
         return RaceResult(task_id, task_name=self.name, app=self.app, **kwargs)
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    **options: Any) -> Any:  # fmt: skip
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
         """Celery's, after the request's own check (a JSON object within
         ``GPUHEDGE_REQUEST_MAX_BYTES``: refused here, before it crosses the broker; the worker
         checks again), with an unreachable broker as ``StoreUnavailable``."""
@@ -181,8 +182,14 @@ _RETRY_STORE: dict[str, Any] = {
 
 
 # a caller's bad arguments: one WARNING line on the worker, no traceback (tasks/signals.py)
-@app.task(bind=True, base=RaceTask, name=TASK_HEDGED_INFER, throws=(ConfigError,),
-          Request=REDACTED_REQUEST, **_TASK_OPTIONS)  # fmt: skip
+@app.task(
+    bind=True,
+    base=RaceTask,
+    name=TASK_HEDGED_INFER,
+    throws=(ConfigError,),
+    Request=REDACTED_REQUEST,
+    **_TASK_OPTIONS,
+)
 def hedged_infer(
     self: Task,
     request: Any,
@@ -220,9 +227,10 @@ def hedged_infer(
     # Creating is idempotent (a second create resumes the race it finds), so a Redis blip waits
     # here rather than failing the caller's .get() with StoreUnavailable while the race may run.
     through_outage(
-        rt.driver.store.client, f"race {race_id}: start it",
+        rt.driver.store.client,
+        f"race {race_id}: start it",
         lambda: rt.driver.create(race_id, request, spec, caller, submit_first=True),
-    )  # fmt: skip
+    )
     if race_id in worker_state.revoked:  # revoked while it was being created: stop it now
         rt.driver.step(race_id, StopRequested(REVOKED_BY))
     # The race runs the links and the rest of the chain with the winner's result, or the

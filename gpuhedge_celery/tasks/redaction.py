@@ -132,8 +132,7 @@ logging.getLogger(CONSUMER_LOGGER).addFilter(RefusedMessageFilter())
 
 
 @signals.before_task_publish.connect
-def _redact_published(sender: Any = None, body: Any = None, headers: Any = None,
-                      **_: Any) -> None:  # fmt: skip
+def _redact_published(sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
     if sender not in REQUEST_TASKS or not isinstance(headers, dict) or not _redacting():
         return
     if isinstance(body, (tuple, list)) and len(body) >= 2:  # task protocol 2: (args, kwargs, ..)

@@ -31,9 +31,11 @@ GRACE_S = 10.0  # after the deadline, the workers' own explicit failure has this
 
 
 def get_in_slices(
-    fetch: Callable[[float], Any], timeout: float | None, slice_s: float,
+    fetch: Callable[[float], Any],
+    timeout: float | None,
+    slice_s: float,
     between: Callable[[], None],
-) -> Any:  # fmt: skip
+) -> Any:
     """``fetch(seconds)`` (an ``AsyncResult.get`` that raises Celery's TimeoutError) in slices
     of at most ``slice_s`` until ``timeout`` (None: no end), calling ``between()`` after each
     slice that timed out; it may raise to end the wait with an explicit error."""
@@ -61,9 +63,12 @@ class RaceResult(AsyncResult):
         self._deadline: float | None = None
 
     def get(
-        self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        interval: float = 0.5,
         **kwargs: Any,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         def fetch(slice_s: float) -> Any:
             return super(RaceResult, self).get(
                 timeout=slice_s, propagate=propagate, interval=interval, **kwargs

@@ -66,9 +66,12 @@ class RevokeWatch:
     """A daemon thread that hands every id new in ``revoked`` to ``on_revoked(ids)``."""
 
     def __init__(
-        self, on_revoked: Callable[[list[str]], Any], revoked: Any = None,
-        interval_s: float = INTERVAL_S, name: str = "gpuhedge-revokes",
-    ) -> None:  # fmt: skip
+        self,
+        on_revoked: Callable[[list[str]], Any],
+        revoked: Any = None,
+        interval_s: float = INTERVAL_S,
+        name: str = "gpuhedge-revokes",
+    ) -> None:
         if revoked is None:
             from celery.worker import state as worker_state
 

@@ -322,8 +322,7 @@ def _quiet_http_clients(**_: Any) -> None:
 
 
 @signals.task_failure.connect
-def _log_refused(sender: Any = None, task_id: Any = None, exception: Any = None,
-                 **_: Any) -> None:  # fmt: skip
+def _log_refused(sender: Any = None, task_id: Any = None, exception: Any = None, **_: Any) -> None:
     throws = getattr(sender, "throws", None) or ()
     if _ours(getattr(sender, "name", None)) and isinstance(exception, throws):
         log.warning("%s[%s] refused: %s", sender.name, task_id, exception)

@@ -58,9 +58,11 @@ def send_stop(app: Any, store: Any, race_id: str, by: str, wait_s: float) -> Sto
     if found.outcome:  # unknown, finished or stopped already: nothing is sent
         return found
     app.send_task(
-        TASK_RACE_STEP, (race_id, StopRequested(by).to_dict()), queue=QUEUE_COORD,
+        TASK_RACE_STEP,
+        (race_id, StopRequested(by).to_dict()),
+        queue=QUEUE_COORD,
         ignore_result=True,
-    )  # fmt: skip
+    )
     until = time.monotonic() + max(0.0, wait_s)
     while True:
         found = read_stop(store, race_id, by)
@@ -72,9 +74,14 @@ def send_stop(app: Any, store: Any, race_id: str, by: str, wait_s: float) -> Sto
 
 
 def cancel_race(
-    race_id: str, by: str = "caller", *, wait_s: float = 10.0, app: Any = None,
-    redis_url: str | None = None, prefix: str | None = None,
-) -> StopAnswer:  # fmt: skip
+    race_id: str,
+    by: str = "caller",
+    *,
+    wait_s: float = 10.0,
+    app: Any = None,
+    redis_url: str | None = None,
+    prefix: str | None = None,
+) -> StopAnswer:
     """Stop race ``race_id`` (= its ``hedged_infer`` task id): its caller's ``.get()`` raises
     ``RaceFailed`` (reason ``stopped``), every live job is cancelled natively with a receipt,
     nothing launches any more, and the receipt names ``by`` as who stopped it.
