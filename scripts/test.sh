@@ -4,10 +4,26 @@
 #   redis-server and a real RabbitMQ are reachable (starting or apt-installing them), apt-installs
 #   the checkers that are missing (systemd-analyze, espeak-ng), unpacks Prometheus and promtool
 #   into a private directory (scripts/ensure-prometheus.sh: never installed, no service), lints
-#   with ruff, then runs pytest. Extra args go to pytest (one module: tests/test_readme.py).
+#   with ruff, type-checks with mypy, then runs pytest (printing the 25 slowest tests). Extra args
+#   go to pytest (one module: tests/test_readme.py).
+# --fast (first argument): the tests that need no server and start no process (pytest --fast,
+#   tests/support/tiers.py) after the same install, lint and type check; none of the apt, Redis,
+#   RabbitMQ or Prometheus set-up, which only the other tests need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+FAST=0
+if [ "${1:-}" = "--fast" ]; then
+  FAST=1
+  shift
+fi
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+
+if [ "$FAST" -eq 1 ]; then
+  python3 -m ruff check .
+  python3 -m ruff format --check .
+  python3 -m mypy
+  exec python3 -m pytest -q --fast --durations=10 "$@"
+fi
 
 # Debian packages the tests run, installed quietly and only where missing.
 need_apt() {  # need_apt COMMAND PACKAGE
@@ -28,4 +44,5 @@ PATH="$(bash scripts/ensure-prometheus.sh):$PATH"
 export PATH
 python3 -m ruff check .
 python3 -m ruff format --check .
-python3 -m pytest -q "$@"
+python3 -m mypy
+python3 -m pytest -q --durations=25 "$@"

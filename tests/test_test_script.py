@@ -104,3 +104,39 @@ def test_ensure_prometheus_unpacks_the_binaries_and_never_installs_or_enables_a_
     again = ensure()
     assert again.returncode == 0 and again.stdout.strip() == str(bin_dir), again.stderr
     assert log.read_text() == ""
+
+
+def _test_command_calls(tmp_path: Path, *args: str) -> list[str]:
+    """Run a copy of scripts/test.sh whose python3, apt-get, sudo and ensure-*.sh only log."""
+    log = tmp_path / "calls.log"
+    log.touch()
+    copy = tmp_path / "repo" / "scripts"
+    copy.mkdir(parents=True)
+    (copy / "test.sh").write_text((REPO / "scripts" / "test.sh").read_text())
+    for name in ("ensure-redis.sh", "ensure-rabbitmq.sh", "ensure-prometheus.sh"):
+        (copy / name).write_text(f'echo "{name}" >> "{log}"\necho /nowhere\n')
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    for name in ("python3", "apt-get", "sudo", "systemd-analyze", "espeak-ng"):
+        _executable(shims / name, f'#!/bin/sh\necho "{name} $*" >> "{log}"\nexit 0\n')
+    env = {"PATH": f"{shims}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
+    command = ["bash", str(copy / "test.sh"), *args]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return log.read_text().splitlines()
+
+
+def test_the_fast_tier_installs_the_package_and_sets_up_no_server(tmp_path):
+    calls = _test_command_calls(tmp_path, "--fast", "-x")
+    assert calls[0].startswith("python3 -m pip install") and "-e .[test]" in calls[0]
+    assert "python3 -m mypy" in calls and "python3 -m ruff check ." in calls
+    assert calls[-1].startswith("python3 -m pytest -q --fast") and calls[-1].endswith(" -x")
+    assert not [c for c in calls if c.startswith(("ensure-", "apt-get", "sudo"))], calls
+
+
+def test_the_full_run_sets_up_the_servers_and_prints_the_slowest_tests(tmp_path):
+    calls = _test_command_calls(tmp_path, "tests/test_readme.py")
+    for name in ("ensure-redis.sh", "ensure-rabbitmq.sh", "ensure-prometheus.sh"):
+        assert name in calls, calls
+    assert "python3 -m mypy" in calls
+    assert calls[-1] == "python3 -m pytest -q --durations=25 tests/test_readme.py"
