@@ -32,6 +32,7 @@ from tests.support.faults import RestartableRedis, start_fault_cluster
 from tests.support.http_provider_server import HttpProviderServer, Knobs
 from tests.support.runpod_fake import KEY as RP_KEY
 from tests.support.runpod_fake import FakeRunpod
+from tests.support.waiting import wait_until_subscribed
 from tests.support.webhook_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(300)]
@@ -167,7 +168,7 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
         cluster.wait_ready(cluster.start_coordinator(wait=False))
         wait_healthy(port, receiver, receiver_log)
         events = EventLog(cluster.app)
-        time.sleep(0.5)
+        wait_until_subscribed(cluster.app, events.events)  # events sent before are lost
         send = cluster.app.send_task
         won = send("gpuhedge.hedged_infer", ({"text": REQUEST_TEXT},), queue="gpuhedge.coord")
         assert won.get(timeout=60)["winner"] == "rp"
