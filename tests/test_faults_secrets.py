@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -30,6 +29,7 @@ from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.faults import RestartableRedis, start_fault_cluster
 from tests.support.http_provider_server import HttpProviderServer, Knobs
+from tests.support.receiver import start_receiver, stop_receiver
 from tests.support.runpod_fake import KEY as RP_KEY
 from tests.support.runpod_fake import FakeRunpod
 from tests.support.waiting import wait_until_subscribed
@@ -160,13 +160,8 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
         cluster.loglevel = "DEBUG"
         cli = [sys.executable, "-m", "gpuhedge_celery", "--log-level", "DEBUG"]
         receiver_log = tmp_path / "receiver.log"
-        with open(receiver_log, "wb") as log:
-            receiver = subprocess.Popen(
-                [*cli, "webhooks", "--port", str(port)], env=cluster.env, stdout=log,
-                stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True,
-            )  # fmt: skip
         cluster.wait_ready(cluster.start_coordinator(wait=False))
-        wait_healthy(port, receiver, receiver_log)
+        receiver = start_receiver(cluster.env, port, tmp_path, cli=cli)
         events = EventLog(cluster.app)
         wait_until_subscribed(cluster.app, events.events)  # events sent before are lost
         send = cluster.app.send_task
@@ -281,9 +276,7 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
             )
         )
     finally:
-        if receiver is not None:
-            receiver.kill()
-            receiver.wait(10)
+        stop_receiver(receiver)
         if cluster is not None:
             cluster.close()
         server.__exit__(None, None, None)
@@ -312,22 +305,6 @@ def cluster_receipt(cluster, race_id: str) -> dict:
 
     store = RaceStore(cluster.client, cluster.prefix)
     return wait_until(lambda: store.receipt(race_id), 30, what=f"the receipt of {race_id}")
-
-
-def wait_healthy(port: int, receiver, log_path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if receiver.poll() is not None:
-            break
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the receiver did not start:\n{log_path.read_text()}")
 
 
 def dump_redis(cluster) -> str:

@@ -16,18 +16,16 @@ started and stopped) is compared with every receipt, race record and ledger sett
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gpuhedge_celery.bench._truth_row import submit_spread, wait_settled
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
+from tests.support.receiver import start_receiver, stop_receiver
 from tests.support.runpod_fake import KEY, FakeRunpod
 from tests.support.truth import compare_cluster
 from tests.support.webhook_server import free_port
@@ -134,33 +132,13 @@ def cluster(redis_url, tmp_path, broker, request):
                 "GPUHEDGE_WEBHOOK_FALLBACK_S": "10",
             }
         )
-        log = open(tmp_path / "receiver.log", "w")  # noqa: SIM115 - closed with the process
-        receiver = subprocess.Popen(
-            [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--port", str(port)],
-            env=cc.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=str(tmp_path),
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError((tmp_path / "receiver.log").read_text()[-2000:])
-            time.sleep(0.1)
+        receiver = start_receiver(cc.env, port, tmp_path)
         cc.wait_ready(*[cc.start_coordinator(wait=False) for _ in range(2)])
         rc = RaceCluster(cc, config)
         rc.fakes = {"rp": runpod, "cb": cerebrium}
         yield rc
     finally:
-        if receiver is not None:
-            receiver.kill()
-            receiver.wait(10)
+        stop_receiver(receiver)
         if cc is not None:
             cc.close()
             keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))

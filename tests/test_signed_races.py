@@ -11,8 +11,6 @@ race marks that result invalid ("signature does not match") and the real, signed
 from __future__ import annotations
 
 import base64
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +23,7 @@ from gpuhedge_celery.race.receipt import load_payload
 from gpuhedge_celery.signing import sign_result
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
+from tests.support.receiver import start_receiver, stop_receiver
 from tests.support.webhook_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
@@ -97,32 +96,13 @@ def cluster(redis_url, tmp_path_factory):
                 "GPUHEDGE_WEBHOOK_FALLBACK_S": "20",
             }
         )
-        log = open(tmp / "receiver.log", "w")  # noqa: SIM115 - closed with the process
-        receiver = subprocess.Popen(
-            [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--port", str(port)],
-            env=cc.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=str(tmp),
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError((tmp / "receiver.log").read_text())
+        receiver = start_receiver(cc.env, port, tmp, timeout_s=20)
         cc.wait_ready(cc.start_coordinator(wait=False))
         rc = RaceCluster(cc, config)
         rc.fake, rc.receiver_log = fake, tmp / "receiver.log"
         yield rc
     finally:
-        if receiver is not None:
-            receiver.kill()
-            receiver.wait(10)
+        stop_receiver(receiver)
         if cc is not None:
             cc.close()
             keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))

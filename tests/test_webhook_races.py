@@ -10,18 +10,16 @@ are cancelled with receipts, every leak is flagged, nothing runs on at RunPod.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.modal_fake import FakeModalProcess
+from tests.support.receiver import start_receiver, stop_receiver
 from tests.support.runpod_fake import KEY, FakeRunpod
 from tests.support.webhook_server import free_port
 
@@ -134,21 +132,7 @@ def races(request, redis_url, tmp_path_factory, broker):
             cc.env.update({"GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
                            "GPUHEDGE_WEBHOOK_SECRET": SECRET,
                            "GPUHEDGE_WEBHOOK_FALLBACK_S": "20"})  # fmt: skip
-            log = open(tmp / "receiver.log", "w")  # noqa: SIM115 - closed with the process
-            receiver = subprocess.Popen(
-                [sys.executable, "-m", "gpuhedge_celery", "webhooks", "--port", str(port)],
-                env=cc.env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp),
-                start_new_session=True,
-            )  # fmt: skip
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            else:
-                raise RuntimeError((tmp / "receiver.log").read_text())
+            receiver = start_receiver(cc.env, port, tmp, timeout_s=20)
         else:
             for name in ("GPUHEDGE_WEBHOOK_URL", "GPUHEDGE_WEBHOOK_SECRET"):
                 cc.env.pop(name, None)
@@ -156,9 +140,7 @@ def races(request, redis_url, tmp_path_factory, broker):
         rc = RaceCluster(cc, config)
         yield Races(rc, runpod, cerebrium, modal, hooks, tmp / "receiver.log" if hooks else None)
     finally:
-        if receiver is not None:
-            receiver.kill()
-            receiver.wait(10)
+        stop_receiver(receiver)
         if cc is not None:
             cc.close()
             keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))
