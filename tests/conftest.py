@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import gc
 import pathlib
 import threading
 import uuid
@@ -20,17 +21,24 @@ from tests.support.redis_server import shared_redis_url, start_redis_server
 from tests.support.tiers import TIER_MARKS, ProcessGuard, no_gc_pauses, tier_marks
 
 # CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in state that every thread
-# shares: two threads parsing at once (a test server's thread formatting a traceback, which 3.11
-# does with ast.parse, while pytest renders a failure) can make either fail with "SystemError: AST
-# constructor recursion depth mismatch", and pytest's own rendering then stops the whole run with
-# an INTERNALERROR. Parses in this process take turns.
+# shares: two parses at once make either fail with "SystemError: AST constructor recursion depth
+# mismatch", and pytest's own rendering then stops the run with an INTERNALERROR. A second parse
+# comes from another thread (a test server formatting a traceback, which 3.11 does with ast.parse)
+# or from this one, when a garbage collection during a long parse runs a finalizer that logs a
+# traceback. Parses in this process take turns, with collection paused while each runs.
 _AST_LOCK = threading.RLock()
 _ast_parse = ast.parse
 
 
 def _parse_in_turn(*args, **kwargs):
     with _AST_LOCK:
-        return _ast_parse(*args, **kwargs)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return _ast_parse(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
 
 
 ast.parse = _parse_in_turn
