@@ -3,8 +3,8 @@
 It is a simulation of Redis, named as such wherever it is used: it speaks the protocol, runs our
 Lua scripts (through lupa) and publishes keyspace events for commands, but emits no ``expired``
 events (our waiters' bounded re-check and deadline probes cover that). Two fixes make Celery
-usable on it: ``TCP_NODELAY`` on accepted sockets (without it every pipeline stalls ~40 ms on
-Nagle's algorithm) and a 1 ms socket poll instead of fakeredis's 10 ms.
+usable on it: ``TCP_NODELAY`` on accepted sockets (without it every pipeline stalls on Nagle's
+algorithm) and a 1 ms socket poll instead of fakeredis's 10 ms.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ class RaceTask(Task):
     """``hedged_infer``'s task class: the body starts a race and returns without a result.
 
     Celery's way to say "the result comes later" is to raise ``Ignore``, but its tracer then
-    formats a traceback (two of them, over its own very large frame): about 4 ms of CPU per
-    race, measured, and the biggest single cost of starting one. Instead the body returns a
+    formats a traceback (two of them, over its own very large frame), the biggest single cost
+    of starting a race (docs/benchmarks.md). Instead the body returns a
     :class:`RaceStarted` marker that the backend wrapper does not store, clears the links and
     chain it passes on to the winner itself, and the worker's own task events are off for
     this task: the race sends ``task-received``/``task-started`` itself, so Flower never sees
@@ -315,9 +315,7 @@ def _start_race_timers(sender: Any = None, **_: Any) -> None:
         runtime().effects.hostname = getattr(sender, "hostname", None)
         interval = race_settings().switch_interval_ms
         if interval > 0:
-            # Many threads here wait on Redis round trips; one back from a reply waits for
-            # the GIL up to the switch interval while another thread computes (5 ms default,
-            # several times per step).
+            # a thread back from a Redis reply waits for the GIL up to the switch interval
             sys.setswitchinterval(interval / 1000.0)
         # Everything loaded so far (Celery, kombu, the config) lives as long as the worker:
         # keep it out of the collector's full passes, which otherwise pause every thread.
