@@ -11,13 +11,13 @@ a race's cost that is Celery's own; ``cpu_ms_beyond_floor`` is the rest.
 
 Beside a capacity row the floor's window is as long as that row's (from the first send to the
 last look), so both are charged the same seconds of the workers' and Redis's idle work (timer
-service, heartbeats, broker polls: about 24 ms and 5 ms of CPU a second on the bench's two
-workers). Like the capacity row it never waits on a result, so it does not subscribe to the
-results' channels either (Celery's client does that at each send; nothing would read the
-payloads published there). Two things a race does more cheaply than a plain task, which the
-floor therefore still includes: its broker acknowledgement rides in the next delivery's round
-trip (``tasks/broker.py``; a plain task's is a round trip of its own), and the caller's result
-refers to the payload stored once instead of carrying it in its ``SET`` and ``PUBLISH``.
+service, heartbeats, broker polls: docs/benchmarks.md has what it costs). Like the capacity row
+it never waits on a result, so it does not subscribe to the results' channels either (Celery's
+client does that at each send; nothing would read the payloads published there). Two things a
+race does more cheaply than a plain task, which the floor therefore still includes: its broker
+acknowledgement rides in the next delivery's round trip (``tasks/broker.py``; a plain task's is
+a round trip of its own), and the caller's result refers to the payload stored once instead of
+carrying it in its ``SET`` and ``PUBLISH``.
 
 The workers register the task by importing this module as a plugin (``GPUHEDGE_PLUGINS``,
 set by the bench's cluster); it runs nowhere else.

@@ -25,8 +25,8 @@ Each result row says which (``mode``), and the JSON describes the harness.
 
 Time compression matters: every millisecond of handoff stretches the effective job time, and at
 rho 0.9 a 1 % longer job means ~10 % longer waits. Real GPU jobs last seconds, so the default
-compressed mean job is 1 s (x10 for a 10 s job); measured here, a 0.5 s mean put ``lease``
-10-12 % above ``ideal`` at rho 0.9 and a 1 s mean ~4 %, for the same few ms of handoff.
+compressed mean job is 1 s (x10 for a 10 s job): compressed further, the same handoff is a larger
+share of each job and ``lease`` drifts from ``ideal`` (docs/benchmarks.md).
 ``idle_while_waiting_s`` integrates min(idle GPUs, waiting requests) over the run: GPU time
 wasted while work was queued.
 

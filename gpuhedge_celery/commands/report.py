@@ -71,8 +71,7 @@ def _lines(path: str) -> Iterator[tuple[str, Any]]:
 def load_files(paths: Sequence[str]) -> Loaded:
     """Read every file (JSONL, either format); one-line errors name the file and line."""
     found = RequestSet()
-    # 100,000 records make millions of short-lived objects: without this, the cyclic garbage
-    # collector walks every live one again and again (it tripled the time, measured).
+    # Parsing makes millions of objects the cyclic collector would walk again and again.
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -1,8 +1,7 @@
 """JSON for what the race store writes and reads on every step (states, jobs, timers, results).
 
-orjson, not the standard library: a race's state (about 2 KB) is encoded on every save and
-decoded on every read, nine or so times per race, and orjson does both several times faster
-(encode 2.8 against 21.7 µs for a finished race's state, measured) with the same compact text.
+orjson, not the standard library: a race's state is encoded on every save and decoded on every
+read, and orjson does both several times faster with the same compact text (docs/benchmarks.md).
 Non-string keys become strings, as ``json`` makes them.
 """
 

@@ -1,9 +1,8 @@
 """A race's state saved in parts, so that a step sends Redis only the parts it changed.
 
-A race's state (about 1.5-4 KB of JSON) used to be written whole by every save, ten-odd times
-per race. Most of it does not change from one step to the next: the spec, the caller, the
-attempts the step did not touch, the results already in. So the state hash keeps it in parts,
-one field each:
+A race's state is saved by every step, and most of it does not change from one step to the
+next: the spec, the caller, the attempts the step did not touch, the results already in. So the
+state hash keeps it in parts, one field each:
 
 * ``p:t:<key>``: each top-level member of the state, whole (the spec, the caller, the timer
   ids...);
@@ -12,10 +11,10 @@ one field each:
 * ``p:a:<i>``: the race's ``i``-th attempt (``state["race"]["attempts"][i]``);
 * ``p:x:<key>``: one entry of ``state["results"]``.
 
-Splitting costs one JSON encoding per part instead of one for the whole: about 12 us more per
-save and 4 us more per read for a race's ten-odd parts (measured on a slow day). A member that
-would not read back as it was (a race carrying ``~attempts`` itself, results with keys other
-than strings) is kept whole.
+Splitting costs one JSON encoding per part instead of one for the whole: a little CPU per save
+and read, for fewer bytes on every save (docs/benchmarks.md). A member that would not read back
+as it was (a race carrying ``~attempts`` itself, results with keys other than strings) is kept
+whole.
 
 A save names the parts that differ from the state it was computed from (its base: the version
 the save expects, as this process last saved or read it) and the parts that are gone; the save
