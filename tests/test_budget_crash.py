@@ -19,7 +19,7 @@ from gpuhedge_celery.core.budget import BudgetCaps, to_nano
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.budget import RaceBudget
-from gpuhedge_celery.race.janitor import Janitor
+from gpuhedge_celery.race.janitor import Janitor, JanitorOptions
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_celery import broker_url_for
@@ -53,10 +53,12 @@ def test_the_janitor_settles_a_killed_workers_reservations(redis_url, tmp_path, 
 
         budget = RaceBudget(ledger, rc.config.budget)
         janitor = Janitor(
-            rc.store, TimerStore(rc.client, rc.prefix, "races"),
-            lambda name: rc.config.build(name, ledger=rc.ledger), BackendEffects(rc.app),
-            stale_ms=300, coordinators_alive=lambda: False, budget=budget,
-        )  # fmt: skip
+            rc.store,
+            TimerStore(rc.client, rc.prefix, "races"),
+            lambda name: rc.config.build(name, ledger=rc.ledger),
+            BackendEffects(rc.app),
+            JanitorOptions(stale_ms=300, coordinators_alive=lambda: False, budget=budget),
+        )
         time.sleep(0.5)
         report = janitor.run_once()
         assert {r.race_id: r.action for r in report.races} == {

@@ -18,7 +18,7 @@ import pytest
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.receipts import CancelReceipt
 from gpuhedge_celery.errors import RaceFailed
-from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, apply_cleanup
+from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, JanitorOptions, apply_cleanup
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
@@ -99,8 +99,8 @@ def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory, 
             return rc.config.build(name, ledger=rc.ledger)
 
         def janitor(alive: bool) -> Janitor:
-            return Janitor(rc.store, timers, providers, effects, stale_ms=300,
-                           coordinators_alive=lambda: alive)  # fmt: skip
+            options = JanitorOptions(stale_ms=300, coordinators_alive=lambda: alive)
+            return Janitor(rc.store, timers, providers, effects, options)
 
         # While some coordinator is alive, a race with a waiting timer is not dead.
         time.sleep(0.4)

@@ -114,12 +114,33 @@ def default_owner() -> str:
     return f"janitor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+@dataclass(frozen=True)
+class JanitorOptions:
+    """How a :class:`Janitor` works; the defaults suit a worker."""
+
+    stale_ms: int = DEFAULT_STALE_MS  # a race whose heartbeat is older is a candidate
+    lease_ms: int = DEFAULT_LEASE_MS  # how long the janitor owns a race it cleans
+    receipt_ttl_s: float | None = None  # how long its receipts live (None: the store's)
+    # whether some process fires race timers now: "yes, this worker" in the Celery task, no
+    # for a script run after a full outage (None: always yes)
+    coordinators_alive: Callable[[], bool] | None = None
+    owner: str | None = None  # its ownership name (None: a fresh one)
+    payload_inline_max: int = 1_000_000  # a larger winner payload is returned by reference
+    clock: Clock | None = None  # the races' clock (None: wall time)
+    budget: RaceBudget | None = None  # whose reservations it settles (None or disabled: none)
+
+    def __post_init__(self) -> None:
+        if self.stale_ms < 1 or self.lease_ms < 1:
+            raise ValueError(
+                f"stale_ms and lease_ms must be >= 1, got {self.stale_ms}, {self.lease_ms}"
+            )
+
+
 class Janitor:
     """Ends dead races: native cancels with receipts, explicit failure when there was no winner.
 
-    ``coordinators_alive`` says whether some process is firing race timers right now (the
-    Celery task answers "yes, this worker"; a script run after a full outage answers no). A
-    race whose own timer is still waiting is only dead when nobody would ever fire it.
+    A race whose own timer is still waiting is only dead when nobody would ever fire it
+    (:attr:`JanitorOptions.coordinators_alive`).
     """
 
     def __init__(
@@ -128,29 +149,21 @@ class Janitor:
         timers: TimerStore,
         providers: Callable[[str], Provider],
         effects: Effects,
-        *,
-        stale_ms: int = DEFAULT_STALE_MS,
-        lease_ms: int = DEFAULT_LEASE_MS,
-        receipt_ttl_s: float | None = None,
-        coordinators_alive: Callable[[], bool] | None = None,
-        owner: str | None = None,
-        payload_inline_max: int = 1_000_000,
-        clock: Clock | None = None,
-        budget: RaceBudget | None = None,
+        options: JanitorOptions | None = None,
     ):
-        if stale_ms < 1 or lease_ms < 1:
-            raise ValueError(f"stale_ms and lease_ms must be >= 1, got {stale_ms}, {lease_ms}")
+        options = options or JanitorOptions()
         self.store = store
         self.timers = timers
         self.providers = providers
         self.effects = effects
-        self.stale_ms = stale_ms
-        self.lease_ms = lease_ms
-        self.receipt_ttl_s = receipt_ttl_s
-        self.coordinators_alive = coordinators_alive or (lambda: True)
-        self.owner = owner or default_owner()
-        self.payload_inline_max = payload_inline_max
-        self.clock = clock or WallClock()
+        self.stale_ms = options.stale_ms
+        self.lease_ms = options.lease_ms
+        self.receipt_ttl_s = options.receipt_ttl_s
+        self.coordinators_alive = options.coordinators_alive or (lambda: True)
+        self.owner = options.owner or default_owner()
+        self.payload_inline_max = options.payload_inline_max
+        self.clock = options.clock or WallClock()
+        budget = options.budget
         self.budget = budget if budget is not None and budget.enabled else None
 
     # ------------------------------------------------------------------ a pass

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from .. import settings as process_settings
-from ..race.janitor import Janitor
+from ..race.janitor import Janitor, JanitorOptions
 from ..settings import JanitorSettings
 from ..store.keys import Keys
 from .app import TASK_JANITOR, app
@@ -55,12 +55,14 @@ def build_janitor(settings: JanitorSettings | None = None) -> Janitor:
         rt.timers,
         rt.provider,
         CeleryEffects(),  # won() skips a result already marked: no link runs twice
-        stale_ms=int(settings.stale_s * 1000),
-        receipt_ttl_s=rt.settings.receipt_ttl_s,
-        payload_inline_max=rt.settings.payload_inline_max,
-        coordinators_alive=alive,
-        clock=rt.clock,  # Redis's time, as the races' heartbeats (store/redis_clock.py)
-        budget=rt.budget,
+        JanitorOptions(
+            stale_ms=int(settings.stale_s * 1000),
+            receipt_ttl_s=rt.settings.receipt_ttl_s,
+            payload_inline_max=rt.settings.payload_inline_max,
+            coordinators_alive=alive,
+            clock=rt.clock,  # Redis's time, as the races' heartbeats (store/redis_clock.py)
+            budget=rt.budget,
+        ),
     )
 
 
