@@ -56,7 +56,7 @@ def arm_worst_cases(plan: Prereg, cfg: Any) -> dict[str, float]:
     for i, arm in enumerate(plan.arms):
         names = list(arm.providers) if arm.providers else None
         try:
-            spec = build_spec(cfg, arm.policy, names, None, None, arm.name)
+            spec = build_spec(cfg, arm.policy, names, arm=arm.name)
         except ConfigError as e:
             raise ConfigError(str(e), file=plan.source, key=f"arms[{i}]") from None
         found[arm.name] = worst_case(spec, cfg.budget, cfg)[1]

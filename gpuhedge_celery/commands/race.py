@@ -154,7 +154,7 @@ def gated_request(
     check_request(body, process_settings.current().race.request_max_bytes)
     cfg = root_config()
     names = [n.strip() for n in providers.split(",")] if providers else None
-    spec = build_spec(cfg, policy, names, None, budget_key)
+    spec = build_spec(cfg, policy, names, budget_key=budget_key)
     lines, worst = worst_case(spec, cfg.budget, cfg)
     gate(go, [f"would race a {len(json.dumps(body))}-byte request", *lines], worst)
     check_redis()

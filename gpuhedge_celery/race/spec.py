@@ -1,6 +1,7 @@
 """What a race runs with: its policy, validator, caps and rates, resolved from config and call.
 
-``hedged_infer(request, policy=None, providers=None, validator=None)`` accepts:
+``hedged_infer(request, policy=None, providers=None, validator=None, *, budget_key=None,
+arm=None)`` accepts:
 
 * ``policy``: ``None`` (the config's policy), a built-in name (``single``, ``fixed``,
   ``state_aware``, ``cascade``; providers from ``providers=`` or the config's roles), or a full
@@ -186,15 +187,29 @@ def resolve_validator(cfg: GpuHedgeConfig, validator: Any = None) -> tuple[str, 
     return name, options
 
 
+SPEC_OPTIONS = ("budget_key", "arm")  # hedged_infer's seldom-used keywords, None by default
+
+
+def check_options(func: str, options: Mapping[str, Any]) -> None:
+    """The TypeError Python raises for a keyword that ``func``'s signature does not name."""
+    for name in options:
+        if name not in SPEC_OPTIONS:
+            raise TypeError(f"{func}() got an unexpected keyword argument {name!r}")
+
+
 def build_spec(
     cfg: GpuHedgeConfig,
     policy: Any = None,
     providers: Any = None,
     validator: Any = None,
-    budget_key: Any = None,
-    arm: Any = None,
+    **options: Any,
 ) -> RaceSpec:
-    """Resolve every argument of ``hedged_infer`` against ``cfg`` into a :class:`RaceSpec`."""
+    """Resolve every argument of ``hedged_infer`` against ``cfg`` into a :class:`RaceSpec`.
+
+    ``options``: ``budget_key`` and ``arm`` (see the module docstring), by keyword only.
+    """
+    check_options("build_spec", options)
+    budget_key, arm = options.get("budget_key"), options.get("arm")
     problem = cfg.budget.key_problem(budget_key)
     if problem is not None:
         raise ConfigError(problem, key="budget_key")

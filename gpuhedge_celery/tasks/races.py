@@ -218,7 +218,7 @@ def hedged_infer(
         rt = _worker_runtime()
         _announce(rt, self, request, policy, providers, validator)
         check_request(request, rt.settings.request_max_bytes)
-        spec = build_spec(rt.config, policy, providers, validator, budget_key, arm)
+        spec = build_spec(rt.config, policy, providers, validator, budget_key=budget_key, arm=arm)
     except ConfigError as e:
         if rt is not None:
             rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})
