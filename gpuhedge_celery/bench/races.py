@@ -427,165 +427,109 @@ def _wait_receipt(bench: Bench, race_id: str, timeout: float) -> dict[str, Any]:
     raise RuntimeError(f"race {race_id} wrote no receipt in {timeout} s")
 
 
+# (flag, type, default, help) of every ``bench races`` option but --json, in --help's order
+_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("--overhead-races", click.IntRange(1), 1000, "Races (and round trips) in the overhead row."),
+    ("--races", None, "1000,2400,2800", "Races in the capacity row (a comma list: one row each)."),
+    (
+        "--duration-s",
+        click.FloatRange(0.5),
+        30.0,
+        "Real seconds of the longest (30 provider s) capacity-row job.",
+    ),
+    (
+        "--ramp-s",
+        click.FloatRange(0.1),
+        None,
+        "Seconds over which the capacity row starts its races "
+        "[default: half the longest job, 15 s at --duration-s 30].",
+    ),
+    ("--cancel-races", click.IntRange(1), 200, "Races in the cancel row."),
+    ("--workers", click.IntRange(1, 16), 2, "Coordination worker processes."),
+    ("--concurrency", click.IntRange(1, 256), 8, "Threads per worker."),
+    ("--memory-races", click.IntRange(1), 200, "Races in the memory row."),
+    (
+        "--request-bytes",
+        click.IntRange(100),
+        1000,
+        "Size of each memory-row race's request (JSON bytes, about).",
+    ),
+    (
+        "--rows",
+        None,
+        "overhead,capacity,cancel",
+        "Rows to run, comma-separated (also: floor, records, memory, metrics, budget, truth).",
+    ),
+    (
+        "--record-pairs",
+        click.IntRange(1, 20),
+        3,
+        "records row: alternating off/on pairs of capacity runs.",
+    ),
+    ("--metrics-races", click.IntRange(1), 600, "Races per run in the metrics row."),
+    (
+        "--metrics-duration-s",
+        click.FloatRange(0.5),
+        10.0,
+        "Real seconds of the longest job in the metrics row's runs.",
+    ),
+    ("--metrics-pairs", click.IntRange(1), 3, "Off/on pairs in the metrics row."),
+    (
+        "--budget-races",
+        click.IntRange(10),
+        600,
+        "Hedged races per side in the budget row (budgets off, then on).",
+    ),
+    ("--budget-pairs", click.IntRange(1, 10), 2, "Alternating off/on pairs in the budget row."),
+    ("--truth-races", click.IntRange(10, 2000), 300, "truth row: races started within 10 s."),
+    ("--seed", int, 1, "Random seed."),
+    (
+        "--provider",
+        click.Choice(["sim", "runpod-fake"]),
+        "sim",
+        "runpod-fake: also run each capacity row on RunPod "
+        "endpoints of a loopback fake in its own process (see --webhooks), beside the "
+        "sim row of the same run.",
+    ),
+    (
+        "--webhooks",
+        click.Choice(["off", "on"]),
+        "off",
+        "on: run the webhook receiver too; RunPod jobs report their end by webhook "
+        "and are polled only before decisions and as a 30 s safety net.",
+    ),
+    (
+        "--receiver-workers",
+        click.IntRange(1, 16),
+        1,
+        "With --webhooks on: receiver processes (webhooks --workers N).",
+    ),
+    (
+        "--webhook-senders",
+        click.IntRange(1, 256),
+        8,
+        "The RunPod fake's webhook delivery threads.",
+    ),
+    (
+        "--audio-s",
+        click.FloatRange(0.01, 600),
+        1.0,
+        "Seconds of 16 kHz WAV each sim job returns: the payload's size (1 s: 42.7 "
+        "KB as base64 JSON) in the overhead, capacity, cancel and memory rows.",
+    ),
+)
+
+
+def _bench_options(fn: Any) -> Any:
+    """Declare :data:`_OPTIONS` on ``fn``, each with its default shown (none for a None)."""
+    for flag, kind, default, text in reversed(_OPTIONS):  # the last applied is listed first
+        fn = click.option(flag, type=kind, default=default, show_default=True, help=text)(fn)
+    return fn
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.option(
-    "--overhead-races",
-    type=click.IntRange(1),
-    default=1000,
-    show_default=True,
-    help="Races (and round trips) in the overhead row.",
-)
-@click.option(
-    "--races",
-    default="1000,2400,2800",
-    show_default=True,
-    help="Races in the capacity row (a comma list: one row each).",
-)
-@click.option(
-    "--duration-s",
-    type=click.FloatRange(0.5),
-    default=30.0,
-    show_default=True,
-    help="Real seconds of the longest (30 provider s) capacity-row job.",
-)
-@click.option(
-    "--ramp-s",
-    type=click.FloatRange(0.1),
-    default=None,
-    help="Seconds over which the capacity row starts its races "
-    "[default: half the longest job, 15 s at --duration-s 30].",
-)
-@click.option(
-    "--cancel-races",
-    type=click.IntRange(1),
-    default=200,
-    show_default=True,
-    help="Races in the cancel row.",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(1, 16),
-    default=2,
-    show_default=True,
-    help="Coordination worker processes.",
-)
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 256),
-    default=8,
-    show_default=True,
-    help="Threads per worker.",
-)
-@click.option(
-    "--memory-races",
-    type=click.IntRange(1),
-    default=200,
-    show_default=True,
-    help="Races in the memory row.",
-)
-@click.option(
-    "--request-bytes",
-    type=click.IntRange(100),
-    default=1000,
-    show_default=True,
-    help="Size of each memory-row race's request (JSON bytes, about).",
-)
-@click.option(
-    "--rows",
-    default="overhead,capacity,cancel",
-    show_default=True,
-    help="Rows to run, comma-separated (also: floor, records, memory, metrics, budget, truth).",
-)
-@click.option(
-    "--record-pairs",
-    type=click.IntRange(1, 20),
-    default=3,
-    show_default=True,
-    help="records row: alternating off/on pairs of capacity runs.",
-)
-@click.option(
-    "--metrics-races",
-    type=click.IntRange(1),
-    default=600,
-    show_default=True,
-    help="Races per run in the metrics row.",
-)
-@click.option(
-    "--metrics-duration-s",
-    type=click.FloatRange(0.5),
-    default=10.0,
-    show_default=True,
-    help="Real seconds of the longest job in the metrics row's runs.",
-)
-@click.option(
-    "--metrics-pairs",
-    type=click.IntRange(1),
-    default=3,
-    show_default=True,
-    help="Off/on pairs in the metrics row.",
-)
-@click.option(
-    "--budget-races",
-    type=click.IntRange(10),
-    default=600,
-    show_default=True,
-    help="Hedged races per side in the budget row (budgets off, then on).",
-)
-@click.option(
-    "--budget-pairs",
-    type=click.IntRange(1, 10),
-    default=2,
-    show_default=True,
-    help="Alternating off/on pairs in the budget row.",
-)
-@click.option(
-    "--truth-races",
-    type=click.IntRange(10, 2000),
-    default=300,
-    show_default=True,
-    help="truth row: races started within 10 s.",
-)
-@click.option("--seed", type=int, default=1, show_default=True, help="Random seed.")
-@click.option(
-    "--provider",
-    type=click.Choice(["sim", "runpod-fake"]),
-    default="sim",
-    show_default=True,
-    help="runpod-fake: also run each capacity row on RunPod "
-    "endpoints of a loopback fake in its own process (see --webhooks), beside the "
-    "sim row of the same run.",
-)
-@click.option(
-    "--webhooks",
-    type=click.Choice(["off", "on"]),
-    default="off",
-    show_default=True,
-    help="on: run the webhook receiver too; RunPod jobs report their end by webhook "
-    "and are polled only before decisions and as a 30 s safety net.",
-)
-@click.option(
-    "--receiver-workers",
-    type=click.IntRange(1, 16),
-    default=1,
-    show_default=True,
-    help="With --webhooks on: receiver processes (webhooks --workers N).",
-)
-@click.option(
-    "--webhook-senders",
-    type=click.IntRange(1, 256),
-    default=8,
-    show_default=True,
-    help="The RunPod fake's webhook delivery threads.",
-)
-@click.option(
-    "--audio-s",
-    type=click.FloatRange(0.01, 600),
-    default=1.0,
-    show_default=True,
-    help="Seconds of 16 kHz WAV each sim job returns: the payload's size (1 s: 42.7 "
-    "KB as base64 JSON) in the overhead, capacity, cancel and memory rows.",
-)
+@_bench_options
 def command(
     as_json: bool,
     overhead_races: int,
