@@ -57,18 +57,13 @@ class RaceRedisBackend(RedisBackend):
             self._unread.task_id = None
 
     def _store_result(
-        self,
-        task_id: Any,
-        result: Any,
-        state: str,
-        traceback: Any = None,
-        request: Any = None,
-        **kwargs: Any,
+        self, task_id: Any, result: Any, state: str, traceback: Any = None, **kwargs: Any
     ) -> Any:
+        # Celery's store_result passes ``request`` (and any backend extras) by keyword
         if state != states.SUCCESS or getattr(self._unread, "task_id", None) != task_id:
-            return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+            return super()._store_result(task_id, result, state, traceback, **kwargs)
         meta = self._get_result_meta(
-            result=result, state=state, traceback=traceback, request=request
+            result=result, state=state, traceback=traceback, request=kwargs.get("request")
         )
         meta["task_id"] = bytes_to_str(task_id)
         self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
