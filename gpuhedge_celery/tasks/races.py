@@ -40,7 +40,7 @@ from celery.worker import state as worker_state
 
 from ..core.race_events import StopRequested, event_from_dict
 from ..errors import ConfigError, GpuHedgeError, StoreError
-from ..race.spec import build_spec, check_request
+from ..race.spec import build_spec, check_options, check_request
 from ..store.outage import through_outage
 from .app import QUEUE_ATTEMPTS, QUEUE_COORD, REDACTED_REQUEST, app, glue_config
 from .pool import celery_safe
@@ -88,6 +88,9 @@ app.conf.task_routes = {
     TASK_RACE_CANCEL: {"queue": QUEUE_ATTEMPTS},
 }
 race_settings().import_plugins()
+
+
+_NAMED = frozenset({"request", "policy", "providers", "validator"})  # hedged_infer's own
 
 
 class RaceStarted(str):
@@ -143,6 +146,8 @@ class RaceTask(Task):
             check_request(tuple(args)[0], race_settings().request_max_bytes)
         elif kwargs and "request" in kwargs:
             check_request(kwargs["request"], race_settings().request_max_bytes)
+        # a misspelt keyword is refused here, as Celery refuses one its signature lacks
+        check_options("hedged_infer", {k: v for k, v in (kwargs or {}).items() if k not in _NAMED})
         with broker_errors(self.app):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
 
@@ -196,18 +201,18 @@ def hedged_infer(
     policy: Any = None,
     providers: Any = None,
     validator: Any = None,
-    budget_key: Any = None,
-    arm: Any = None,
+    **keywords: Any,
 ) -> Any:
     """Race ``request`` across providers; ``.get()`` returns the first valid result.
 
     ``policy``: None (config), ``single``/``fixed``/``state_aware``/``cascade`` or a spec like
     ``hedge:P->H@10s``; ``providers``: names for the roles; ``validator``: a name or
-    ``{"name": ..., **options}``; ``budget_key``: whose budget it spends (``budget.keys``);
-    ``arm``: the experiment arm it runs in (its race record carries it).
+    ``{"name": ..., **options}``. By keyword only: ``budget_key``: whose budget it spends
+    (``budget.keys``); ``arm``: the experiment arm it runs in (its race record carries it).
     Bad input fails at once with a one-line ConfigError. A race whose primary the budget
     refuses raises :class:`~gpuhedge_celery.errors.BudgetExceeded` (a ``RaceFailed``).
     """
+    check_options("hedged_infer", keywords)  # a message sent by name is not checked before
     race_id = self.request.id
     rt = None
     try:
@@ -218,7 +223,7 @@ def hedged_infer(
         rt = _worker_runtime()
         _announce(rt, self, request, policy, providers, validator)
         check_request(request, rt.settings.request_max_bytes)
-        spec = build_spec(rt.config, policy, providers, validator, budget_key=budget_key, arm=arm)
+        spec = build_spec(rt.config, policy, providers, validator, **keywords)
     except ConfigError as e:
         if rt is not None:
             rt.effects.send(race_id, "task-failed", {"exception": str(e), "traceback": ""})
