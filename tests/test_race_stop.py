@@ -25,35 +25,19 @@ from gpuhedge_celery.errors import ConfigError, RaceFailed
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.tasks.result import RaceResult
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
+from tests.support.race_configs import race_config, sim_pair
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-CONFIG = """
-time_scale: 0.01
-providers:
-  p:
-    role: primary
-    adapter: sim
-    billed_rate_per_s: 0.0003
-    idle_billed_seconds: 60
-    sim: {seed: 1, slow_probability: 0, fast: {queue_s: 0, run_s: 4},
-          cancel: {ack_s: 0.28, terminal_s: 0.35}}
-  h:
-    role: hedge
-    adapter: sim
-    billed_rate_per_s: 0.0007
-    sim: {seed: 2, slow_probability: 0, fast: {queue_s: 0, run_s: 5},
-          cancel: {ack_s: 0.28, terminal_s: 0.35}}
-policy:
-  name: fixed
-  params: {hedge_after_ms: 30000}
-timeouts:
-  attempt_cap_s: 3000
-budget:
-  max_usd_per_request: 50
-validator: wav
-"""
+CONFIG = race_config(
+    sim_pair(p_fast=(0, 4), h_fast=(0, 5), cancel=(0.28, 0.35)),
+    "fixed",
+    {"hedge_after_ms": 30000},
+    time_scale=0.01,
+    timeouts={"attempt_cap_s": 3000},
+    budget={"max_usd_per_request": 50},
+)
 SLOW = {"sim": {"p": {"queue_s": 0, "run_s": 10000}, "h": {"queue_s": 0, "run_s": 10000}}}
 LATE_HEDGE = "hedge:p->h@200s"  # 2 s real after the primary's submit: the stop comes first
 EARLY_HEDGE = "hedge:p->h@10s"  # 0.1 s real: both jobs run when the stop comes

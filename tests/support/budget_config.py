@@ -6,25 +6,12 @@ case of $0.048; ``h`` (hedge, launched at 20 s) at 100 s at $0.0007/s, $0.07. Th
 arithmetic rests on these figures.
 """
 
-HEDGED_SIM_CONFIG = """
-time_scale: 0.01
-providers:
-  p:
-    role: primary
-    adapter: sim
-    billed_rate_per_s: 0.0003
-    idle_billed_seconds: 60
-    timeout_s: 100
-    sim: {seed: 1, slow_probability: 0, fast: {queue_s: 0.5, run_s: 4},
-          cancel: {ack_s: 0.2, terminal_s: 0.3}}
-  h:
-    role: hedge
-    adapter: sim
-    billed_rate_per_s: 0.0007
-    timeout_s: 100
-    sim: {seed: 2, slow_probability: 0, fast: {queue_s: 0.2, run_s: 3},
-          cancel: {ack_s: 0.2, terminal_s: 0.3}}
-policy:
-  name: fixed
-  params: {hedge_after_ms: 20000}
-"""
+from tests.support.race_configs import race_config, sim_pair
+
+HEDGED_SIM_CONFIG = race_config(
+    sim_pair(p_fast=(0.5, 4), h_fast=(0.2, 3), cancel=(0.2, 0.3), timeout_s=100),
+    "fixed",
+    {"hedge_after_ms": 20000},
+    time_scale=0.01,
+    validator=None,
+)

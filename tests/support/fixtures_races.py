@@ -35,55 +35,22 @@ from gpuhedge_celery.core.policy_base import (
     register_policy,
     registered_policies,
 )
+from tests.support.race_configs import race_config, sim_pair, sim_provider
 
 REPO = Path(__file__).resolve().parents[2]
 
-RACE_CONFIG = """
-time_scale: 0.01
-providers:
-  p:
-    role: primary
-    adapter: sim
-    billed_rate_per_s: 0.0003
-    idle_billed_seconds: 60
-    sim:
-      seed: 1
-      slow_probability: 0
-      fast: {queue_s: 1, run_s: 4}
-      cancel: {ack_s: 0.28, terminal_s: 0.35}
-  h:
-    role: hedge
-    adapter: sim
-    billed_rate_per_s: 0.0007
-    sim:
-      seed: 2
-      slow_probability: 0
-      fast: {queue_s: 0.5, run_s: 5}
-      cancel: {ack_s: 0.28, terminal_s: 0.35}
-  f:
-    role: fallback
-    adapter: sim
-    billed_rate_per_s: 0.0011
-    sim:
-      seed: 3
-      slow_probability: 0
-      fast: {queue_s: 0.2, run_s: 3}
-  c:                              # a provider with a short cap: 20 s (200 ms real)
-    role: hedge
-    adapter: sim
-    timeout_s: 20
-    billed_rate_per_s: 0.0005
-    sim:
-      seed: 4
-      slow_probability: 0
-      fast: {queue_s: 0, run_s: 100}
-policy:
-  name: fixed
-  params: {hedge_after_ms: 30000}  # 300 ms real: room for a loaded machine's lag
-timeouts:
-  attempt_cap_s: 180
-validator: wav
-"""
+RACE_CONFIG = race_config(
+    {
+        **sim_pair(p_fast=(1, 4), h_fast=(0.5, 5), cancel=(0.28, 0.35)),
+        "f": sim_provider("fallback", 0.0011, 3, (0.2, 3)),
+        # a provider with a short cap: 20 s (200 ms real)
+        "c": sim_provider("hedge", 0.0005, 4, (0, 100), timeout_s=20),
+    },
+    "fixed",
+    {"hedge_after_ms": 30000},  # 300 ms real: room for a loaded machine's lag
+    time_scale=0.01,
+    timeouts={"attempt_cap_s": 180},
+)
 
 
 class CancelAtPolicy(Policy):
