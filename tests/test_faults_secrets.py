@@ -28,7 +28,15 @@ import pytest
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.faults import RestartableRedis, start_fault_cluster
+from tests.support.fleet import FAKE_KEYS, webhook_env
 from tests.support.http_provider_server import HttpProviderServer, Knobs
+from tests.support.race_configs import (
+    FAKE_TIMEOUTS,
+    PAID_CEILING,
+    cerebrium_provider,
+    race_config,
+    runpod_provider,
+)
 from tests.support.receiver import start_receiver, stop_receiver
 from tests.support.runpod_fake import KEY as RP_KEY
 from tests.support.runpod_fake import FakeRunpod
@@ -43,56 +51,36 @@ HOOK_SECRET = "whsec-4Yt9bQ2nR7cW1xZp"  # GPUHEDGE_WEBHOOK_SECRET
 REDIS_PASSWORD = "redispw-K3v8Lq1sNd6Tf0Bj"
 REQUEST_TEXT = "caller-says-Mw4pX9rTq2"  # a caller's request: its size in logs, never its text
 
-HTTP_CONFIG = """
-providers:
-  rp:
-    role: primary
-    adapter: http
-    billed_rate_per_s: 0.0003
-    http:
-      base_url: "{base}/v2/${{HTTP_TEST_URL_TOKEN}}"
-      headers: {{authorization: "${{GPUHEDGE_TEST_SECRET_KEY}}"}}
-      timeouts: {{connect_s: 2, read_s: 5}}
-      poll_interval_s: 0.05
-      cancel_confirm_s: 1
-      submit: {{method: POST, url: /run, body: {{input: "{{request}}"}}, job_id: id}}
-      status: {{method: GET, url: "/status/{{job_id}}", state: status,
-               payload: output.audio_base64, error: error}}
-      cancel: {{method: POST, url: "/cancel/{{job_id}}"}}
-  rpd:
-    role: hedge
-    adapter: runpod
-    billed_rate_per_s: 0.0003
-    runpod:
-      endpoint_id: sec-rp
-      api_key: "${{RUNPOD_TEST_KEY}}"
-      base_url: "{runpod}"
-      payload: output.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-      poll: {{min_s: 0.05, max_s: 0.5, fraction: 0.25}}
-      cancel_confirm_s: 5
-      cancel_poll_s: 0.05
-  cb:
-    role: fallback
-    adapter: cerebrium
-    billed_rate_per_s: 0.0005
-    cerebrium:
-      project_id: p-sec
-      app: tts
-      function: predict
-      api_key: "${{CEREBRIUM_TEST_KEY}}"
-      api_url: "{cerebrium}"
-      rest_url: "{cerebrium}"
-      payload: result.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-policy:
-  name: single
-# a race whose status replies stay malformed fails at its cap (its error text is searched too)
-# instead of outliving the caller's wait
-timeouts: {{attempt_cap_s: 8}}
-budget: {{ceiling_usd: 1000}}   # paid adapters need a ceiling (docs/costs.md)
-validator: wav
-"""
+
+def config_text(base: str, runpod: str, cerebrium: str) -> str:
+    http = {
+        "base_url": f"{base}/v2/${{HTTP_TEST_URL_TOKEN}}",
+        "headers": {"authorization": "${GPUHEDGE_TEST_SECRET_KEY}"},
+        "timeouts": FAKE_TIMEOUTS,
+        "poll_interval_s": 0.05,
+        "cancel_confirm_s": 1,
+        "submit": {"method": "POST", "url": "/run", "body": {"input": "{request}"}, "job_id": "id"},
+        "status": {
+            "method": "GET",
+            "url": "/status/{job_id}",
+            "state": "status",
+            "payload": "output.audio_base64",
+            "error": "error",
+        },
+        "cancel": {"method": "POST", "url": "/cancel/{job_id}"},
+    }
+    return race_config(
+        {
+            "rp": {"role": "primary", "adapter": "http", "billed_rate_per_s": 0.0003, "http": http},
+            "rpd": runpod_provider("hedge", 0.0003, endpoint_id="sec-rp", base_url=runpod),
+            "cb": cerebrium_provider("fallback", 0.0005, url=cerebrium, project_id="p-sec"),
+        },
+        "single",
+        # a race whose status replies stay malformed fails at its cap (its error text is
+        # searched too) instead of outliving the caller's wait
+        timeouts={"attempt_cap_s": 8},
+        budget=PAID_CEILING,
+    )
 
 
 class EventLog:
@@ -138,9 +126,7 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
     }
     try:
         config = tmp_path / "secret.yaml"
-        config.write_text(
-            HTTP_CONFIG.format(base=server.url, runpod=runpod.base_url, cerebrium=cerebrium.url)
-        )
+        config.write_text(config_text(server.url, runpod.base_url, cerebrium.url))
         port = free_port()
         cluster = start_fault_cluster(
             redis.url,
@@ -151,11 +137,8 @@ def test_no_credential_in_any_output_with_every_process_at_debug(tmp_path):
             GPUHEDGE_CONFIG=str(config),
             GPUHEDGE_TEST_SECRET_KEY=SECRET,
             HTTP_TEST_URL_TOKEN=URL_TOKEN,
-            RUNPOD_TEST_KEY=RP_KEY,
-            CEREBRIUM_TEST_KEY=CB_KEY,
-            GPUHEDGE_WEBHOOK_URL=f"http://127.0.0.1:{port}/hooks",
-            GPUHEDGE_WEBHOOK_SECRET=HOOK_SECRET,
-            GPUHEDGE_WEBHOOK_FALLBACK_S="20",
+            **FAKE_KEYS,
+            **webhook_env(port, HOOK_SECRET, 20),
         )
         cluster.loglevel = "DEBUG"
         cli = [sys.executable, "-m", "gpuhedge_celery", "--log-level", "DEBUG"]

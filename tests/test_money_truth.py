@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
 from gpuhedge_celery.bench._truth_row import submit_spread, wait_settled
-from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
-from tests.support.receiver import start_receiver, stop_receiver
+from tests.support.fleet import fleet_cluster
+from tests.support.race_configs import cerebrium_provider, race_config, runpod_provider
 from tests.support.runpod_fake import KEY, FakeRunpod
 from tests.support.truth import compare_cluster
-from tests.support.webhook_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
 SECRET = "truth-webhook-secret-0123456789"
 POLICY = "cutover:rp->cb@q0.5s+s1.5s"
 SUBMIT_WINDOW_S = 10.0
@@ -40,49 +36,35 @@ TOTAL_LIMIT_S = 120.0  # submits, every job ended, every receipt written, the fl
 SETTLE_LIMIT_S = 90.0  # from the last submit to every job ended and every receipt written
 TOLERANCE = 0.05
 
-CONFIG = """
-providers:
-  rp:
-    role: primary
-    adapter: runpod
-    billed_rate_per_s: 0.0003
-    idle_billed_seconds: 5
-    runpod:
-      endpoint_id: truth-p
-      api_key: "${{RUNPOD_TEST_KEY}}"
-      base_url: "{runpod}"
-      payload: output.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-      cancel_confirm_s: 5
-      cancel_poll_s: 0.1
-  cb:
-    role: hedge
-    adapter: cerebrium
-    billed_rate_per_s: 0.0005
-    timeout_s: 20
-    cerebrium:
-      project_id: p-test
-      app: tts
-      function: predict
-      api_key: "${{CEREBRIUM_TEST_KEY}}"
-      api_url: "{cerebrium}"
-      rest_url: "{cerebrium}"
-      payload: result.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-policy:
-  name: cutover
-  params: {{queue_cutover_ms: 500, safety_hedge_ms: 1500}}
-timeouts:
-  attempt_cap_s: 30
-budget:
-  max_usd_per_request: 0.05
-  max_usd_per_day: 50
-  ceiling_usd: 1000
-  providers:
-    rp: {{max_usd_per_day: 20}}
-    cb: {{max_usd_per_day: 20}}
-validator: wav
-"""
+
+def config_text(runpod: str, cerebrium: str) -> str:
+    caps = {"max_usd_per_day": 20}
+    return race_config(
+        {
+            "rp": runpod_provider(
+                "primary",
+                0.0003,
+                endpoint_id="truth-p",
+                base_url=runpod,
+                poll=None,
+                cancel_poll_s=0.1,
+                idle_billed_seconds=5,
+            ),
+            "cb": cerebrium_provider(
+                "hedge", 0.0005, url=cerebrium, project_id="p-test", timeout_s=20
+            ),
+        },
+        "cutover",
+        {"queue_cutover_ms": 500, "safety_hedge_ms": 1500},
+        timeouts={"attempt_cap_s": 30},
+        budget={
+            "max_usd_per_request": 0.05,
+            "max_usd_per_day": 50,
+            "ceiling_usd": 1000,
+            "providers": {"rp": caps, "cb": caps},
+        },
+    )
+
 
 # Each race's fates, by its index: (RunPod job, Cerebrium run), real seconds.
 FATES = [
@@ -104,48 +86,22 @@ def request_for(i: int) -> dict:
 
 @pytest.fixture
 def cluster(redis_url, tmp_path, broker, request):
-    import redis
+    from tests.support.fixtures_celery import broker_url_for
 
-    from gpuhedge_celery.store.listener import enable_notifications
-    from tests.support.fixtures_celery import CeleryCluster, broker_url_for
-    from tests.support.fixtures_races import RaceCluster
-
-    enable_notifications(redis.Redis.from_url(redis_url))
-    runpod = FakeRunpod({"api_key": KEY, "webhook_gap_s": 0.5})
-    cerebrium = FakeCerebrium({"webhook_gap_s": 0.5})
-    receiver = cc = None
-    try:
-        config = tmp_path / "truth.yaml"
-        config.write_text(CONFIG.format(runpod=runpod.base_url, cerebrium=cerebrium.url))
-        cc = CeleryCluster(
-            redis_url, f"t{uuid.uuid4().hex[:10]}", tmp_path, broker_url_for(broker, request)
-        )
-        port = free_port()
-        cc.env.update(
-            {
-                "GPUHEDGE_CONFIG": str(config),
-                "RUNPOD_TEST_KEY": KEY,
-                "CEREBRIUM_TEST_KEY": CB_KEY,
-                "PYTHONPATH": str(REPO),
-                "GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
-                "GPUHEDGE_WEBHOOK_SECRET": SECRET,
-                "GPUHEDGE_WEBHOOK_FALLBACK_S": "10",
-            }
-        )
-        receiver = start_receiver(cc.env, port, tmp_path)
-        cc.wait_ready(*[cc.start_coordinator(wait=False) for _ in range(2)])
-        rc = RaceCluster(cc, config)
+    with (
+        FakeRunpod({"api_key": KEY, "webhook_gap_s": 0.5}) as runpod,
+        FakeCerebrium({"webhook_gap_s": 0.5}) as cerebrium,
+        fleet_cluster(
+            redis_url,
+            tmp_path,
+            config_text(runpod.base_url, cerebrium.url),
+            broker_url=broker_url_for(broker, request),
+            webhook_secret=SECRET,
+            fallback_s=10,
+        ) as rc,
+    ):
         rc.fakes = {"rp": runpod, "cb": cerebrium}
         yield rc
-    finally:
-        stop_receiver(receiver)
-        if cc is not None:
-            cc.close()
-            keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))
-            for i in range(0, len(keys), 1000):
-                cc.client.delete(*keys[i : i + 1000])
-        runpod.stop()
-        cerebrium.stop()
 
 
 def run_load(rc, n: int) -> tuple[list[str], dict]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,94 +19,53 @@ import pytest
 from gpuhedge_celery.core.validators import tone_wav
 from gpuhedge_celery.race.receipt import load_payload
 from gpuhedge_celery.signing import sign_result
-from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
-from tests.support.receiver import start_receiver, stop_receiver
-from tests.support.webhook_server import free_port
+from tests.support.fleet import fleet_cluster
+from tests.support.race_configs import PAID_CEILING, cerebrium_provider, race_config
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
 
-REPO = Path(__file__).resolve().parents[1]
 SECRET = "signed-races-webhook-secret-0123"
 RESULT_KEY = "signed-races-result-key-0123456789"
 
-PROVIDER = """  {name}:
-    role: {role}
-    adapter: cerebrium
-    billed_rate_per_s: 0.0005
-    timeout_s: 20
-    cerebrium:
-      project_id: p-e2e
-      app: tts
-      function: predict
-      api_key: "${{CEREBRIUM_TEST_KEY}}"
-      api_url: "{url}"
-      rest_url: "{url}"
-      payload: result                   # the signed object: audio_base64 and signature
-      timeouts: {{connect_s: 2, read_s: 5}}
-"""
-TAIL = """policy:
-  name: fixed
-  params: {hedge_after_ms: 300}
-timeouts:
-  attempt_cap_s: 60
-budget: {ceiling_usd: 1000}
-validator:
-  name: hmac
-  key: "${GPUHEDGE_TEST_RESULT_KEY}"
-  then: wav
-  at: audio_base64
-"""
+HMAC = {"name": "hmac", "key": "${GPUHEDGE_TEST_RESULT_KEY}", "then": "wav", "at": "audio_base64"}
 
 
 def config_text(url: str) -> str:
-    providers = "".join(
-        PROVIDER.format(name=n, role=r, url=url) for n, r in (("cb1", "primary"), ("cb2", "hedge"))
+    def cerebrium(role: str) -> dict:
+        # payload: the signed object, audio_base64 and signature
+        return cerebrium_provider(
+            role, 0.0005, url=url, project_id="p-e2e", payload="result", timeout_s=20
+        )
+
+    return race_config(
+        {"cb1": cerebrium("primary"), "cb2": cerebrium("hedge")},
+        "fixed",
+        {"hedge_after_ms": 300},
+        timeouts={"attempt_cap_s": 60},
+        budget=PAID_CEILING,
+        validator=HMAC,
     )
-    return "providers:\n" + providers + TAIL
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_url, tmp_path_factory):
-    import redis
-
-    from gpuhedge_celery.store.listener import enable_notifications
-    from tests.support.fixtures_celery import CeleryCluster
-    from tests.support.fixtures_races import RaceCluster
-
-    enable_notifications(redis.Redis.from_url(redis_url))
     tmp = tmp_path_factory.mktemp("signed-races")
-    fake = FakeCerebrium({"webhook_gap_s": 0.5})
-    receiver = cc = None
-    try:
-        config = tmp / "signed.yaml"
-        config.write_text(config_text(fake.url))
-        cc = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp)
-        port = free_port()
-        cc.env.update(
-            {
-                "GPUHEDGE_CONFIG": str(config),
-                "CEREBRIUM_TEST_KEY": CB_KEY,
-                "GPUHEDGE_TEST_RESULT_KEY": RESULT_KEY,
-                "PYTHONPATH": str(REPO),
-                "GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
-                "GPUHEDGE_WEBHOOK_SECRET": SECRET,
-                "GPUHEDGE_WEBHOOK_FALLBACK_S": "20",
-            }
-        )
-        receiver = start_receiver(cc.env, port, tmp, timeout_s=20)
-        cc.wait_ready(cc.start_coordinator(wait=False))
-        rc = RaceCluster(cc, config)
-        rc.fake, rc.receiver_log = fake, tmp / "receiver.log"
+    with (
+        FakeCerebrium({"webhook_gap_s": 0.5}) as fake,
+        fleet_cluster(
+            redis_url,
+            tmp,
+            config_text(fake.url),
+            workers=1,
+            env={"GPUHEDGE_TEST_RESULT_KEY": RESULT_KEY},
+            webhook_secret=SECRET,
+            fallback_s=20,
+            receiver_timeout_s=20,
+        ) as rc,
+    ):
+        rc.fake = fake
         yield rc
-    finally:
-        stop_receiver(receiver)
-        if cc is not None:
-            cc.close()
-            keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))
-            if keys:
-                cc.client.delete(*keys)
-        fake.stop()
 
 
 def webhook_of(rc, race_id: str, provider: str, timeout_s: float = 10.0) -> tuple[str, str]:

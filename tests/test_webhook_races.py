@@ -11,73 +11,43 @@ are cancelled with receipts, every leak is flagged, nothing runs on at RunPod.
 from __future__ import annotations
 
 import time
-import uuid
-from pathlib import Path
+from contextlib import ExitStack
 
 import pytest
 
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
+from tests.support.fleet import fleet_cluster
 from tests.support.modal_fake import FakeModalProcess
-from tests.support.receiver import start_receiver, stop_receiver
+from tests.support.race_configs import (
+    PAID_CEILING,
+    cerebrium_provider,
+    modal_provider,
+    race_config,
+    runpod_provider,
+)
 from tests.support.runpod_fake import KEY, FakeRunpod
-from tests.support.webhook_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(240), pytest.mark.brokers]
 
-REPO = Path(__file__).resolve().parents[1]
 SECRET = "e2e-webhook-secret-0123456789"
 
-CONFIG = """
-providers:
-  rp:
-    role: primary
-    adapter: runpod
-    billed_rate_per_s: 0.0003
-    runpod:
-      endpoint_id: e2e-w
-      api_key: "${{RUNPOD_TEST_KEY}}"
-      base_url: "{runpod}"
-      payload: output.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-      poll: {{min_s: 0.05, max_s: 0.5, fraction: 0.25}}
-      cancel_confirm_s: 5
-      cancel_poll_s: 0.05
-  cb:
-    role: hedge
-    adapter: cerebrium
-    billed_rate_per_s: 0.0005
-    timeout_s: 4                  # the cap: a run whose webhook never came ends here
-    cerebrium:
-      project_id: p-e2e
-      app: tts
-      function: predict
-      api_key: "${{CEREBRIUM_TEST_KEY}}"
-      api_url: "{cerebrium}"
-      rest_url: "{cerebrium}"
-      payload: result.audio_base64
-      timeouts: {{connect_s: 2, read_s: 5}}
-  m:
-    role: fallback
-    adapter: modal
-    billed_rate_per_s: 0.000704
-    modal:
-      app: tts
-      function: synthesize
-      payload: audio_base64
-      poll_interval_s: 0.05
-      cancel_confirm_s: 3
-      timeouts: {{spawn_s: 1.5, poll_s: 1, cancel_s: 2}}
-      sdk: "tests.support.modal_fake_sdk:FakeModalClient"
-      sdk_options: {{url: "{modal}"}}
-policy:
-  name: fixed
-  params: {{hedge_after_ms: 300}}
-timeouts:
-  attempt_cap_s: 60
-budget: {{ceiling_usd: 1000}}   # paid adapters need a ceiling (docs/costs.md)
-validator: wav
-"""
+
+def config_text(runpod: str, cerebrium: str, modal: str) -> str:
+    return race_config(
+        {
+            "rp": runpod_provider("primary", 0.0003, endpoint_id="e2e-w", base_url=runpod),
+            # its 4 s cap: a run whose webhook never came ends there
+            "cb": cerebrium_provider(
+                "hedge", 0.0005, url=cerebrium, project_id="p-e2e", timeout_s=4
+            ),
+            "m": modal_provider("fallback", 0.000704, url=modal),
+        },
+        "fixed",
+        {"hedge_after_ms": 300},
+        timeouts={"attempt_cap_s": 60},
+        budget=PAID_CEILING,
+    )
 
 
 class Races:
@@ -105,49 +75,27 @@ class Races:
 
 @pytest.fixture(scope="module", params=["on", "off"])
 def races(request, redis_url, tmp_path_factory, broker):
-    import redis
-
-    from gpuhedge_celery.store.listener import enable_notifications
-    from tests.support.fixtures_celery import CeleryCluster, broker_url_for
-    from tests.support.fixtures_races import RaceCluster
+    from tests.support.fixtures_celery import broker_url_for
 
     hooks = request.param == "on"
-    enable_notifications(redis.Redis.from_url(redis_url))
     tmp = tmp_path_factory.mktemp(f"webhook-races-{request.param}")
-    runpod = FakeRunpod({"api_key": KEY, "webhook_gap_s": 0.5})
-    cerebrium = FakeCerebrium({"webhook_gap_s": 0.5})
-    modal = FakeModalProcess()
-    receiver = None
-    cc = None
-    try:
-        config = tmp / "webhook-races.yaml"
-        config.write_text(CONFIG.format(runpod=runpod.base_url, cerebrium=cerebrium.url,
-                                        modal=modal.url))  # fmt: skip
-        cc = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp,
-                           broker_url_for(broker, request))  # fmt: skip
-        cc.env.update({"GPUHEDGE_CONFIG": str(config), "RUNPOD_TEST_KEY": KEY,
-                       "CEREBRIUM_TEST_KEY": CB_KEY, "PYTHONPATH": str(REPO)})  # fmt: skip
-        if hooks:
-            port = free_port()
-            cc.env.update({"GPUHEDGE_WEBHOOK_URL": f"http://127.0.0.1:{port}/hooks",
-                           "GPUHEDGE_WEBHOOK_SECRET": SECRET,
-                           "GPUHEDGE_WEBHOOK_FALLBACK_S": "20"})  # fmt: skip
-            receiver = start_receiver(cc.env, port, tmp, timeout_s=20)
-        else:
-            for name in ("GPUHEDGE_WEBHOOK_URL", "GPUHEDGE_WEBHOOK_SECRET"):
-                cc.env.pop(name, None)
-        cc.wait_ready(*[cc.start_coordinator(wait=False) for _ in range(2)])
-        rc = RaceCluster(cc, config)
-        yield Races(rc, runpod, cerebrium, modal, hooks, tmp / "receiver.log" if hooks else None)
-    finally:
-        stop_receiver(receiver)
-        if cc is not None:
-            cc.close()
-            keys = list(cc.client.scan_iter(f"{cc.prefix}:*", count=1000))
-            if keys:
-                cc.client.delete(*keys)
-        for fake in (runpod, cerebrium, modal):
-            fake.stop()
+    with ExitStack() as stack:
+        runpod = stack.enter_context(FakeRunpod({"api_key": KEY, "webhook_gap_s": 0.5}))
+        cerebrium = stack.enter_context(FakeCerebrium({"webhook_gap_s": 0.5}))
+        modal = FakeModalProcess()
+        stack.callback(modal.stop)
+        rc = stack.enter_context(
+            fleet_cluster(
+                redis_url,
+                tmp,
+                config_text(runpod.base_url, cerebrium.url, modal.url),
+                broker_url=broker_url_for(broker, request),
+                webhook_secret=SECRET if hooks else None,
+                fallback_s=20,
+                receiver_timeout_s=20,
+            )
+        )
+        yield Races(rc, runpod, cerebrium, modal, hooks, rc.receiver_log)
 
 
 def attempt(receipt, provider):
