@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from gpuhedge_celery.core.budget import BudgetCaps
+from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
@@ -56,13 +57,13 @@ def trips_of_a_race(redis_url, prefix, policy, budget: bool) -> tuple[int, int]:
     for warm in ("w1", "w2"):  # scripts loaded, connections made
         driver.create(f"{warm}-{budget}", FAST, spec, submit_first=True)
         for race_id, attempt_id in effects.launched:
-            driver.submit_attempt(race_id, attempt_id, decided_here=True)
+            driver.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
         effects.launched.clear()
     client.trips[0] = 0
     race_id = f"r-{budget}"
     driver.create(race_id, FAST, spec, submit_first=True)
     for rid, attempt_id in effects.launched:  # the hedge, as a launch thread would
-        driver.submit_attempt(rid, attempt_id, decided_here=True)
+        driver.submit_attempt(rid, attempt_id, SubmitHow(decided_here=True))
     receipt = driver.store.receipt(race_id)
     assert receipt is not None and receipt["winner"] is not None
     submitted = sum(1 for a in receipt["attempts"] if a["handle"])

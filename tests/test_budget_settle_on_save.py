@@ -17,6 +17,8 @@ from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.core.jobs import JobState
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.race_events import ResultArrived
+from gpuhedge_celery.race.attempts import SubmitHow
+from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
@@ -24,6 +26,7 @@ from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.store.race_keys import reservation_id
 from gpuhedge_celery.store.races import RaceStore, VersionConflict, new_save_id
+from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.store.scripts import run_pipeline
 from gpuhedge_celery.store.timers import TimerStore
 from tests.test_races_driver import Recorder, build_driver
@@ -51,12 +54,13 @@ def save_settling(races, ledger, state, version, items, save_id=None):
     save_id = save_id or new_save_id()
     mark = races.save_mark("r1", version, save_id)
 
-    def also(pipe):
-        settle = [(aid, nano, "estimated") for aid, nano in items]
-        ledger.queue_settle(pipe, "r1", settle, 1, only_if=mark)
+    def settle(pipe):
+        found = [(aid, nano, "estimated") for aid, nano in items]
+        ledger.queue_settle(pipe, "r1", found, 1, only_if=mark)
 
-    return races.save("r1", state, version, also=also, scripts=(ledger.settle_script,),
-                      save_id=save_id)  # fmt: skip
+    trip = RoundTrip()
+    trip.ride(settle, [ledger.settle_script])
+    return races.save("r1", state, version, trip, save_id)
 
 
 def settlements(ledger):
@@ -122,14 +126,14 @@ def test_a_step_on_a_stale_copy_settles_what_the_saved_race_implies(redis_client
     slow = {"sim": {"p": {"queue_s": 0, "run_s": 1000}, "h": {"queue_s": 0, "run_s": 1000}}}
     caps, ledger = BudgetCaps(ceiling_usd=1000), BudgetStore(redis_client, prefix)
     here, effects, cfg, _, providers = build_driver(redis_client, prefix, Recorder())
-    other = RaceDriver(
+    other = RaceDriver(RaceParts(
         RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
         providers.__getitem__, Recorder(), RaceSettings(),
-    )  # fmt: skip
+    ))  # fmt: skip
     here.budget = other.budget = RaceBudget(ledger, caps)
     here.create("r1", slow, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
     for race_id, attempt_id in effects.launched:
-        here.submit_attempt(race_id, attempt_id, decided_here=True)
+        here.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
     assert here.store.load("r1", fresh=True).cached  # both running, in this process's copy
     other.step("r1", ResultArrived("a2"))  # h wins there: p is cancelled
     here.step("r1", ResultArrived("a1", JobState.CANCELLED, valid=False))

@@ -211,6 +211,7 @@ def test_a_submit_claim_with_its_reservation_on_a_server_without_the_scripts(pri
     import redis
 
     from gpuhedge_celery.store.races import RaceStore
+    from gpuhedge_celery.store.round_trip import RoundTrip
 
     client = redis.Redis.from_url(private_redis.url, decode_responses=True)
     races, ledger = RaceStore(client, "t"), BudgetStore(client, "t")
@@ -218,9 +219,13 @@ def test_a_submit_claim_with_its_reservation_on_a_server_without_the_scripts(pri
     client.script_flush()  # this test's own server: no script is loaded
     pending = rb.reservation("r1", attempt(), state())
     intent = {"submitting": True, "at": 1.0, "until": 2.0}
-    assert races.claim_submit("r1", "a1", intent, also=pending) is None  # ours: submit
+    trip = RoundTrip()
+    pending.ride(trip)
+    assert races.claim_submit("r1", "a1", intent, trip) is None  # ours: submit
     assert pending.result.granted and not pending.result.repeat
     # another process's claim of the same attempt sees the intent, and the same reservation
     again = rb.reservation("r1", attempt(), state())
-    assert races.claim_submit("r1", "a1", {**intent, "at": 1.5}, also=again) == intent
+    trip = RoundTrip()
+    again.ride(trip)
+    assert races.claim_submit("r1", "a1", {**intent, "at": 1.5}, trip) == intent
     assert again.result.granted and again.result.repeat

@@ -27,6 +27,8 @@ from gpuhedge_celery.core.race_events import (
     ResultArrived,
 )
 from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
+from gpuhedge_celery.race.attempts import SubmitHow
+from gpuhedge_celery.race.base import JobRef
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
@@ -92,7 +94,7 @@ def leaked_driver_race(redis_client, prefix, accepted=True):
     driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
     driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
     for race_id, attempt_id in effects.launched:
-        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+        driver.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
     driver.step("r1", ResultArrived("a2"))  # h wins: p is cancelled...
     refused = CancelReceipt("p", "", note="cancel: HTTP 500")  # no evidence: refused
     driver.step("r1", (CancelAcknowledged("a1", None if accepted else refused),
@@ -105,7 +107,7 @@ def deliver_late(driver, provider, cost_usd):
     handle = JobHandle.from_dict(state["race"]["attempts"][0]["handle"])
     late = AttemptResult("p", handle.job_id, JobState.COMPLETED, 9000.0, {"audio": "x"},
                          metrics={"cost_usd": cost_usd})  # fmt: skip
-    driver.conclude("r1", "a1", provider, handle, 60.0, state["spec"], result=late)
+    driver.conclude(JobRef("r1", "a1", provider.name, handle.to_dict(), 60.0), state["spec"], late)
     return driver.store.receipt("r1")
 
 
@@ -178,7 +180,7 @@ def test_a_leak_settles_at_its_acknowledgement_or_keeps_its_whole_reservation(
     driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
     driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
     for race_id, attempt_id in effects.launched:
-        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+        driver.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
     driver.step("r1", ResultArrived("a2"))
     refused = CancelReceipt("p", "", note="cancel: HTTP 500")  # no evidence: refused
     driver.step("r1", (CancelAcknowledged("a1", None if accepted else refused),
@@ -212,7 +214,7 @@ def test_a_janitor_confirmed_leak_replaces_its_acknowledgement_price_once(redis_
     driver.budget = RaceBudget(ledger, BudgetCaps(ceiling_usd=1000))
     driver.create("r1", SLOW, build_spec(cfg, "hedge:p->h@0s"), submit_first=True)
     for race_id, attempt_id in effects.launched:
-        driver.submit_attempt(race_id, attempt_id, decided_here=True)
+        driver.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
     driver.step("r1", ResultArrived("a2"))
     driver.step("r1", (CancelAcknowledged("a1", None), CancelFailed("a1", "no terminal state")))
     first = int(ledger.reservation("r1", "a1")["settled"])

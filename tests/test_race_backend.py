@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.tasks.app import create_app
 from gpuhedge_celery.tasks.config import GlueConfig
 from gpuhedge_celery.tasks.race_backend import RaceRedisBackend
@@ -67,11 +68,13 @@ def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
 
     def save(version, save_id):
         mark = store.save_mark("race-4", version, save_id)
-        return store.save(
-            "race-4", {"n": version}, version, save_id=save_id, took=took.append,
-            also=lambda pipe: store.queue_claim_winner(pipe, "race-4", "a1", mark, write),
-            scripts=(store.claim_winner_script,),
-        )  # fmt: skip
+        trip = RoundTrip()
+        trip.ride(
+            lambda pipe: store.queue_claim_winner(pipe, "race-4", "a1", mark, write),
+            [store.claim_winner_script],
+            took.append,
+        )
+        return store.save("race-4", {"n": version}, version, trip, save_id)
 
     assert save(1, "s1") == 2
     assert RaceStore.winner_claim(took[-1][0]).first
@@ -98,9 +101,13 @@ def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
     took.clear()
     mark = store.save_mark("race-8", 1, "t1")
     write8 = backend.won_write("race-8", result, redis_client)
-    store.save("race-8", {"n": 1}, 1, save_id="t1", took=took.append,
-               also=lambda pipe: store.queue_claim_winner(pipe, "race-8", "a1", mark, write8),
-               scripts=(store.claim_winner_script,))  # fmt: skip
+    trip = RoundTrip()
+    trip.ride(
+        lambda pipe: store.queue_claim_winner(pipe, "race-8", "a1", mark, write8),
+        [store.claim_winner_script],
+        took.append,
+    )
+    store.save("race-8", {"n": 1}, 1, trip, "t1")
     assert RaceStore.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
     assert redis_client.get(write8.key) is None
     # a store on another Redis database: the backend writes the result itself, after the save
@@ -118,12 +125,13 @@ def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, pr
     store.create("race-7", {"n": 0})
     store.save("race-7", {"n": 1}, 1)
     mark = store.save_mark("race-7", 1, "late")
+    trip = RoundTrip()
+    trip.ride(
+        lambda pipe: store.queue_claim_winner(pipe, "race-7", "a1", mark, write),
+        [store.claim_winner_script],
+    )
     with pytest.raises(VersionConflict):  # computed from version 1: it loses
-        store.save(
-            "race-7", {"n": 2}, 1, save_id="late",
-            also=lambda pipe: store.queue_claim_winner(pipe, "race-7", "a1", mark, write),
-            scripts=(store.claim_winner_script,),
-        )  # fmt: skip
+        store.save("race-7", {"n": 2}, 1, trip, "late")
     assert redis_client.get(write.key) is None and store.winner("race-7") is None
 
 

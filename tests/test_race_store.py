@@ -15,7 +15,9 @@ from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_copies import Copy
 from gpuhedge_celery.store.race_keys import race_keys
 from gpuhedge_celery.store.race_liveness import OwnershipLost
-from gpuhedge_celery.store.races import RaceStore, VersionConflict, WinnerClaim
+from gpuhedge_celery.store.race_receipts import Finish
+from gpuhedge_celery.store.races import Keeping, RaceStore, VersionConflict, WinnerClaim
+from gpuhedge_celery.store.round_trip import RoundTrip
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -83,11 +85,13 @@ def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
 
     def save(version, attempt, save_id):
         mark = races.save_mark("r1", version, save_id)
-        return races.save(
-            "r1", {"n": version}, version, save_id=save_id, took=took.append,
-            also=lambda pipe: races.queue_claim_winner(pipe, "r1", attempt, mark),
-            scripts=(races.claim_winner_script,),
-        )  # fmt: skip
+        trip = RoundTrip()
+        trip.ride(
+            lambda pipe: races.queue_claim_winner(pipe, "r1", attempt, mark),
+            [races.claim_winner_script],
+            took.append,
+        )
+        return races.save("r1", {"n": version}, version, trip, save_id)
 
     assert save(1, "a1", "s1") == 2
     assert races.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=True)
@@ -114,14 +118,10 @@ def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
 
     def save(version, save_id, drop):
         mark = races.save_mark("r1", version, save_id)
-        return races.save(
-            "r1", {"n": version}, version, save_id=save_id,
-            also=lambda pipe: races.queue_finish_on_save(
-                pipe, "r1", {"winner": "a2", "n": version}, mark, 60, drop_jobs=drop,
-                record={"race": "r1"},
-            ),
-            scripts=(races.finish_script,),
-        )  # fmt: skip
+        trip = RoundTrip()
+        done = Finish({"winner": "a2", "n": version}, 60, tuple(drop), {"race": "r1"})
+        races.ride_finish(trip, "r1", done, mark)
+        return races.save("r1", {"n": version}, version, trip, save_id)
 
     assert races.save("r1", {"n": 1}, 1) == 2
     with pytest.raises(VersionConflict):  # computed from version 1: loses, finishes nothing
@@ -141,16 +141,15 @@ def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
     # the job's own cancel confirmed it later: a finish with no job left leaves the live index
     races.create("r2", {"n": 0})
     races.add_job("r2", "a1", {"provider": "p", "job_id": "j3"})
-    mark = races.save_mark("r2", 1, "t1")
-    races.save("r2", {"n": 1}, 1, save_id="t1", scripts=(races.finish_script,),
-               also=lambda pipe: races.queue_finish_on_save(pipe, "r2", {}, mark, 60,
-                                                            drop_jobs=["a1"]))  # fmt: skip
+    trip = RoundTrip()
+    races.ride_finish(trip, "r2", Finish({}, 60, ("a1",)), races.save_mark("r2", 1, "t1"))
+    races.save("r2", {"n": 1}, 1, trip, "t1")
     assert races.live_jobs("r2") == {} and races.last_seen_ms("r2") is None
     assert races.records.length() == 1  # no record given, none appended
 
 
 def test_state_keys_expire_eventually(redis_client, prefix):
-    store = RaceStore(redis_client, prefix, state_ttl_s=120)
+    store = RaceStore(redis_client, prefix, Keeping(state_ttl_s=120))
     store.create("r1", {})
     assert 100_000 < redis_client.pttl(race_keys(prefix, "r1").state) <= 120_000
 
@@ -266,7 +265,7 @@ def test_ownership_lease_with_fencing_tokens(races):
 def test_the_fencing_counter_expires_with_its_race_never_before_its_lease(redis_client, prefix):
     from gpuhedge_celery.store.race_keys import race_keys
 
-    races = RaceStore(redis_client, prefix, receipt_ttl_s=60, state_ttl_s=3600)
+    races = RaceStore(redis_client, prefix, Keeping(receipt_ttl_s=60, state_ttl_s=3600))
     races.create("live", {"n": 1})
     races.claim_owner("live", "coord", lease_ms=1000)
     seq = race_keys(prefix, "live").owner_seq
@@ -383,7 +382,7 @@ def test_finish_drops_ended_jobs_in_its_own_round_trip(races):
 
 
 def test_the_request_is_stored_once_beside_the_state_and_dropped_at_finish(redis_client, prefix):
-    store = RaceStore(redis_client, prefix, state_ttl_s=120)
+    store = RaceStore(redis_client, prefix, Keeping(state_ttl_s=120))
     request = {"text": "x" * 10_000, "n": [1, 2]}
     assert store.create("r", {"phase": "primary"}, request) == 1
     keys = race_keys(prefix, "r")
@@ -437,13 +436,13 @@ def test_load_with_jobs_reads_state_and_jobs_together(races):
 
 
 def test_receipt_ttl_is_configurable(redis_client, prefix):
-    store = RaceStore(redis_client, prefix, receipt_ttl_s=300)
+    store = RaceStore(redis_client, prefix, Keeping(receipt_ttl_s=300))
     store.put_receipt("r", {"ok": True})
     assert 290_000 < redis_client.pttl(race_keys(prefix, "r").receipt) <= 300_000
     assert store.receipt("r") == {"ok": True}
     assert store.receipt("missing") is None
     with pytest.raises(ValueError, match="receipt_ttl_s"):
-        RaceStore(redis_client, prefix, receipt_ttl_s=0)
+        RaceStore(redis_client, prefix, Keeping(receipt_ttl_s=0))
 
 
 # -- keys and input ------------------------------------------------------------------------------

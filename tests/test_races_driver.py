@@ -16,6 +16,7 @@ from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.jobs import JobHandle
 from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
+from gpuhedge_celery.race.base import JobRef, RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -64,11 +65,13 @@ def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFI
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     driver = RaceDriver(
-        RaceStore(redis_client, prefix),
-        TimerStore(redis_client, prefix, "races"),
-        providers.__getitem__,
-        effects,
-        settings or RaceSettings(),
+        RaceParts(
+            RaceStore(redis_client, prefix),
+            TimerStore(redis_client, prefix, "races"),
+            providers.__getitem__,
+            effects,
+            settings or RaceSettings(),
+        )
     )
     return driver, effects, cfg, ledger, providers
 
@@ -164,7 +167,7 @@ def test_a_fast_job_wins_inline_and_a_duplicate_result_changes_nothing(setup):
     assert receipt["winner"] == "a1" and receipt["finished"] is True
     assert effects.events.count("won") == 1
     handle = JobHandle.from_dict(receipt["attempts"][0]["handle"])
-    driver.conclude("r4", "a1", providers["p"], handle, 180.0)  # a second watch's answer
+    driver.conclude(JobRef("r4", "a1", "p", handle.to_dict(), 180.0))  # a second watch's answer
     assert len(effects.results) == 1 and driver.store.receipt("r4") == receipt
 
 
@@ -264,10 +267,10 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
 
 def _another_process(redis_client, prefix, providers) -> RaceDriver:
     """A second driver on the same Redis, as another coordination worker would have."""
-    return RaceDriver(
+    return RaceDriver(RaceParts(
         RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
         providers.__getitem__, Recorder(), RaceSettings(),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def test_a_step_on_a_stale_copy_of_the_race_is_checked_against_redis(setup, redis_client, prefix):
@@ -402,7 +405,7 @@ def test_a_result_nested_too_deep_to_store_ends_its_attempt_invalid(setup):
     for _ in range(300):  # deeper than the store's JSON encoder goes
         payload = {"x": payload}
     deep = AttemptResult("p", handle.job_id, JobState.COMPLETED, 1000.0, payload=payload)
-    driver.conclude("deep", "a1", providers["p"], handle, 60.0, record.state["spec"], result=deep)
+    driver.conclude(JobRef("deep", "a1", "p", handle.to_dict(), 60.0), record.state["spec"], deep)
     state = driver.store.load("deep").state
     assert state["results"]["a1"]["valid"] is False
     assert "cannot be stored as JSON" in " ".join(state["results"]["a1"]["reasons"])

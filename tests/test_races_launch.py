@@ -15,8 +15,9 @@ import pytest
 from gpuhedge_celery.core.race_events import SubmitFailed, TimerDue
 from gpuhedge_celery.providers.redis_ledger import sim_job_running
 from gpuhedge_celery.providers.simledger import seq_key
-from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT
+from gpuhedge_celery.race.attempts import UNKNOWN_SUBMIT, SubmitHow
 from gpuhedge_celery.race.backstops import launch_backstop_id
+from gpuhedge_celery.race.base import JobRef
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.timers import Timer
@@ -65,7 +66,7 @@ def test_a_launch_arms_its_backstop_and_the_watched_submit_drops_it(setup):
     backstop = launch_backstop_id("l1", "a2")
     due = driver.timers.due_time(backstop)
     assert due is not None and abs(due / 1000 - (time.time() + 60)) < 5
-    driver.submit_attempt("l1", "a2", backstop=backstop)  # what the launch thread runs
+    driver.submit_attempt("l1", "a2", SubmitHow(backstop=backstop))  # what the launch thread runs
     assert submits(ledger) == 1 and hedge(driver, "l1")["phase"] == "running"
     assert driver.timers.due_time(backstop) is None  # dropped with the first watch poll's arm
     watch = "l1:w:a2|"
@@ -94,7 +95,9 @@ def test_a_launch_that_died_before_its_submit_is_made_by_the_backstop(setup):
     a2 = hedge(driver, "l2")
     assert a2["phase"] == "running" and driver.store.live_jobs("l2")["a2"]["job_id"] == a2["job_id"]
     fire_backstop(driver, "l2", deliveries=2)  # delivered again: nothing is submitted again
-    driver.submit_attempt("l2", "a2", backstop=launch_backstop_id("l2", "a2"))  # a late thread
+    driver.submit_attempt(
+        "l2", "a2", SubmitHow(backstop=launch_backstop_id("l2", "a2"))
+    )  # a late thread
     assert submits(ledger) == 1
 
 
@@ -117,7 +120,9 @@ def test_a_submit_in_flight_elsewhere_is_left_to_it_and_looked_at_again_after_it
         "l4", "a2", {"submitting": True, "at": now, "until": now + 5}
     )
     assert claimed is None
-    driver.submit_attempt("l4", "a2", backstop=launch_backstop_id("l4", "a2"))  # a duplicate
+    driver.submit_attempt(
+        "l4", "a2", SubmitHow(backstop=launch_backstop_id("l4", "a2"))
+    )  # a duplicate
     fire_backstop(driver, "l4")
     assert submits(ledger) == 0 and hedge(driver, "l4")["phase"] == "launching"
     again = f"{launch_backstop_id('l4', 'a2')}|"
@@ -159,7 +164,7 @@ def test_a_submit_that_returns_after_its_attempt_ended_cancels_its_job(setup):
         return handle
 
     providers["h"].submit = slow_submit
-    driver.submit_attempt("l7", "a2", backstop=launch_backstop_id("l7", "a2"))
+    driver.submit_attempt("l7", "a2", SubmitHow(backstop=launch_backstop_id("l7", "a2")))
     assert submits(ledger) == 1 and hedge(driver, "l7")["phase"] == "ended"
     (handle,) = made
     deadline = time.monotonic() + 5  # the sim confirms a cancel 0.35 s (3.5 ms real) later
@@ -178,7 +183,7 @@ def test_a_watch_reports_a_job_whose_submit_report_was_lost(setup):
     handle = providers["h"].submit(SLOW)
     driver.store.add_job("l8", "a2", handle.to_dict())
     assert hedge(driver, "l8")["phase"] == "launching"
-    driver.watch("l8", "a2", "h", handle.to_dict(), "QUEUED-unseen", 180.0)
+    driver.watch(JobRef("l8", "a2", "h", handle.to_dict(), 180.0), "QUEUED-unseen")
     a2 = hedge(driver, "l8")
     assert a2["phase"] == "running" and a2["job_id"] == handle.job_id
     assert submits(ledger) == 1
@@ -190,7 +195,7 @@ def test_a_conclusion_reports_a_job_whose_submit_report_was_lost(setup):
     fast = {"sim": {"h": {"queue_s": 0, "run_s": 0}}}
     handle = providers["h"].submit(fast)
     driver.store.add_job("l9", "a2", handle.to_dict())
-    driver.watch("l9", "a2", "h", handle.to_dict(), None, 180.0)  # terminal: concluded at once
+    driver.watch(JobRef("l9", "a2", "h", handle.to_dict(), 180.0))  # terminal: concluded at once
     a2 = hedge(driver, "l9")
     assert a2["job_id"] == handle.job_id and a2["valid"] is True
     assert [r["winner"] for r in effects.results] == ["h"]
@@ -205,7 +210,9 @@ def test_a_launch_from_a_stale_copy_finds_the_job_another_process_submitted(
     other.providers = providers.__getitem__
     other.submit_attempt("l10", "a2")  # another process got there first
     assert driver.store.load("l10", fresh=True).cached  # ours is now stale
-    driver.submit_attempt("l10", "a2", backstop=launch_backstop_id("l10", "a2"), decided_here=True)
+    driver.submit_attempt(
+        "l10", "a2", SubmitHow(backstop=launch_backstop_id("l10", "a2"), decided_here=True)
+    )
     assert submits(ledger) == 1 and hedge(driver, "l10")["phase"] == "running"
     assert driver.timers.due_time(launch_backstop_id("l10", "a2")) is None
 
@@ -231,7 +238,9 @@ def test_a_launch_resumed_where_the_race_was_last_saved_before_it_keeps_its_back
     )
     backstop = launch_backstop_id("l12", "a2")
     assert driver.timers.due_time(backstop) is not None
-    driver.submit_attempt("l12", "a2", backstop=backstop, decided_here=True)  # a resumed launch
+    driver.submit_attempt(
+        "l12", "a2", SubmitHow(backstop=backstop, decided_here=True)
+    )  # a resumed launch
     assert driver.timers.due_time(backstop) is not None  # left to finish the launch
     assert submits(ledger) == 0 and hedge(driver, "l12")["phase"] == "launching"
 
@@ -251,7 +260,7 @@ def test_an_orphan_job_whose_cancel_fails_stays_registered_for_the_janitor(setup
 
     providers["h"].submit = slow_submit
     providers["h"].cancel = broken_cancel
-    driver.submit_attempt("l11", "a2", backstop=launch_backstop_id("l11", "a2"))
+    driver.submit_attempt("l11", "a2", SubmitHow(backstop=launch_backstop_id("l11", "a2")))
     assert hedge(driver, "l11")["phase"] == "ended"
     registered = driver.store.live_jobs("l11")["a2"]
     assert registered["job_id"].startswith("sim-h-") and not registered.get("submitting")

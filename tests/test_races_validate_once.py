@@ -12,6 +12,7 @@ import pytest
 
 from gpuhedge_celery.core import validators as v
 from gpuhedge_celery.core.jobs import AttemptResult, JobHandle, JobState
+from gpuhedge_celery.race.base import JobRef
 from gpuhedge_celery.race.receipt import load_attempt_result, result_key
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store import codec
@@ -52,7 +53,7 @@ def test_a_winning_result_is_validated_once_and_stored_with_its_verdict(setup):
     # A second watch's answer for the ended attempt: not decoded, not stored again.
     driver.store.client.delete(result_key(driver.prefix, "v1", "a1"))
     handle = JobHandle.from_dict(driver.store.receipt("v1")["attempts"][0]["handle"])
-    driver.conclude("v1", "a1", providers["p"], handle, 180.0)
+    driver.conclude(JobRef("v1", "a1", "p", handle.to_dict(), 180.0))
     assert len(CALLS) == 1
     assert not driver.store.client.exists(result_key(driver.prefix, "v1", "a1"))
     assert len(effects.results) == 1
@@ -80,24 +81,24 @@ def test_a_step_retried_after_a_version_conflict_does_not_send_the_result_again(
     other = RaceStore(driver.store.client, driver.prefix)  # another process
     real_save, queued = driver.store.save, []
 
-    def save(race_id, state, version, also=None, scripts=(), before=None, **more):
-        if before is None:
-            return real_save(race_id, state, version, also=also, scripts=scripts, **more)
+    def save(race_id, state, version, trip=None, save_id=None):
+        if race_id != "v3" or trip is None:
+            return real_save(race_id, state, version, trip, save_id)
         if not queued:  # another process saves the race first: this save conflicts
             record = other.load(race_id)
             other.save(race_id, record.state, record.version)
+        ahead = trip.queue_ahead
 
-        def counted(pipe):
+        def counted(pipe):  # the commands sent ahead of the save: the result's
             n = len(pipe.command_stack)
-            before(pipe)
+            ahead(pipe)
             queued.append(len(pipe.command_stack) - n)
 
-        return real_save(
-            race_id, state, version, also=also, scripts=scripts, before=counted, **more
-        )
+        trip.queue_ahead = counted
+        return real_save(race_id, state, version, trip, save_id)
 
     monkeypatch.setattr(driver.store, "save", save)
-    driver.conclude("v3", "a1", providers["p"], handle, 180.0, result=result)
+    driver.conclude(JobRef("v3", "a1", "p", handle.to_dict(), 180.0), None, result)
     assert queued == [1, 0]  # the result rode in the conflicting save only
     assert [r["payload"] for r in effects.results] == [payload]
     stored = load_attempt_result(driver.store.client, driver.prefix, "v3", "a1")

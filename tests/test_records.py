@@ -16,7 +16,7 @@ from gpuhedge_celery.commands.records import BadInput, parse_time
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
-from gpuhedge_celery.store.races import RaceStore
+from gpuhedge_celery.store.races import Keeping, RaceStore
 from gpuhedge_celery.store.records import RecordStream
 from tests.test_races_driver import FAST, Recorder, build_driver
 
@@ -68,7 +68,7 @@ def finish_fast_race(redis_client, prefix, race_id, records_maxlen=100_000):
     """Run one zero-latency race to its end; return the driver's store and the counter."""
     counting = CountingClient(redis_client)
     driver, effects, cfg, _, _ = build_driver(counting, prefix, Recorder())
-    driver.store = RaceStore(counting, prefix, records_maxlen=records_maxlen)
+    driver.store = RaceStore(counting, prefix, Keeping(records_maxlen=records_maxlen))
     driver.create(race_id, FAST, build_spec(cfg))
     counting.round_trips, counting.pipelined = 0, []
     driver.submit_attempt(race_id, "a1")  # submits, polls: terminal, concluded, finished inline

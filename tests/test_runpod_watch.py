@@ -16,6 +16,7 @@ from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.race import DEADLINE_TIMER
 from gpuhedge_celery.errors import RateLimited
 from gpuhedge_celery.providers.simledger import RedisLedger
+from gpuhedge_celery.race.base import JobRef, RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -60,8 +61,8 @@ def driver(redis_client, prefix):
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     providers["p"] = Paced(providers["p"])
-    d = RaceDriver(RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
-                   providers.__getitem__, Recorder(), RaceSettings())  # fmt: skip
+    store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
+    d = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings()))
     d.cfg, d.paced, d.client = cfg, providers["p"], redis_client
     return d
 
@@ -106,8 +107,7 @@ def test_a_job_still_running_near_the_race_deadline_is_polled_just_before_it(dri
     # that poll, fired when due: the hedge is too close to poll for again, so the next poll
     # comes just before the deadline, sooner than the provider's "in 10 s"
     time.sleep(max(0.0, due - time.time()))
-    driver.watch("w3", "a1", "p", payload["handle"], payload["last"], payload["cap_s"],
-                 decide=payload["decide"])  # fmt: skip
+    driver.watcher.watch(JobRef.from_payload(payload), payload["last"], payload["decide"])
     assert time.time() < deadline_at - DECISION_LEAD_S  # (else there is no poll ahead to arm)
     due, payload = watch_timer(driver, "w3")
     assert due == pytest.approx(deadline_at - DECISION_LEAD_S, abs=0.002)
@@ -120,13 +120,12 @@ def test_a_deferred_poll_keeps_its_reserved_slot_in_the_timer_and_spends_it(driv
     _, payload = watch_timer(driver, "w2")
     slot = time.time() + 0.2
     driver.paced.defer_at = slot
-    driver.watch("w2", "a1", "p", payload["handle"], payload["last"], payload["cap_s"],
-                 decide=payload.get("decide"))  # fmt: skip
+    driver.watcher.watch(JobRef.from_payload(payload), payload["last"], payload.get("decide"))
     due, payload = watch_timer(driver, "w2")
     assert due == pytest.approx(slot, abs=0.002) and payload["reserved"] == slot
     assert driver.store.load("w2").version == version  # nothing was observed: no step
     # fired (by any process): the slot goes back to the provider to be spent
-    driver.watch("w2", "a1", "p", payload["handle"], payload["last"], payload["cap_s"],
-                 decide=payload.get("decide"), reserved=payload.get("reserved"))  # fmt: skip
+    ref = JobRef.from_payload(payload)
+    driver.watcher.watch(ref, payload["last"], payload.get("decide"), payload.get("reserved"))
     assert driver.paced.spent[-2:] == [None, slot]
     assert "reserved" not in watch_timer(driver, "w2")[1]  # spent: the next poll is paced

@@ -152,13 +152,14 @@ def test_the_replay_counts_hedges_by_the_same_definition():
 
 @pytest.mark.parametrize("sent", [True, False])
 def test_hedge_launched_is_announced_only_for_a_hedge_that_was_sent(sent):
-    from gpuhedge_celery.race.outcome import OutcomeWork
+    from gpuhedge_celery.race.outcome import Outcome
 
-    class Announcer(OutcomeWork):
+    class Announcer(Outcome):
         def __init__(self):
+            super().__init__(driver=None)  # only its events are looked at
             self.events = []
 
-        def _event(self, race_id, name, race, attempt_id):
+        def event(self, race_id, name, race, attempt_id):
             self.events.append((name, attempt_id))
 
     clock = VirtualClock()
@@ -169,8 +170,8 @@ def test_hedge_launched_is_announced_only_for_a_hedge_that_was_sent(sent):
     race.handle(TimerDue("hedge"))
     work = Announcer()
     launched = {a.id: a.phase for a in race.attempts}
-    work._announce_sent("r1", race, {})  # the step that launched it: not sent yet
+    work.announce_sent("r1", race, {})  # the step that launched it: not sent yet
     assert work.events == []
     race.handle(AttemptSubmitted("a2", "job-h") if sent else SubmitFailed("a2", "no", refused=True))
-    work._announce_sent("r1", race, launched)
+    work.announce_sent("r1", race, launched)
     assert work.events == ([("hedge_launched", "a2")] if sent else [])

@@ -17,6 +17,7 @@ import redis.connection
 
 from gpuhedge_celery.core.attempts import Phase
 from gpuhedge_celery.core.jobs import JobState
+from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -204,10 +205,10 @@ def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
     start(driver, cfg, ["c1"])
     (timer,) = claim_watches(driver, 1)
     # another process saves the race after this one did: its copy here is now stale
-    other = RaceDriver(
+    other = RaceDriver(RaceParts(
         RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
         providers.__getitem__, Recorder(), RaceSettings(),
-    )  # fmt: skip
+    ))  # fmt: skip
     other.store.update("c1", lambda state: {**state, "note": "moved on"})
     assert driver.store.cached("c1").version < driver.store.load("c1").version
     back = handled(WatchBatch(driver), [timer])
@@ -269,10 +270,10 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
     assert len(lost) == len(races)
     # another process (no copy of any race) runs the batched loop
     effects = Recorder()
-    other = RaceDriver(
+    other = RaceDriver(RaceParts(
         RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
         providers.__getitem__, effects, RaceSettings(),
-    )  # fmt: skip
+    ))  # fmt: skip
     batch, redelivered = WatchBatch(other), []
 
     def handle(due, hand_back):

@@ -16,6 +16,7 @@ import pytest
 from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.providers.ratelimit import LocalLimiter
+from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -220,8 +221,8 @@ def race_env(runpod_fake, redis_client, prefix):
     served = Served(app)
     hooks = WebhookSettings(f"{served.url}/hooks", SECRET, fallback_s=30.0)
     store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
-    driver = RaceDriver(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
-                        webhooks=hooks)  # fmt: skip
+    driver = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
+                        webhooks=hooks))  # fmt: skip
     holder["driver"] = driver
     driver.client = redis_client
     driver.cfg, driver.fake, driver.served, driver.app = cfg, runpod_fake, served, app

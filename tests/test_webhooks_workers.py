@@ -24,6 +24,7 @@ import pytest
 
 from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.providers.ratelimit import LocalLimiter
+from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
@@ -108,8 +109,8 @@ def two(runpod_fake, redis_url, redis_client, prefix, tmp_path):
     providers = {"rp": cfg.build("rp", env={"RUNPOD_TEST_KEY": KEY}, limiter=LocalLimiter())}
     hooks = WebhookSettings(f"{receivers.url}/hooks", SECRET, fallback_s=30.0)
     store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
-    driver = RaceDriver(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
-                        webhooks=hooks)  # fmt: skip
+    driver = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
+                        webhooks=hooks))  # fmt: skip
     driver.cfg, driver.fake, driver.receivers = cfg, runpod_fake, receivers
     yield driver
     receivers.stop()

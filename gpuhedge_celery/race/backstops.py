@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..store.round_trip import RoundTrip
+
 if TYPE_CHECKING:
     from ..store.timers import TimerStore
 
@@ -37,6 +39,12 @@ class BackstopDrop:
         if self.timer_id is not None:
             self.timers.queue_cancel(pipe, self.timer_id)
             self.queued = True
+
+    def ride_ahead(self) -> RoundTrip:
+        """A round trip that carries the drop ahead of a save (a step's report of the work)."""
+        trip = RoundTrip()
+        trip.ahead(self.queue)
+        return trip
 
     def now(self) -> None:
         """Drop it on its own, unless a round trip already carried the drop."""

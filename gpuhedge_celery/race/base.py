@@ -1,12 +1,29 @@
-"""Shared pieces of the race driver: the :class:`Effects` seam and small helpers."""
+"""Shared pieces of the race driver: the :class:`Effects` seam, what a driver is built from
+(:class:`RaceParts`), one step decided before its save (:class:`Step`), the reference to one
+attempt's job (:class:`JobRef`), and small helpers."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..core.attempts import Attempt
+from ..core.attempts import Attempt, Phase
+from ..core.clock import Clock, WallClock
+from ..core.jobs import JobHandle
 from ..core.race import Race
+from ..core.race_events import Action, Event
+from ..store.races import new_save_id
+from .settings import RaceSettings
+
+if TYPE_CHECKING:
+    from ..providers.base import Provider
+    from ..store.races import RaceStore
+    from ..store.timers import TimerStore
+    from ..webhooks.settings import WebhookSettings
+    from .budget import RaceBudget
+    from .outcome import RiddenClaim
 
 
 class Effects(Protocol):
@@ -37,6 +54,74 @@ class Effects(Protocol):
 
     def event(self, race_id: str, name: str, fields: dict[str, Any]) -> None:
         """A lifecycle moment (queued, running, hedge_launched, won...); must never raise."""
+
+
+@dataclass
+class RaceParts:
+    """What a :class:`~.driver.RaceDriver` is built from: the race and timer stores, the
+    providers by name, the effects, and the optional parts (``webhooks`` None: the process's
+    settings; ``budget`` None: no caps)."""
+
+    store: RaceStore
+    timers: TimerStore
+    providers: Callable[[str], Provider]
+    effects: Effects
+    settings: RaceSettings = field(default_factory=RaceSettings)
+    clock: Clock = field(default_factory=WallClock)
+    webhooks: WebhookSettings | None = None
+    budget: RaceBudget | None = None
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """One attempt's submitted job, as its watch polls and its conclusion know it (the watch
+    timer's payload carries the same fields)."""
+
+    race_id: str
+    attempt_id: str
+    provider: str
+    handle: dict[str, Any]
+    cap_s: float
+
+    @property
+    def job(self) -> JobHandle:
+        return JobHandle.from_dict(self.handle)
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> JobRef:
+        """From a watch timer's payload."""
+        cap_s = float(payload.get("cap_s", 180.0))
+        return cls(
+            payload["race"], payload["attempt"], payload["provider"], payload["handle"], cap_s
+        )
+
+
+@dataclass
+class Step:
+    """A step decided from the race at ``version``; performed once its save has won."""
+
+    race_id: str
+    race: Race
+    state: dict[str, Any]  # the state to save
+    version: int  # the version the step was decided from
+    actions: list[Action]
+    phases: dict[str, Phase]  # each attempt's phase before the step
+    flags: list[str]  # the race's flags before the step
+    events: tuple[Event, ...]
+    gone: list[str] = field(default_factory=list)  # ids of timers the race no longer wants
+    save_id: str = field(default_factory=new_save_id)
+    late: bool = False  # a loser's late result, taken by a race already finished
+    # What rode in the save: its timer arms, the winner claim, the finish (its receipt).
+    armed: bool = False
+    claim: RiddenClaim | None = None
+    receipt: dict[str, Any] | None = None
+
+    def wants(self, kind: type[Action]) -> bool:
+        return any(isinstance(a, kind) for a in self.actions)
+
+    @property
+    def caps(self) -> dict[str, Any]:
+        return (self.state.get("spec") or {}).get("caps_s") or {}
 
 
 def find_attempt(race: Race, attempt_id: str) -> Attempt | None:

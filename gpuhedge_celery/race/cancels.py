@@ -1,7 +1,6 @@
 """Cancel work of the race driver: an attempt's job cancelled natively, with its receipt.
 
-Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver` (through
-:class:`~gpuhedge_celery.race.attempts.AttemptWork`). A cancel is asked for durably (a backstop
+The race driver's :class:`Canceller`. A cancel is asked for durably (a backstop
 timer first, then the cancel on this process's threads), and its outcome (confirmed,
 acknowledged, failed) is reported to the race through ``step``; never Celery's revoke.
 """
@@ -19,33 +18,25 @@ from ..core.race_events import CancelAcknowledged, CancelFailed
 from ..core.receipts import CancelReceipt, Evidence
 from ..providers.base import CancelsBehindQueued, Provider
 from .backstops import BackstopDrop, cancel_backstop_id
-from .base import due_ms, find_attempt, remember
-from .conclude import ResultWork
+from .base import JobRef, due_ms, find_attempt, remember
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from ..core.clock import Clock
-    from ..store.timers import TimerStore
-    from .base import Effects
+    from .base import Step
+    from .driver import RaceDriver
 
 log = logging.getLogger(__name__)
 
 
-class CancelWork(ResultWork):
-    """Per-attempt cancels; needs the attributes and ``step``/``resume`` of the driver."""
+class Canceller:
+    """Per-attempt native cancels and their receipts."""
 
-    timers: TimerStore
-    budget: Any  # RaceBudget | None
-    providers: Callable[[str], Provider]
-    clock: Clock
-    effects: Effects
-    _decided: dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]]
+    def __init__(self, driver: RaceDriver) -> None:
+        self.driver = driver
+        # A cancel's attempt as the step that decided it saved it, for the cancel that follows
+        # in this process (no read on the way to the provider); bounded (base.py ``remember``).
+        self.decided: dict[tuple[str, str], tuple[Attempt, dict[str, Any] | None]] = {}
 
-    def resume(self, race_id: str) -> None:
-        raise NotImplementedError
-
-    def _cancel_orphan(
+    def cancel_orphan(
         self, race_id: str, attempt_id: str, provider: Provider, handle: JobHandle
     ) -> None:
         """Cancel a job whose report came after its attempt ended; unregister it once stopped.
@@ -67,44 +58,38 @@ class CancelWork(ResultWork):
             log.exception("race %s: cancel of orphan job %s failed", race_id, handle.job_id)
             confirmed = False
         if confirmed:
-            self.store.remove_job(race_id, attempt_id)
+            self.driver.store.remove_job(race_id, attempt_id)
         else:
-            self.store.add_job(race_id, attempt_id, handle.to_dict())
+            self.driver.store.add_job(race_id, attempt_id, handle.to_dict())
 
     def request_cancel(
-        self,
-        race_id: str,
-        attempt_id: str,
-        provider: str,
-        saved: Race | None = None,
-        caps: dict[str, Any] | None = None,
-        armed: bool = False,
+        self, race_id: str, attempt_id: str, provider: str, step: Step | None = None
     ) -> None:
         """Have an attempt's job cancelled now, durably: a backstop timer, then the effect.
 
         :meth:`Effects.cancel` runs the cancel at once (in production: on a thread of this
         process, no task hop). The backstop timer hands the cancel to any live worker if this
         process dies before :meth:`cancel_attempt` reports back; it never waits for a broker's
-        visibility timeout. Its id is fixed per attempt, so re-arming is a no-op. ``saved`` is
-        the race as the step that decided the cancel just saved it (and ``caps`` its spec's
-        caps): a cancel run in this process starts from it instead of reading the race again.
-        ``armed``: the backstop rode in that step's save already.
+        visibility timeout. Its id is fixed per attempt, so re-arming is a no-op. ``step``: the
+        step that decided the cancel, just saved: a cancel run in this process starts from its
+        race instead of reading the race again, and its backstop rode in that save already.
         """
-        if saved is not None:
-            a = find_attempt(saved, attempt_id)
+        d = self.driver
+        if step is not None:
+            a = find_attempt(step.race, attempt_id)
             if a is not None:
-                snapshot = (Attempt.from_dict(a.to_dict()), caps)
-                remember(self._decided, (race_id, attempt_id), snapshot)
+                snapshot = (Attempt.from_dict(a.to_dict()), step.caps)
+                remember(self.decided, (race_id, attempt_id), snapshot)
         # The backstop first: a crash right after the save must still get the loser cancelled
         # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
-        if not armed:
-            key, due, payload, timer_id = self._backstop(race_id, attempt_id)
-            self.timers.arm(key, due, payload, timer_id=timer_id)
-        self.effects.cancel(race_id, attempt_id, provider)
+        if step is None or not step.armed:
+            key, due, payload, timer_id = self.backstop(race_id, attempt_id)
+            d.timers.arm(key, due, payload, timer_id=timer_id)
+        d.effects.cancel(race_id, attempt_id, provider)
 
-    def _backstop(self, race_id: str, attempt_id: str) -> tuple[str, int, dict[str, Any], str]:
+    def backstop(self, race_id: str, attempt_id: str) -> tuple[str, int, dict[str, Any], str]:
         """Key, due time, payload and fixed id of an attempt's cancel backstop timer."""
-        at = self.clock.now() + self.settings.cancel_backstop_s
+        at = self.driver.clock.now() + self.driver.settings.cancel_backstop_s
         payload = {"race": race_id, "kind": "cancel", "attempt": attempt_id}
         timer_id = cancel_backstop_id(race_id, attempt_id)
         return f"{race_id}:c:{attempt_id}", due_ms(at), payload, timer_id
@@ -116,19 +101,20 @@ class CancelWork(ResultWork):
         attempt's backstop timer is dropped in that save's round trip (or after it), so a crash
         before it leaves the timer to finish the job elsewhere.
         """
-        drop = BackstopDrop(self.timers, cancel_backstop_id(race_id, attempt_id))
+        drop = BackstopDrop(self.driver.timers, cancel_backstop_id(race_id, attempt_id))
         self._cancel_attempt(race_id, attempt_id, drop)
         drop.now()  # unless the report's save carried it
 
     def _cancel_attempt(self, race_id: str, attempt_id: str, drop: BackstopDrop) -> None:
-        decided = self._decided.pop((race_id, attempt_id), None)
+        d = self.driver
+        decided = self.decided.pop((race_id, attempt_id), None)
         if decided is not None and decided[0].phase is Phase.CANCELLING:
             a, caps = decided  # as the deciding step saved it: no read on the way to the call
         else:
-            record = self.store.load(race_id)
+            record = d.store.load(race_id)
             if record is None:
                 return
-            race = Race.from_dict(record.state["race"], self.clock)
+            race = Race.from_dict(record.state["race"], d.clock)
             caps = record.state["spec"]["caps_s"]
             found = find_attempt(race, attempt_id)
             if found is None:
@@ -140,9 +126,9 @@ class CancelWork(ResultWork):
             self._cancel_capped(race_id, a)
             return
         if a.phase is not Phase.CANCELLING:
-            self.resume(race_id)  # a redelivery after the cancel was reported: see submit
+            d.recovery.resume(race_id)  # a redelivery after the cancel was reported: see submit
             return
-        provider = self.providers(a.provider)
+        provider = d.providers(a.provider)
         handle = JobHandle.from_dict(a.handle)
         try:
             if a.last_state == JobState.IN_PROGRESS.value and isinstance(
@@ -153,7 +139,7 @@ class CancelWork(ResultWork):
                 receipt = provider.cancel(handle)
         except Exception as e:
             failure = CancelFailed(attempt_id, f"{type(e).__name__}: {e}")
-            self.step(race_id, failure, None, drop.queue)
+            d.step(race_id, failure, None, drop.ride_ahead())
             return
         if receipt.confirmed_terminal and receipt.terminal_status is JobState.COMPLETED:
             # It finished before the cancel took effect: its result may still win the race.
@@ -165,13 +151,13 @@ class CancelWork(ResultWork):
                 leaked=True,
                 evidence=Evidence.PROVIDER_ACK,
             )
-            self.step(race_id, CancelAcknowledged(attempt_id, ack))
+            d.step(race_id, CancelAcknowledged(attempt_id, ack))
             cap = float((caps or {}).get(a.provider, 180.0))
-            self.conclude(race_id, attempt_id, provider, handle, cap)
+            d.concluder.conclude(JobRef(race_id, attempt_id, a.provider, a.handle, cap))
             return
         acknowledged = CancelAcknowledged(attempt_id, receipt)
         if receipt.confirmed_terminal:
-            self.step(race_id, acknowledged, None, drop.queue)
+            d.step(race_id, acknowledged, None, drop.ride_ahead())
         else:  # both in one save
             refused = receipt.evidence is Evidence.NO_EVIDENCE  # the provider did not accept it
             why = (
@@ -180,7 +166,7 @@ class CancelWork(ResultWork):
                 else ("no terminal state within the cancel window")
             )
             failed = CancelFailed(attempt_id, why)
-            self.step(race_id, (acknowledged, failed), None, drop.queue)
+            d.step(race_id, (acknowledged, failed), None, drop.ride_ahead())
 
     def _cancel_capped(self, race_id: str, a: Attempt) -> None:
         """Cancel a job that passed its cap, and record the receipt beside the race's own.
@@ -188,9 +174,10 @@ class CancelWork(ResultWork):
         The engine ended the attempt as TIMEOUT (it cannot win any more), but a cap is ours,
         not the provider's: without this the job would run on, unseen, until it ends by itself.
         """
-        if a.id not in self.store.live_jobs(race_id):
+        d = self.driver
+        if a.id not in d.store.live_jobs(race_id):
             return  # already stopped and unregistered (a duplicate delivery)
-        provider = self.providers(a.provider)
+        provider = d.providers(a.provider)
         try:
             receipt = provider.cancel(JobHandle.from_dict(a.handle or {}))
         except Exception as e:
@@ -203,13 +190,10 @@ class CancelWork(ResultWork):
             results[a.id] = {**(results.get(a.id) or {}), "cap_cancel": data}
             return {**state, "results": results}
 
-        updated = self.store.update(race_id, change)
+        updated = d.store.update(race_id, change)
         if receipt.confirmed_terminal:
-            self.store.remove_job(race_id, a.id)
-            if self.budget is not None:  # shown stopped: its reservation can settle now
-                race = Race.from_dict(updated.state["race"], self.clock)
-                self.budget.settle_race(race_id, race, updated.state)
-        self.refresh_receipt(race_id)
-
-    def refresh_receipt(self, race_id: str) -> None:
-        raise NotImplementedError
+            d.store.remove_job(race_id, a.id)
+            if d.budget is not None:  # shown stopped: its reservation can settle now
+                race = Race.from_dict(updated.state["race"], d.clock)
+                d.budget.settle_race(race_id, race, updated.state)
+        d.outcome.refresh_receipt(race_id)

@@ -1,6 +1,6 @@
 """A terminal job's result: fetched, validated once, stored once, reported to its race.
 
-Mixed into the race driver (through :class:`~gpuhedge_celery.race.attempts.AttemptWork`).
+The race driver's :class:`Concluder`.
 
 * **Validated once.** The process that fetched the result runs the race's validator on it, here
   and nowhere else, and only when the race takes the report (a late or duplicate result of an
@@ -21,18 +21,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Phase
-from ..core.jobs import AttemptResult, JobHandle, JobState
+from ..core.jobs import AttemptResult, JobState
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ResultArrived, StatusObserved
 from ..core.validators import validate
-from ..providers.base import Provider
 from ..store import codec
-from .base import find_attempt, remember
+from ..store.round_trip import RoundTrip
+from .base import JobRef, find_attempt, remember
 from .receipt import result_key
 
 if TYPE_CHECKING:
-    from ..store.races import RaceStore
-    from .settings import RaceSettings
+    from .driver import RaceDriver
 
 
 def checked_result(
@@ -62,33 +61,23 @@ def checked_result(
     return True, [], stored, data
 
 
-class ResultWork:
-    """``conclude``; needs the driver's store, settings, ``step`` and ``request_cancel``."""
+class Concluder:
+    """A terminal job's result, to its race."""
 
-    store: RaceStore
-    settings: RaceSettings
-    _fresh_results: dict[tuple[str, str], dict[str, Any]]
-
-    def step(self, race_id: str, event: Any, update: Any = None, before: Any = None) -> Race | None:
-        raise NotImplementedError
-
-    def request_cancel(self, race_id: str, attempt_id: str, provider: str, *args: Any) -> None:
-        raise NotImplementedError
+    def __init__(self, driver: RaceDriver) -> None:
+        self.driver = driver
 
     def conclude(
-        self,
-        race_id: str,
-        attempt_id: str,
-        provider: Provider,
-        handle: JobHandle,
-        cap_s: float,
-        spec: dict[str, Any] | None = None,
-        result: AttemptResult | None = None,
+        self, ref: JobRef, spec: dict[str, Any] | None = None, result: AttemptResult | None = None
     ) -> None:
         """Fetch a terminal (or capped) job's result, validate it and report it to the race.
 
-        ``result``: the job's result as its webhook delivered it (nothing to fetch).
+        ``spec``: the race's spec when the caller has it at hand (no read). ``result``: the
+        job's result as its webhook delivered it (nothing to fetch).
         """
+        d = self.driver
+        race_id, attempt_id, cap_s = ref.race_id, ref.attempt_id, ref.cap_s
+        provider, handle = d.providers(ref.provider), ref.job
         delivered = result
         try:
             if result is None:  # returns at once: terminal or past the cap
@@ -103,21 +92,21 @@ class ResultWork:
             )
         if spec is None:
             # A race's spec never changes: this process's last saved copy serves (no read).
-            record = self.store.load(race_id, fresh=True)
+            record = d.store.load(race_id, fresh=True)
             if record is None:
                 return
             spec = record.state["spec"]
         # Validated when the race takes the report, and only then (a late or duplicate result
         # of an attempt that already ended is never decoded): once, whatever the step retries.
         checked: list[tuple[bool, list[str], dict[str, Any] | None, str | None]] = []
-        key = result_key(self.store.prefix, race_id, attempt_id)
+        key = result_key(d.store.prefix, race_id, attempt_id)
 
         def check() -> tuple[bool, list[str], dict[str, Any] | None, str | None]:
             if not checked:
                 valid, reasons, stored, data = checked_result(result, spec)
                 if stored is not None:
                     # The step may declare this attempt the winner: spare it the read back.
-                    remember(self._fresh_results, (race_id, attempt_id), stored)
+                    remember(d.outcome.fresh_results, (race_id, attempt_id), stored)
                 checked.append((valid, reasons, stored, data))
             return checked[0]
 
@@ -160,7 +149,7 @@ class ResultWork:
             summary = {**result.to_dict(include_payload=False), "valid": valid, "reasons": reasons}
             state["results"] = {**(state.get("results") or {}), attempt_id: summary}
 
-        ttl_ms = int(self.settings.receipt_ttl_s * 1000)
+        ttl_ms = int(d.settings.receipt_ttl_s * 1000)
 
         def keep(pipe: Any) -> None:
             # In the round trip of the save that reports the result, ahead of the state; a
@@ -176,11 +165,13 @@ class ResultWork:
             tries[1] = tries[0]
             pipe.set(key, data, px=ttl_ms)
 
-        completed = result.state is JobState.COMPLETED
-        saved = self.step(race_id, event, note, keep if completed else None)
+        trip = RoundTrip()
+        if result.state is JobState.COMPLETED:
+            trip.ahead(keep)
+        saved = d.step(race_id, event, note, trip)
         # A winner's step has used it (a later declaration reads the stored result back).
-        self._fresh_results.pop((race_id, attempt_id), None)
+        d.outcome.fresh_results.pop((race_id, attempt_id), None)
         a = find_attempt(saved, attempt_id) if saved is not None else None
         if a is not None and a.phase is Phase.ENDED and a.result_state == JobState.TIMEOUT.value:
             # Capped, not stopped: the job may still be running (and billing) at the provider.
-            self.request_cancel(race_id, attempt_id, provider.name)
+            d.canceller.request_cancel(race_id, attempt_id, provider.name)

@@ -1,14 +1,23 @@
 """The race driver: performs the engine's actions against providers, the race store and timers.
 
 A race is state in Redis, never a process. Whoever learns something about it (the task that
-started it, an attempt task that submitted a job, a timer that came due, a watch poll) calls
-:meth:`RaceDriver.step`: load the state and its version, apply one event to the engine, save
-with a version check (reload and re-apply on a conflict: events are idempotent), and only then
-perform the actions the engine returned. Work that may block on a provider (submit, cancel) is
-handed to :class:`Effects` (Celery tasks in production); everything else is done inline.
+started it, an attempt's submit, a timer that came due, a watch poll) calls
+:meth:`RaceDriver.step`, which reads top-down:
 
-This module knows nothing about Celery: :class:`Effects` is the seam, so the driver runs the
-same under a Celery worker, a test or a benchmark.
+1. **load** the state and its version (this process's last saved copy when it has one);
+2. **engine**: apply the event to the race (:class:`~gpuhedge_celery.core.race.Race`);
+3. **plan** the step (:class:`~.step.Step`): the state to save, and what rides in its save
+   (timer arms, the winner claim, budget settlements, the finish);
+4. **one round trip**: the save, with a version check (reload and re-apply on a conflict:
+   events are idempotent), and its riders (:class:`~gpuhedge_celery.store.round_trip.RoundTrip`);
+5. **perform** the actions the engine returned, once the save has won.
+
+The work itself is done by collaborators the driver owns and hands itself to: the
+:class:`~.attempts.Submitter`, the :class:`~.watch.Watcher`, the :class:`~.conclude.Concluder`,
+the :class:`~.cancels.Canceller`, the :class:`~.outcome.Outcome` and the
+:class:`~.recovery.Recovery`. Work that may block on a provider (submit, cancel) is handed to
+:class:`~.base.Effects` (Celery in production), so the driver runs the same under a Celery
+worker, a test or a benchmark.
 """
 
 from __future__ import annotations
@@ -18,12 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import settings as process_settings
-from ..core.attempts import Phase
-from ..core.clock import Clock, WallClock
-from ..core.jobs import JobState
+from ..core.jobs import AttemptResult
 from ..core.race import Race, late_result
 from ..core.race_events import (
-    Action,
     Cancel,
     DeclareWinner,
     Event,
@@ -32,22 +38,20 @@ from ..core.race_events import (
     PollStatus,
     RaceFinished,
     ScheduleTimer,
-    StatusObserved,
 )
 from ..errors import StoreError
 from ..metrics import record as metrics
-from ..providers.base import Provider
-from ..store.race_keys import SaveMark
-from ..store.races import RaceStore, VersionConflict, new_save_id
-from ..store.timers import TimerStore
-from ..webhooks.settings import WebhookSettings
-from .attempts import AttemptWork
-from .base import Effects, due_ms, find_attempt
-from .budget import RaceBudget
-from .outcome import OutcomeWork, RidingClaim
-from .recovery import RecoveryWork
-from .settings import RaceSettings
+from ..store.races import RaceRecord, VersionConflict
+from ..store.round_trip import RoundTrip
+from ..store.timers import Timer
+from .attempts import SubmitHow, Submitter
+from .base import JobRef, RaceParts, Step, due_ms, find_attempt
+from .cancels import Canceller
+from .conclude import Concluder
+from .outcome import Outcome
+from .recovery import Recovery
 from .spec import RaceSpec
+from .watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -58,32 +62,58 @@ StateUpdate = Callable[[dict[str, Any]], None]
 MAX_CONFLICTS = 50
 
 
-class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
+class RaceDriver:
     """Advances races stored in Redis; one per process, shared by every thread."""
 
-    def __init__(
-        self,
-        store: RaceStore,
-        timers: TimerStore,
-        providers: Callable[[str], Provider],
-        effects: Effects,
-        settings: RaceSettings | None = None,
-        clock: Clock | None = None,
-        webhooks: WebhookSettings | None = None,
-        budget: RaceBudget | None = None,
-    ):
-        self.store = store
-        self.timers = timers
-        self.providers = providers
-        self.effects = effects
-        self.settings = settings or RaceSettings()
+    def __init__(self, parts: RaceParts) -> None:
+        self.store = parts.store
+        self.timers = parts.timers
+        self.providers = parts.providers
+        self.effects = parts.effects
+        self.settings = parts.settings
+        self.clock = parts.clock
         # webhooks on (GPUHEDGE_WEBHOOK_URL and _SECRET): completions are pushed, polls a net
-        self.webhooks = webhooks if webhooks is not None else process_settings.current().webhooks
-        self.clock = clock or WallClock()
+        self.webhooks = parts.webhooks or process_settings.current().webhooks
         # reserves before each submit and settles each ended attempt (race/budget.py)
+        budget = parts.budget
         self.budget = budget if budget is not None and budget.enabled else None
-        self._decided = {}
-        self._fresh_results = {}
+        self.submitter = Submitter(self)
+        self.watcher = Watcher(self)
+        self.concluder = Concluder(self)
+        self.canceller = Canceller(self)
+        self.outcome = Outcome(self)
+        self.recovery = Recovery(self)
+
+    @property
+    def prefix(self) -> str:
+        return self.store.prefix
+
+    # ------------------------------------------------------------------ the entry points
+    def submit_attempt(self, race_id: str, attempt_id: str, how: SubmitHow | None = None) -> None:
+        """Submit a launched attempt's job once (:meth:`.attempts.Submitter.submit`)."""
+        self.submitter.submit(race_id, attempt_id, how)
+
+    def cancel_attempt(self, race_id: str, attempt_id: str) -> None:
+        """Cancel an attempt's job natively (:meth:`.cancels.Canceller.cancel_attempt`)."""
+        self.canceller.cancel_attempt(race_id, attempt_id)
+
+    def watch(self, ref: JobRef, last: str | None = None) -> None:
+        """Poll a job once (:meth:`.watch.Watcher.watch`)."""
+        self.watcher.watch(ref, last)
+
+    def conclude(
+        self, ref: JobRef, spec: dict[str, Any] | None = None, result: AttemptResult | None = None
+    ) -> None:
+        """Report a terminal job's result (:meth:`.conclude.Concluder.conclude`)."""
+        self.concluder.conclude(ref, spec, result)
+
+    def on_timer(self, timer: Timer) -> None:
+        """The timer service's handler (:meth:`.recovery.Recovery.on_timer`)."""
+        self.recovery.on_timer(timer)
+
+    def resume(self, race_id: str) -> None:
+        """Re-perform what a crashed step left undone (:meth:`.recovery.Recovery.resume`)."""
+        self.recovery.resume(race_id)
 
     # ------------------------------------------------------------------ starting
     def create(
@@ -102,7 +132,6 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         instead of through :meth:`Effects.launch` (one task hop less before the primary runs).
         """
         race = Race(spec.policy, self.clock, race_id=race_id, deadline_s=spec.deadline_s)
-        before: dict[str, Phase] = {}
         actions = race.start()
         state = {
             "race": race.to_dict(),
@@ -112,52 +141,36 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             "results": {},
             "caller": caller or {},
         }
-        self._note_timers(race_id, race, state, actions, 1)
+        step = Step(race_id, race, state, 0, actions, {}, [], ())
+        self.note_timers(step)
         first = next((a for a in actions if isinstance(a, Launch)), None) if submit_first else None
-        rest = [a for a in actions if a is not first]
-        # The first timers ride in the create's round trip. Not a launch backstop for the
-        # attempt submitted inline below: nothing would drop it (a crash here is covered by the
-        # redelivered create, whose resume launches it behind a backstop: as the submit's
-        # intent is already recorded, that backstop ends it "outcome unknown" past the intent's
-        # window, as for a death during any submit), and once due it would take over that
-        # attempt's later work (its cancel) from the timer meant for it.
-        arms = self._arms(race_id, state, rest)
-        deadline = None if spec.deadline_s is None else (race.started_at or 0.0) + spec.deadline_s
-        # The first submit's claim rides here too, made only if the create wins (FirstSubmit).
-        save_id = new_save_id()
-        ride = self._first_submit(race_id, race, state, request, first, save_id)
-
-        def also(pipe: Any) -> None:
-            if ride is not None:  # first among the extras: its replies come first
-                ride.queue(pipe)
-            if arms is not None:
-                arms(pipe)
-            if deadline is not None:
-                self.store.queue_deadline(pipe, race_id, deadline)  # for waiting callers
-
+        step.actions = [a for a in actions if a is not first]
+        trip = RoundTrip()
+        # The first submit's claim rides first, made only if the create wins (FirstSubmit).
+        ride = None
+        attempt = find_attempt(race, first.attempt_id) if first is not None else None
+        if attempt is not None:
+            mark = self.store.save_mark(race_id, 0, step.save_id)
+            ride = self.submitter.first_submit(race_id, attempt, state, request, mark)
+            ride.ride(trip, race_id)
+        # The first timers ride too. Not a launch backstop for the attempt submitted inline
+        # below: a crash here is covered by the redelivered create, whose resume launches it
+        # behind a backstop, and once due that timer would take over the attempt's later work.
+        self._ride_arms(trip, step)
+        if spec.deadline_s is not None:  # for waiting callers
+            deadline = (race.started_at or 0.0) + spec.deadline_s
+            trip.ride(lambda pipe: self.store.queue_deadline(pipe, race_id, deadline))
         try:
             # the request has its own key, written once (each step rewrites the state)
-            self.store.create(
-                race_id,
-                state,
-                request,
-                also=also,
-                save_id=save_id,
-                took=ride.take if ride is not None else None,
-                scripts=(
-                    self.timers.arm_script,
-                    self.timers.cancel_script,
-                    *(ride.scripts if ride is not None else ()),
-                ),
-            )
+            self.store.create(race_id, state, request, trip, step.save_id)
         except VersionConflict:
             self.resume(race_id)
             return False
         metrics.race_started(race)
-        self._perform(race_id, race, state, rest, before, [], [], (), armed=arms is not None)
+        self.perform(step)
         if first is not None:
             claimed = ride.ours if ride is not None else None
-            self.submit_attempt(race_id, first.attempt_id, new_race=True, claimed=claimed)
+            self.submitter.submit(race_id, first.attempt_id, SubmitHow(True, claimed=claimed))
         return True
 
     # ------------------------------------------------------------------ the step
@@ -166,27 +179,22 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         race_id: str,
         event: EventSource,
         update: StateUpdate | None = None,
-        before: Callable[[Any], None] | None = None,
+        trip: RoundTrip | None = None,
         answered: VersionConflict | None = None,
     ) -> Race | None:
         """Apply ``event`` (or ``event(race)``) and perform its actions; follow-ups included.
 
-        ``before(pipe)``: writes to make in the save's round trip, ahead of the state (see
-        :meth:`RaceStore.save`); a step that saves nothing does not make them.
-        ``answered``: a refused save of this race elsewhere, whose state (if it carries one)
-        the step starts from instead of reading the race.
+        ``update(state)``: a change to the saved state beside the race's. ``trip``: commands
+        the caller sends ahead of the save in its round trip (:meth:`RoundTrip.ahead`); a step
+        that saves nothing does not send them. ``answered``: a refused save of this race
+        elsewhere, whose state (if it carries one) the step starts from instead of reading it.
         Returns the race as saved by the last step (None for an unknown race).
         """
-        pending: list[tuple[EventSource, StateUpdate | None]] = [(event, update)]
-        race = None
-        first = True
+        race, follow = self._step_once(race_id, event, update, trip, answered)
+        pending = list(follow)
         while pending:
-            source, change = pending.pop(0)
-            race, follow = self._step_once(
-                race_id, source, change, before if first else None, answered if first else None
-            )
-            first = False
-            pending.extend((e, None) for e in follow)
+            race, more = self._step_once(race_id, pending.pop(0), None, None, None)
+            pending.extend(more)
         return race
 
     def _step_once(
@@ -194,14 +202,14 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         race_id: str,
         source: EventSource,
         change: StateUpdate | None,
-        before: Callable[[Any], None] | None = None,
-        answered: VersionConflict | None = None,
+        trip: RoundTrip | None,
+        answered: VersionConflict | None,
     ) -> tuple[Race | None, list[Event]]:
         reread = answered if answered is not None and answered.read else None
         for attempt in range(MAX_CONFLICTS):
-            # First from what this process saved last (no round trip). A stale copy costs a
-            # failed version check, answered with the state there to decide again from; a
-            # step a copy would make a no-op is checked against Redis.
+            # 1. load: first from what this process saved last (no round trip). A stale copy
+            # costs a failed version check, answered with the state there to decide again from;
+            # a step a copy would make a no-op is checked against Redis.
             if reread is not None:
                 record, reread = reread.found, None
             else:
@@ -209,163 +217,115 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
             if record is None:
                 log.warning("race %s: no such race (expired or never created)", race_id)
                 return None, []
-            state = record.state
-            race = Race.from_dict(state["race"], self.clock)
-            if race.finished and not callable(source) and not late_result(race, source):
-                return race, []  # finished is final: a stale copy cannot be wrong about it
-            event = source(race) if callable(source) else source
-            late = race.finished  # only a late result gets this far in a finished race
-            if late and not late_result(race, event):
-                return race, []
-            if event is None:
-                if record.cached:
-                    continue
-                return race, []
-            phases = {a.id: a.phase for a in race.attempts}
-            flags = list(race.flags)
-            events = event if isinstance(event, tuple) else (event,)
+            # 2. engine and 3. plan
+            decided = self._decide(race_id, record, source, change)
+            if isinstance(decided, Race):
+                return decided, []
+            if decided is None:  # a stale copy made it a no-op: ask Redis
+                continue
+            step = decided
+            # 4. one round trip
             try:
-                actions = [action for e in events for action in race.handle(e)]
-            except ValueError as e:  # an event for an attempt this race never had
-                if record.cached:
-                    continue
-                log.warning("race %s: %s ignored: %s", race_id, events[0].kind, e)
-                return race, []
-            after = race.to_dict()
-            if not actions and change is None and after == state["race"]:
-                if record.cached:
-                    continue
-                return race, []  # a duplicate: nothing changed, nothing to save
-            new = dict(state)
-            new["race"] = after
-            if change is not None:
-                change(new)
-            gone = self._note_timers(race_id, race, new, actions, record.version + 1)
-            arms = self._arms(race_id, new, actions)
-            save_id = new_save_id()
-            saved = self.store.save_mark(race_id, record.version, save_id)
-            also, scripts = self._with_settlements(race_id, race, new, phases, arms, saved)
-            also, scripts, claimed = self._with_winner_claim(
-                race_id, race, actions, saved, also, scripts
-            )
-            also, scripts, finished = self._with_finish(
-                race_id, race, new, actions, saved, also, scripts
-            )
-            try:
-                self.store.save(
-                    race_id,
-                    new,
-                    record.version,
-                    also=also,
-                    before=before,
-                    scripts=scripts,
-                    save_id=save_id,
-                    took=claimed.take if claimed else None,
-                )
+                trip_now = self.riders(step, trip)
+                self.store.save(race_id, step.state, record.version, trip_now, step.save_id)
             except VersionConflict as e:
                 reread = e if e.read else None
                 continue
-            if late:  # its job's price changed the receipt
-                self._late_result_taken(race_id, race, events)
-                return race, []
-            follow = self._perform(
-                race_id,
-                race,
-                new,
-                actions,
-                phases,
-                flags,
-                gone,
-                events,
-                armed=arms is not None,
-                claim=claimed,
-                finished=finished,
-            )
-            return race, follow
+            # 5. perform
+            if step.late:  # its job's price changed the receipt
+                self._late_result_taken(step)
+                return step.race, []
+            return step.race, self.perform(step)
         raise StoreError(f"race {race_id!r}: gave up after {MAX_CONFLICTS} conflicting steps")
 
-    def _late_result_taken(self, race_id: str, race: Race, events: tuple[Event, ...]) -> None:
+    def _decide(
+        self,
+        race_id: str,
+        record: RaceRecord,
+        source: EventSource,
+        change: StateUpdate | None,
+    ) -> Step | Race | None:
+        """The step ``source`` makes of the race as ``record`` holds it: a :class:`Step` to
+        save, the race itself when there is nothing to save, or None when a cached copy made
+        it a no-op (the step is then decided again from Redis)."""
+        state = record.state
+        race = Race.from_dict(state["race"], self.clock)
+        if race.finished and not callable(source) and not late_result(race, source):
+            return race  # finished is final: a stale copy cannot be wrong about it
+        event = source(race) if callable(source) else source
+        late = race.finished  # only a late result gets this far in a finished race
+        if late and not late_result(race, event):
+            return race
+        if event is None:
+            return None if record.cached else race
+        phases = {a.id: a.phase for a in race.attempts}
+        flags = list(race.flags)
+        events = event if isinstance(event, tuple) else (event,)
+        try:
+            actions = [action for e in events for action in race.handle(e)]
+        except ValueError as e:  # an event for an attempt this race never had
+            if record.cached:
+                return None
+            log.warning("race %s: %s ignored: %s", race_id, events[0].kind, e)
+            return race
+        after = race.to_dict()
+        if not actions and change is None and after == state["race"]:
+            return None if record.cached else race  # a duplicate: nothing to save
+        new = dict(state)
+        new["race"] = after
+        if change is not None:
+            change(new)
+        step = Step(race_id, race, new, record.version, actions, phases, flags, events)
+        step.late = late
+        self.note_timers(step)
+        return step
+
+    def riders(self, step: Step, ahead: RoundTrip | None) -> RoundTrip:
+        """The step's round trip: the caller's commands ahead of the save, then the winner
+        claim, the timer arms, the budget settlements and the finish, each acting only if the
+        save wins (its mark) or harmless if it loses."""
+        trip = ahead.ahead_only() if ahead is not None else RoundTrip()
+        mark = self.store.save_mark(step.race_id, step.version, step.save_id)
+        step.claim = step.receipt = None
+        if step.wants(DeclareWinner) and step.race.winner is not None:
+            step.claim = self.outcome.ride_claim(trip, step, mark)
+        self._ride_arms(trip, step)
+        settle = (
+            self.budget.on_step(step.race_id, step.race, step.state, step.phases, mark)
+            if self.budget
+            else None
+        )
+        if settle is not None:
+            trip.ride(settle[0], [settle[1]])
+        if step.wants(RaceFinished):
+            step.receipt = self.outcome.ride_finish(trip, step, mark)
+        return trip
+
+    def _late_result_taken(self, step: Step) -> None:
         """A finished race took a loser's late result: the receipt and record are rewritten with
         its price; a verified one shows the job ended, so the janitor has nothing to cancel."""
-        log.info(
-            "race %s: a late result priced %s",
-            race_id,
-            ", ".join(getattr(e, "attempt_id", "") for e in events),
-        )
-        self.refresh_receipt(race_id)  # first: a crash after it leaves the job to the janitor
-        for event in events:
+        ids = [getattr(e, "attempt_id", "") for e in step.events]
+        log.info("race %s: a late result priced %s", step.race_id, ", ".join(ids))
+        self.outcome.refresh_receipt(step.race_id)  # first: a crash leaves the job to the janitor
+        for event in step.events:
             if getattr(event, "verified", False):  # a delivery nobody checked proves no end
-                self.store.remove_job(race_id, getattr(event, "attempt_id", ""))
+                self.store.remove_job(step.race_id, getattr(event, "attempt_id", ""))
 
-    def _with_settlements(
-        self,
-        race_id: str,
-        race: Race,
-        state: dict[str, Any],
-        before: dict[str, Phase],
-        arms: Callable[[Any], None] | None,
-        saved: SaveMark,
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...]]:
-        """The save's extra commands: the timer arms, and the budget settlements of attempts
-        this step ended, which run only if the save wins (``saved``: its mark): one that
-        loses worked from an old copy of the race, and a reservation settles once."""
-        scripts: tuple[Any, ...] = (self.timers.arm_script, self.timers.cancel_script)
-        budget = self.budget
-        settle = budget.on_step(race_id, race, state, before, saved) if budget else None
-        if settle is None:
-            return arms, scripts
-        queue, script = settle
-
-        def also(pipe: Any) -> None:
-            if arms is not None:
-                arms(pipe)
-            queue(pipe)
-
-        return also, (*scripts, script)
-
-    def _with_winner_claim(
-        self,
-        race_id: str,
-        race: Race,
-        actions: list[Action],
-        saved: SaveMark,
-        also: Callable[[Any], None] | None,
-        scripts: tuple[Any, ...],
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], RidingClaim | None]:
-        """When the step declares a winner, its claim rides in the save, first among the extra
-        commands, and claims only if the save wins: no round trip of its own. The caller's
-        result rides with it where the effects can say how it is stored."""
-        if not any(isinstance(a, DeclareWinner) for a in actions) or race.winner is None:
-            return also, scripts, None
-        riding = RidingClaim()
-        winner = race.winner
-        result = self._result_write(race_id, race, riding)
-
-        def with_claim(pipe: Any) -> None:
-            self.store.queue_claim_winner(pipe, race_id, winner, saved, result)
-            if also is not None:
-                also(pipe)
-
-        return with_claim, (*scripts, self.store.claim_winner_script), riding
-
-    def _note_timers(
-        self, race_id: str, race: Race, state: dict[str, Any], actions: list[Action], version: int
-    ) -> list[str]:
-        """Record the ids of timers to arm; return the ids of timers the race no longer wants."""
-        ids = dict(state.get("timer_ids") or {})
-        for action in actions:
+    def note_timers(self, step: Step) -> None:
+        """Record the ids of timers to arm in the step's state, and note the ids of timers the
+        race no longer wants (``step.gone``)."""
+        ids = dict(step.state.get("timer_ids") or {})
+        for action in step.actions:
             if isinstance(action, ScheduleTimer):
                 # The version makes every arming unique: a re-armed key never collides with
                 # the in-flight delivery that asked for it.
-                ids[action.key] = f"{race_id}|{action.key}|{due_ms(action.at)}|{version}"
-        gone = [ids.pop(k) for k in list(ids) if k not in race.timers]
-        state["timer_ids"] = ids
-        return gone
+                due = due_ms(action.at)
+                ids[action.key] = f"{step.race_id}|{action.key}|{due}|{step.version + 1}"
+        step.gone = [ids.pop(k) for k in list(ids) if k not in step.race.timers]
+        step.state["timer_ids"] = ids
 
-    def _arms(
-        self, race_id: str, state: dict[str, Any], actions: list[Action]
-    ) -> Callable[[Any], None] | None:
-        """The timer arms a step's actions need, to ride in the save's round trip.
+    def _ride_arms(self, trip: RoundTrip, step: Step) -> None:
+        """The timer arms a step's actions need, riding in its save's round trip.
 
         Policy timers and cancel and launch backstops have fixed ids, so arming is idempotent,
         and one armed by a save that then loses its version check is harmless: the engine
@@ -373,67 +333,46 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
         only ever cancels what the race still has in ``cancelling``, and a launch backstop only
         submits an attempt still ``launching`` (once, through the submit claim).
         """
+        race_id = step.race_id
         queued: list[tuple[str, int, dict[str, Any], str]] = []
-        for action in actions:
+        for action in step.actions:
             if isinstance(action, ScheduleTimer):
                 payload = {"race": race_id, "kind": "policy", "key": action.key}
-                queued.append(
-                    (
-                        f"{race_id}:{action.key}",
-                        due_ms(action.at),
-                        payload,
-                        state["timer_ids"][action.key],
-                    )
-                )
+                timer_id = step.state["timer_ids"][action.key]
+                queued.append((f"{race_id}:{action.key}", due_ms(action.at), payload, timer_id))
             elif isinstance(action, Cancel):
-                queued.append(self._backstop(race_id, action.attempt_id))
+                queued.append(self.canceller.backstop(race_id, action.attempt_id))
             elif isinstance(action, Launch) and self._launches_here:
-                queued.append(self._launch_backstop(race_id, action.attempt_id))
+                queued.append(self.submitter.launch_backstop(race_id, action.attempt_id))
+        step.armed = bool(queued)
         if not queued:
-            return None
+            return
 
-        def also(pipe: Any) -> None:
+        def arm(pipe: Any) -> None:
             for key, due, payload, timer_id in queued:
                 self.timers.queue_arm(pipe, key, due, payload, timer_id)
 
-        return also
+        trip.ride(arm, [self.timers.arm_script, self.timers.cancel_script])
 
     # ------------------------------------------------------------------ performing actions
-    def _perform(
-        self,
-        race_id: str,
-        race: Race,
-        state: dict[str, Any],
-        actions: list[Action],
-        phases: dict[str, Phase],
-        flags: list[str],
-        gone: list[str],
-        events: tuple[Event, ...],
-        *,
-        armed: bool = False,
-        claim: RidingClaim | None = None,
-        finished: dict[str, Any] | None = None,
-    ) -> list[Event]:
-        """Perform a saved step's actions; ``armed``: its timers rode in the save already;
-        ``claim``: the winner claim that rode in it (None: claim now), with the caller's
-        result if that rode too; ``finished``: the receipt of the finish that rode in it
-        (None: finish now)."""
+    def perform(self, step: Step) -> list[Event]:
+        """Perform a saved step's actions; returns the events they observed (polls), to step
+        next. What rode in the save (arms, claim, finish) is not done again."""
+        race_id, race, state = step.race_id, step.race, step.state
         follow: list[Event] = []
+        self.outcome.announce_sent(race_id, race, step.phases)  # before a win it may have brought
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
-        ordered = sorted(actions, key=lambda a: not isinstance(a, Cancel))
-        self._announce_sent(race_id, race, phases)  # before a win it may have brought
-        for action in ordered:
+        for action in sorted(step.actions, key=lambda a: not isinstance(a, Cancel)):
             if isinstance(action, Launch):
-                self._launch(race_id, action.attempt_id, action.provider, armed)
+                self.launch(race_id, action.attempt_id, action.provider, step.armed)
             elif isinstance(action, PollStatus):
-                follow.append(self._poll(race, action.attempt_id))
+                follow.append(self.watcher.poll(race, action.attempt_id))
             elif isinstance(action, Cancel):
                 a = find_attempt(race, action.attempt_id)
-                caps = (state.get("spec") or {}).get("caps_s")
                 provider = a.provider if a else ""
-                self.request_cancel(race_id, action.attempt_id, provider, race, caps, armed)
-            elif isinstance(action, ScheduleTimer) and not armed:
+                self.canceller.request_cancel(race_id, action.attempt_id, provider, step)
+            elif isinstance(action, ScheduleTimer) and not step.armed:
                 self.timers.arm(
                     f"{race_id}:{action.key}",
                     due_ms(action.at),
@@ -441,51 +380,26 @@ class RaceDriver(RecoveryWork, OutcomeWork, AttemptWork):
                     timer_id=state["timer_ids"][action.key],
                 )
             elif isinstance(action, DeclareWinner):
-                metrics.race_won(race, self._declare(race_id, race, state, claim))
+                metrics.race_won(race, self.outcome.declare(race_id, race, state, step.claim))
             elif isinstance(action, GiveUp):
-                self._give_up(race_id, race, state)
+                self.outcome.give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
-                self._finish(race_id, race, state, finished)
+                self.outcome.finish(race_id, race, state, step.receipt)
         # Timers the race no longer wants (its deadline, once won): cancelled with this
         # process's next timer claim, or now without a timer service here. One that fires
         # first changes nothing: the race ignores a timer it no longer wants.
-        self.timers.defer_cancels(gone)
-        self._lifecycle(race_id, race, phases, flags, events)
+        self.timers.defer_cancels(step.gone)
+        self.outcome.lifecycle(step)
         return follow
-
-    def _lifecycle(
-        self,
-        race_id: str,
-        race: Race,
-        phases: dict[str, Phase],
-        flags: list[str],
-        events: tuple[Event, ...],
-    ) -> None:
-        if "cut_over" in race.flags and "cut_over" not in flags:
-            self._event(race_id, "cut_over", race, None)
-        for event in events:
-            if isinstance(event, StatusObserved) and event.state is not None:
-                states = {JobState.QUEUED: "queued", JobState.IN_PROGRESS: "running"}
-                name = states.get(event.state)
-                if name:
-                    self._event(race_id, name, race, event.attempt_id)
-        for a in race.attempts:
-            was = phases.get(a.id)
-            if was == a.phase:
-                continue
-            if a.phase is Phase.CANCELLED:
-                self._event(race_id, "loser_cancelled", race, a.id)
-            elif a.phase is Phase.LEAKED:
-                self._event(race_id, "leaked", race, a.id)
 
     @property
     def _launches_here(self) -> bool:
         return bool(getattr(self.effects, "launches_here", False))
 
-    def _launch(self, race_id: str, attempt_id: str, provider: str, armed: bool = False) -> None:
+    def launch(self, race_id: str, attempt_id: str, provider: str, armed: bool = False) -> None:
         """Hand a launched attempt to the effects; one run in this process gets its backstop
-        timer first (``armed``: it rode in the deciding step's save)."""
+        timer first (:meth:`Effects.launch`; ``armed``: it rode in the deciding step's save)."""
         if self._launches_here and not armed:
-            key, due, payload, timer_id = self._launch_backstop(race_id, attempt_id)
+            key, due, payload, timer_id = self.submitter.launch_backstop(race_id, attempt_id)
             self.timers.arm(key, due, payload, timer_id=timer_id)
         self.effects.launch(race_id, attempt_id, provider)

@@ -2,24 +2,25 @@
 at the deadline, the final receipt written (and rewritten after a late cap cancel), and the
 lifecycle events that mark each moment for the metrics and Flower.
 
-Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`, whose step calls these once the
-save of the step that decided them has won.
+The driver's step calls these once the save of the step that decided them has won; the winner
+claim and the finish ride in that save (:meth:`Outcome.ride_claim`, :meth:`Outcome.ride_finish`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Phase
 from ..core.jobs import JobState
 from ..core.race import Race
-from ..core.race_events import RaceFinished
+from ..core.race_events import StatusObserved
 from ..metrics import record as metrics
 from ..store.race_keys import ResultWrite, SaveMark
+from ..store.race_receipts import Finish
 from ..store.races import RaceStore, WinnerClaim
-from .base import Effects, find_attempt
+from ..store.round_trip import RoundTrip
+from .base import Step, find_attempt
 from .receipt import (
     assemble_receipt,
     load_attempt_result,
@@ -27,13 +28,17 @@ from .receipt import (
     result_key,
     winner_result,
 )
-from .settings import RaceSettings
 from .spec import spec_from_state
+
+if TYPE_CHECKING:
+    from .driver import RaceDriver
 
 log = logging.getLogger(__name__)
 
+_STATUS_EVENTS = {JobState.QUEUED: "queued", JobState.IN_PROGRESS: "running"}
 
-class RidingClaim:
+
+class RiddenClaim:
     """The winner claim that rode in a step's save: its reply, read once the save won, and
     the caller's result when that rode with it (written by the claim that made the winner)."""
 
@@ -44,31 +49,49 @@ class RidingClaim:
         self.claim = RaceStore.winner_claim(replies[0])
 
 
-class OutcomeWork:
-    """The end of a race; needs the driver's store, effects, settings and clock."""
+class Outcome:
+    """The end of a race, and the lifecycle events on the way to it."""
 
-    store: RaceStore
-    effects: Effects
-    settings: RaceSettings
-    clock: Any
-    prefix: str
-    _fresh_results: dict[tuple[str, str], dict[str, Any]]
+    def __init__(self, driver: RaceDriver) -> None:
+        self.driver = driver
+        # A valid result this process just stored, kept for the step that may declare it the
+        # winner (no read back); bounded (race/base.py ``remember``).
+        self.fresh_results: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def _event(self, race_id: str, name: str, race: Race, attempt_id: str | None) -> None:
+    def event(self, race_id: str, name: str, race: Race, attempt_id: str | None) -> None:
         """A lifecycle moment: counted in the metrics, and sent to Flower when events are on."""
         a = find_attempt(race, attempt_id) if attempt_id else None
         metrics.race_event(name, race, a)
-        if not self.settings.events:
+        if not self.driver.settings.events:
             return
         fields: dict[str, Any] = {"race_id": race_id, "policy": race.policy.name}
         if a is not None:
             fields.update(attempt=a.id, provider=a.provider, role=a.role, job_id=a.job_id)
         try:
-            self.effects.event(race_id, name, fields)
+            self.driver.effects.event(race_id, name, fields)
         except Exception:  # events are for watching; they never break a race
             log.debug("race %s: event %s not sent", race_id, name, exc_info=True)
 
-    def _announce_sent(self, race_id: str, race: Race, phases: dict[str, Phase]) -> None:
+    def lifecycle(self, step: Step) -> None:
+        """The lifecycle events of a performed step: a cutover, a job's queued or running
+        status, a loser cancelled or leaked."""
+        race_id, race = step.race_id, step.race
+        if "cut_over" in race.flags and "cut_over" not in step.flags:
+            self.event(race_id, "cut_over", race, None)
+        for event in step.events:
+            if isinstance(event, StatusObserved) and event.state is not None:
+                name = _STATUS_EVENTS.get(event.state)
+                if name:
+                    self.event(race_id, name, race, event.attempt_id)
+        for a in race.attempts:
+            if step.phases.get(a.id) == a.phase:
+                continue
+            if a.phase is Phase.CANCELLED:
+                self.event(race_id, "loser_cancelled", race, a.id)
+            elif a.phase is Phase.LEAKED:
+                self.event(race_id, "leaked", race, a.id)
+
+    def announce_sent(self, race_id: str, race: Race, phases: dict[str, Phase]) -> None:
         """``hedge_launched`` / ``escalated`` once a hedge or fallback has left its launch
         sent to its provider (``phases``: before the step): one the budget refused, or that
         the race no longer needed, was never sent and is no hedge."""
@@ -76,17 +99,34 @@ class OutcomeWork:
             if a.role == "primary" or phases.get(a.id) is not Phase.LAUNCHING:
                 continue
             if a.phase is not Phase.LAUNCHING and a.sent:
-                self._event(
+                self.event(
                     race_id, "escalated" if a.role == "fallback" else "hedge_launched", race, a.id
                 )
 
-    def _result_write(self, race_id: str, race: Race, riding: RidingClaim) -> ResultWrite | None:
+    def ride_claim(self, trip: RoundTrip, step: Step, saved: SaveMark) -> RiddenClaim:
+        """The winner claim of a step that declares one, riding in its save (``saved``: its
+        mark), to claim only if the save wins: no round trip of its own. The caller's result
+        rides with it where the effects can say how it is stored."""
+        race, race_id = step.race, step.race_id
+        riding = RiddenClaim()
+        winner = race.winner
+        assert winner is not None
+        result = self._result_write(race_id, race, riding)
+        store = self.driver.store
+        trip.ride(
+            lambda pipe: store.queue_claim_winner(pipe, race_id, winner, saved, result),
+            [store.claim_winner_script],
+            riding.take,
+        )
+        return riding
+
+    def _result_write(self, race_id: str, race: Race, riding: RiddenClaim) -> ResultWrite | None:
         """The caller's result, to ride with the winner claim in the declaring save, where the
         effects say how their backend stores it (``result_write``) and this process holds the
         winning result it just validated (no read); noted on ``riding`` for the declare."""
-        prepare = getattr(self.effects, "result_write", None)
+        prepare = getattr(self.driver.effects, "result_write", None)
         won = race.winner_attempt
-        stored = self._fresh_results.get((race_id, won.id)) if won is not None else None
+        stored = self.fresh_results.get((race_id, won.id)) if won is not None else None
         if prepare is None or won is None or stored is None:
             return None
         result = self._winner_result(race_id, race, won.id, stored)
@@ -101,12 +141,12 @@ class OutcomeWork:
         return winner_result(
             race,
             stored,
-            inline_max=self.settings.payload_inline_max,
-            ref=result_key(self.prefix, race_id, attempt_id),
+            inline_max=self.driver.settings.payload_inline_max,
+            ref=result_key(self.driver.store.prefix, race_id, attempt_id),
         )
 
-    def _declare(
-        self, race_id: str, race: Race, state: dict[str, Any], riding: RidingClaim | None = None
+    def declare(
+        self, race_id: str, race: Race, state: dict[str, Any], riding: RiddenClaim | None = None
     ) -> dict[str, Any] | None:
         """Claim the winner (unless ``riding``: the claim made in the step's save) and hand
         the caller its result; returns that result (None when another attempt holds the
@@ -115,17 +155,19 @@ class OutcomeWork:
         assert won is not None
         claim = riding.claim if riding is not None else None
         if claim is None:
-            claim = self.store.claim_winner(race_id, won.id)
+            claim = self.driver.store.claim_winner(race_id, won.id)
         if not claim.won:  # cannot happen while the state's version check holds; never hide it
             log.error(
                 "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner
             )
             return None
-        stored = self._fresh_results.pop((race_id, won.id), None)
+        stored = self.fresh_results.pop((race_id, won.id), None)
         result = riding.result if riding is not None else None  # built before the save
         if result is None:
             if stored is None:
-                stored = load_attempt_result(self.store.client, self.prefix, race_id, won.id)
+                stored = load_attempt_result(
+                    self.driver.store.client, self.driver.store.prefix, race_id, won.id
+                )
             result = self._winner_result(race_id, race, won.id, stored or {})
         caller = state.get("caller") or {}
         if claim.first:
@@ -134,61 +176,41 @@ class OutcomeWork:
                 # The claim that made the winner wrote the caller's result in its script (or
                 # this save's first send did, its answer lost: the claim says first again).
                 caller["result_stored"] = True
-        self._event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
-        self.effects.won(race_id, result, caller)
+        self.event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
+        self.driver.effects.won(race_id, result, caller)
         return result
 
-    def _give_up(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
+    def give_up(self, race_id: str, race: Race, state: dict[str, Any]) -> None:
         """The deadline passed without a winner: the caller's ``.get()`` raises RaceFailed now,
         with the receipt as it stands (its jobs are still being cancelled; the final receipt
         follows in Redis when they are settled)."""
         log.warning("race %s: %s; failing the caller and cancelling its jobs", race_id, race.note)
         spec = spec_from_state(state)
-        receipt = assemble_receipt(race, state, spec, now=self.clock.now())
+        receipt = assemble_receipt(race, state, spec, now=self.driver.clock.now())
         message = f"race {race_id}: {race.note}"
-        self.effects.failed(race_id, message, receipt, state.get("caller") or {})
+        self.driver.effects.failed(race_id, message, receipt, state.get("caller") or {})
 
-    def _finish_parts(
-        self, race: Race, state: dict[str, Any]
-    ) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+    def _finish_parts(self, race: Race, state: dict[str, Any]) -> Finish:
         """The finished race's receipt, the attempts whose jobs leave the live-job index with
         it, and its record."""
         spec = spec_from_state(state)
-        receipt = assemble_receipt(race, state, spec, now=self.clock.now())
+        receipt = assemble_receipt(race, state, spec, now=self.driver.clock.now())
         # a capped job stays registered until its own cancel confirms it stopped
-        ended = [
+        ended = tuple(
             a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
-        ]
-        return receipt, ended, race_record(self.store, race, state, spec, receipt)
+        )
+        record = race_record(self.driver.store, race, state, spec, receipt)
+        return Finish(receipt, self.driver.settings.receipt_ttl_s, ended, record)
 
-    def _with_finish(
-        self,
-        race_id: str,
-        race: Race,
-        state: dict[str, Any],
-        actions: list[Any],
-        saved: SaveMark,
-        also: Callable[[Any], None] | None,
-        scripts: tuple[Any, ...],
-    ) -> tuple[Callable[[Any], None] | None, tuple[Any, ...], dict[str, Any] | None]:
-        """When the step finishes the race, its finish (receipt, record, indexes) rides in the
-        save, last among the extra commands, and runs only if the save wins: no round trip
-        of its own. Returns the extras, their scripts and the receipt (None: no finish)."""
-        if not any(isinstance(a, RaceFinished) for a in actions):
-            return also, scripts, None
-        receipt, ended, record = self._finish_parts(race, state)
-        ttl_s = self.settings.receipt_ttl_s
+    def ride_finish(self, trip: RoundTrip, step: Step, saved: SaveMark) -> dict[str, Any]:
+        """The finish (receipt, record, indexes) of a step that finishes its race, riding in
+        its save, last among the extra commands, to run only if the save wins: no round trip
+        of its own. Returns the receipt."""
+        done = self._finish_parts(step.race, step.state)
+        self.driver.store.ride_finish(trip, step.race_id, done, saved)
+        return done.receipt
 
-        def with_finish(pipe: Any) -> None:
-            if also is not None:
-                also(pipe)
-            self.store.queue_finish_on_save(
-                pipe, race_id, receipt, saved, ttl_s, drop_jobs=ended, record=record
-            )
-
-        return with_finish, (*scripts, self.store.finish_script), receipt
-
-    def _finish(
+    def finish(
         self,
         race_id: str,
         race: Race,
@@ -199,27 +221,32 @@ class OutcomeWork:
         step's save stored already), its metrics, and a failed caller told."""
         receipt = stored
         if receipt is None:
-            receipt, ended, record = self._finish_parts(race, state)
-            self.store.finish(
-                race_id, receipt, self.settings.receipt_ttl_s, drop_jobs=ended, record=record
+            done = self._finish_parts(race, state)
+            receipt = done.receipt
+            self.driver.store.finish(
+                race_id, receipt, done.ttl_s, drop_jobs=done.drop_jobs, record=done.record
             )
         metrics.race_finished(race, receipt)
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
-            self.effects.failed(race_id, message, receipt, state.get("caller") or {})
+            self.driver.effects.failed(race_id, message, receipt, state.get("caller") or {})
 
     def refresh_receipt(self, race_id: str) -> None:
         """Rewrite a finished race's receipt from its state (after a late cap cancel)."""
-        if self.store.receipt(race_id) is None:
+        if self.driver.store.receipt(race_id) is None:
             return  # not finished: the receipt will be assembled from the state then
-        record = self.store.load(race_id)
+        record = self.driver.store.load(race_id)
         if record is None:
             return
-        race = Race.from_dict(record.state["race"], self.clock)
+        race = Race.from_dict(record.state["race"], self.driver.clock)
         spec = spec_from_state(record.state)
-        receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
-        receipt["finished_at"] = (self.store.receipt(race_id) or {}).get("finished_at")
-        corrected = race_record(self.store, race, record.state, spec, receipt)  # its leak flag
-        self.store.put_receipt(race_id, receipt, self.settings.receipt_ttl_s, record=corrected)
-        if not self.store.live_jobs(race_id):
-            self.store.forget(race_id)
+        receipt = assemble_receipt(race, record.state, spec, now=self.driver.clock.now())
+        receipt["finished_at"] = (self.driver.store.receipt(race_id) or {}).get("finished_at")
+        corrected = race_record(
+            self.driver.store, race, record.state, spec, receipt
+        )  # its leak flag
+        self.driver.store.put_receipt(
+            race_id, receipt, self.driver.settings.receipt_ttl_s, record=corrected
+        )
+        if not self.driver.store.live_jobs(race_id):
+            self.driver.store.forget(race_id)

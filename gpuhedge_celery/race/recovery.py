@@ -1,54 +1,43 @@
-"""Timers and recovery of the race driver: what a due durable timer does to a race, and how a
+"""The race driver's :class:`Recovery`: what a due durable timer does to a race, and how a
 step that a crashed process left half-done is performed again.
 
-Mixed into :class:`~gpuhedge_celery.race.driver.RaceDriver`; it calls the driver's own work
-(``step``, ``watch``, ``submit_attempt``, ``cancel_attempt``, ``request_cancel``,
-``arm_watch_if_idle``, ``_launch``, ``_declare``, ``_give_up``, ``_finish``). A timer is
-delivered again when the process that claimed it died or its handler failed; every kind's work
-is idempotent, so a second delivery, or a ``resume`` after it, only completes what the first
-left undone.
+A timer is delivered again when the process that claimed it died or its handler failed; every
+kind's work is idempotent, so a second delivery, or a ``resume`` after it, only completes what
+the first left undone.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..core.attempts import Phase
 from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import TimerDue
 from ..store.timers import Timer
-from .base import due_ms
+from .attempts import SubmitHow
+from .base import JobRef, due_ms
+
+if TYPE_CHECKING:
+    from .driver import RaceDriver
 
 log = logging.getLogger(__name__)
 
 
-class RecoveryWork:
-    """The durable timers' handler and crash recovery; needs the driver (see the module)."""
+class Recovery:
+    """The durable timers' handler and crash recovery."""
 
-    store: Any
-    timers: Any
-    clock: Any
-    # the driver's own work it calls (race/driver.py, attempts.py, outcome.py)
-    step: Callable[..., Any]
-    cancel_attempt: Callable[..., Any]
-    submit_attempt: Callable[..., Any]
-    watch: Callable[..., Any]
-    request_cancel: Callable[..., Any]
-    arm_watch_if_idle: Callable[..., Any]
-    _declare: Callable[..., Any]
-    _launch: Callable[..., Any]
-    _give_up: Callable[..., Any]
-    _finish: Callable[..., Any]
+    def __init__(self, driver: RaceDriver) -> None:
+        self.driver = driver
 
     def on_timer(self, timer: Timer) -> None:
         """The TimerService handler: a policy timer steps the race, a watch timer polls a job."""
+        d = self.driver
         payload = timer.payload
         kind = payload.get("kind")
         if kind == "policy":
-            self.step(payload["race"], TimerDue(payload["key"]))
+            d.step(payload["race"], TimerDue(payload["key"]))
             if timer.deliveries > 1:  # its first claimer died, perhaps after saving the step
                 self.resume(payload["race"])
         elif kind == "cancel":
@@ -59,7 +48,7 @@ class RecoveryWork:
                 payload["race"],
                 payload["attempt"],
             )
-            self.cancel_attempt(payload["race"], payload["attempt"])
+            d.canceller.cancel_attempt(payload["race"], payload["attempt"])
         elif kind == "launch":
             # The process that launched this attempt did not get its job watched in time: it
             # died (before, during or after the submit). The submit claim decides what to do.
@@ -68,17 +57,11 @@ class RecoveryWork:
                 payload["race"],
                 payload["attempt"],
             )
-            self.submit_attempt(payload["race"], payload["attempt"], takeover=True)
+            d.submitter.submit(payload["race"], payload["attempt"], SubmitHow(takeover=True))
         elif kind == "watch":
-            self.watch(
-                payload["race"],
-                payload["attempt"],
-                payload["provider"],
-                payload["handle"],
-                payload.get("last"),
-                float(payload.get("cap_s", 180.0)),
-                decide=payload.get("decide"),
-                reserved=payload.get("reserved"),
+            ref = JobRef.from_payload(payload)
+            d.watcher.watch(
+                ref, payload.get("last"), payload.get("decide"), payload.get("reserved")
             )
             if timer.deliveries > 1:  # its first claimer may have died after saving a step
                 # (this job's next poll was just armed, or it was concluded: not armed again,
@@ -92,38 +75,41 @@ class RecoveryWork:
 
         ``watched``: an attempt whose watch poll the caller has just made (and re-armed), so
         no other poll is armed for it."""
-        record = self.store.load(race_id)
+        d = self.driver
+        record = d.store.load(race_id)
         if record is None:
             return
         state = record.state
-        race = Race.from_dict(state["race"], self.clock)
-        if race.finished and self.store.receipt(race_id) is not None:
+        race = Race.from_dict(state["race"], d.clock)
+        if race.finished and d.store.receipt(race_id) is not None:
             # Receipt written; but the step that declared the winner may have died before
             # marking the result (another process finished the race): mark it again.
             if race.winner is not None:
-                self._declare(race_id, race, state)
+                d.outcome.declare(race_id, race, state)
             return
         caps = state["spec"].get("caps_s") or {}
-        now = self.clock.now()
+        now = d.clock.now()
         for a in race.attempts:
             if a.phase is Phase.LAUNCHING:
-                self._launch(race_id, a.id, a.provider)
+                d.launch(race_id, a.id, a.provider)
             elif a.result_state == JobState.TIMEOUT.value and a.handle:
-                self.request_cancel(race_id, a.id, a.provider)  # a capped job left running
+                d.canceller.request_cancel(race_id, a.id, a.provider)  # a capped job left running
             elif a.live and a.handle:
                 cap = float(caps.get(a.provider, 180.0))
                 if a.id != watched:  # a poll now, unless the job's chain of polls is alive
-                    self.arm_watch_if_idle(race_id, a.id, a.provider, a.handle, None, cap, now)
+                    d.watcher.arm_if_idle(
+                        JobRef(race_id, a.id, a.provider, a.handle, cap), None, now
+                    )
                 if a.phase is Phase.CANCELLING:
-                    self.request_cancel(race_id, a.id, a.provider)
+                    d.canceller.request_cancel(race_id, a.id, a.provider)
         ids = state.get("timer_ids") or {}
         for key, at in race.timers.items():
             if key in ids:
                 payload = {"race": race_id, "kind": "policy", "key": key}
-                self.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
+                d.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
         if race.winner is not None:
-            self._declare(race_id, race, state)
+            d.outcome.declare(race_id, race, state)
         elif race.gave_up and not race.finished:
-            self._give_up(race_id, race, state)
+            d.outcome.give_up(race_id, race, state)
         if race.finished:
-            self._finish(race_id, race, state)
+            d.outcome.finish(race_id, race, state)

@@ -38,10 +38,11 @@ from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ScheduleTimer, StatusObserved
 from ..errors import StoreUnavailable
-from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict, new_save_id
+from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict
+from ..store.round_trip import RoundTrip
 from ..store.scripts import run_pipeline
 from ..store.timers import Timer, store_errors
-from .base import find_attempt
+from .base import JobRef, Step, find_attempt
 from .watch import NextPoll
 
 if TYPE_CHECKING:
@@ -75,12 +76,11 @@ class _RaceWork:
     polls: list[_Poll] = field(default_factory=list)
     record: RaceRecord | None = None
     race: Race | None = None
-    step: tuple[Any, ...] | None = None  # (state, actions, phases, flags, gone, events, data)
+    step: Step | None = None
+    data: Any = None  # the step's state, encoded for the save
     # Decided once, before the first send: a pipeline sent again (NOSCRIPT, a lost answer)
     # carries the same save id and arm ids, so what already ran is recognised, not repeated.
-    save_id: str | None = None
-    also: Callable[[Any], None] | None = None  # the step's timer arms and budget settlements
-    scripts: tuple[Any, ...] = ()  # the scripts ``also`` sends
+    trip: RoundTrip | None = None  # the step's timer arms and budget settlements
 
     @property
     def loaded(self) -> RaceRecord:
@@ -154,21 +154,12 @@ class WatchBatch:
                 race_id, attempt_id = payload["race"], payload["attempt"]
                 cap_s = float(payload.get("cap_s", 180.0))
                 deadline = poll.handle.submitted_at + cap_s
+                ref = JobRef(race_id, attempt_id, name, payload["handle"], cap_s)
                 if state.terminal or now >= deadline:  # fetch, validate, report: per timer
-                    back(poll.timer, _conclude(d, race_id, attempt_id, name, poll, cap_s))
+                    back(poll.timer, functools.partial(d.conclude, ref))
                     continue
-                poll.next = NextPoll(
-                    race_id,
-                    attempt_id,
-                    name,
-                    payload["handle"],
-                    state.value,
-                    cap_s,
-                    d._poll_at(provider, at, now),
-                    deadline,
-                    now,
-                    near,
-                )
+                at = d.watcher.poll_at(provider, at, now)
+                poll.next = NextPoll(ref, state.value, at, now, near)
                 if state.value != payload.get("last"):
                     poll.observed = StatusObserved(attempt_id, state, None)
                 races.setdefault(race_id, _RaceWork(race_id)).polls.append(poll)
@@ -234,9 +225,9 @@ class WatchBatch:
             return True  # already known (saved since): heartbeat and next arms only
         new = dict(state)
         new["race"] = after
-        gone = d._note_timers(work.race_id, race, new, actions, record.version + 1)
-        data = d.store.encode(work.race_id, new)
-        work.step = (new, actions, phases, flags, gone, tuple(events), data)
+        step = Step(work.race_id, race, new, record.version, actions, phases, flags, tuple(events))
+        d.note_timers(step)
+        work.step, work.data = step, d.store.encode(work.race_id, new)
         return True
 
     # -- 4. write, 5. perform ------------------------------------------------------------------
@@ -264,11 +255,11 @@ class WatchBatch:
                     back(p.timer, _nothing)
             return
         for work, first, end in spans:
-            skip = 1 if work.save_id is not None else 0  # the save's reply is taken below
+            skip = 1 if work.step is not None else 0  # the save's reply is taken below
             errors = [r for r in replies[first + skip : end] if isinstance(r, Exception)]
             if errors:  # an arm or settlement refused: a bug to see (the janitor resumes it)
                 log.warning("race %s: batched write: %s", work.race_id, errors[0])
-            if work.save_id is not None:
+            if work.step is not None:
                 self._saved(work, replies[first], back)
 
     def _write_alone(self, work: _RaceWork) -> None:
@@ -284,7 +275,7 @@ class WatchBatch:
 
         with store_errors(f"writing the watch polls of race {work.race_id!r}"):
             replies = run_pipeline(self.driver.store.client, build, scripts)
-        if work.save_id is not None:
+        if work.step is not None:
             self._saved(work, replies[index[0]], lambda _timer, job: job() if job else None)
 
     def _plan(self, writes: list[_RaceWork]) -> list[Any]:
@@ -293,29 +284,24 @@ class WatchBatch:
         store, timers = d.store, d.timers
         scripts: list[Any] = [store.save_script, timers.arm_script, timers.cancel_script]
         for work in writes:
-            if work.step is not None and work.save_id is None:
-                new, actions, phases, *_ = work.step
-                work.save_id = new_save_id()
-                mark = store.save_mark(work.race_id, work.loaded.version, work.save_id)
-                arms = d._arms(work.race_id, new, actions)
-                work.also, work.scripts = d._with_settlements(
-                    work.race_id, work.stepped, new, phases, arms, mark
-                )
-            scripts.extend(s for s in work.scripts if s not in scripts)
+            if work.step is not None and work.trip is None:
+                work.trip = d.riders(work.step, None)
+            if work.trip is not None:
+                scripts.extend(s for s in work.trip.scripts if s not in scripts)
         return scripts
 
     def _queue(self, pipe: Any, work: _RaceWork) -> None:
         """Queue one race's part: its save (or heartbeat), extra commands and next arms."""
         d = self.driver
-        if work.save_id is None:
+        step = work.step
+        if step is None:
             d.store.queue_touch(pipe, work.race_id)
         else:
-            data = cast(tuple[Any, ...], work.step)[-1]
-            d.store.queue_save(pipe, work.race_id, data, work.loaded.version, work.save_id)
-            if work.also is not None:
-                work.also(pipe)
+            d.store.queue_save(pipe, work.race_id, work.data, step.version, step.save_id)
+            cast(RoundTrip, work.trip).queue_after(pipe)
         for p in work.polls:
-            cast(NextPoll, p.next).queue(d, pipe, work.decisions(p))  # every polled job has one
+            # every polled job has its next poll
+            cast(NextPoll, p.next).queue(d.timers, pipe, work.decisions(p))
 
     def _send(self, build: Callable[[Any], None], scripts: list[Any], what: str) -> list | None:
         """Run the pipeline; while Redis is unreachable, send it again (the same ids) for up
@@ -339,21 +325,19 @@ class WatchBatch:
     def _saved(self, work: _RaceWork, reply: Any, back: HandBack) -> None:
         """Take one race's save reply: perform its step, or report its polls again."""
         d = self.driver
-        new, actions, phases, flags, gone, events, data = cast(tuple[Any, ...], work.step)
+        step = cast(Step, work.step)
         if isinstance(reply, Exception):  # an error in the save itself: step it the usual way
             log.warning("race %s: batched save failed: %s", work.race_id, reply)
             reply = (0, -1)
         try:
-            d.store.saved(work.race_id, reply, data, work.loaded.version, work.save_id)
+            d.store.saved(work.race_id, reply, work.data, step.version, step.save_id)
         except VersionConflict as e:  # reported again (the next polls are armed), the first
             answer = [e] if e.read else []  # from the state the refusal was answered with
             for p in work.polls:
                 if p.observed is not None:
                     back(p.timer, _restep(d, work.race_id, p, answer))
             return
-        d._perform(
-            work.race_id, work.stepped, new, list(actions), phases, flags, gone, events, armed=True
-        )
+        d.perform(step)
 
 
 def _nothing() -> None:
@@ -368,13 +352,6 @@ def _all_back(work: _RaceWork, back: HandBack) -> None:
 def _live(race: Race, poll: _Poll) -> bool:
     a = find_attempt(race, poll.timer.payload["attempt"])
     return a is not None and a.live
-
-
-def _conclude(
-    d: RaceDriver, race_id: str, attempt_id: str, provider: str, poll: _Poll, cap_s: float
-) -> Callable[[], None]:
-    """The per-timer work for a job the batch saw end: fetch, validate and report it."""
-    return lambda: d.conclude(race_id, attempt_id, d.providers(provider), poll.handle, cap_s, None)
 
 
 def _restep(

@@ -19,12 +19,13 @@ Money is integer nano-dollars (:mod:`gpuhedge_celery.core.budget`). All keys sha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.budget import BudgetCaps, refusal_text, to_nano, to_usd
 from ..errors import StoreError
 from .race_keys import SaveMark, budget_keys, reservation_id
+from .round_trip import RoundTrip
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
@@ -59,7 +60,6 @@ class PendingReservation:
     args: list[Any]
     cap_name: Callable[[int], str]
     result: Reservation | None = None
-    scripts: tuple[Any, ...] = field(default=())
 
     def queue(self, pipe: Any) -> None:
         queue_script(pipe, self.store.reserve_script, self.keys, self.args)
@@ -70,6 +70,15 @@ class PendingReservation:
         queue_script(
             pipe, self.store.reserve_script, [*self.keys, saved.state_key], [*self.args, saved.mark]
         )
+
+    def ride(self, trip: RoundTrip, saved: SaveMark | None = None) -> None:
+        """Ride in ``trip``: reserve with its round trip (``saved``: only if the race save it
+        rides with wins), the reply read into :attr:`result`."""
+        queue = self.queue if saved is None else (lambda pipe: self.queue_on_save(pipe, saved))
+        trip.ride(queue, (self.store.reserve_script,), self._took)
+
+    def _took(self, replies: list[Any]) -> None:
+        self.take(replies)
 
     def take(self, replies: Sequence[Any]) -> Reservation:
         code, value, used, slot = (int(x) for x in replies[0])
@@ -136,7 +145,7 @@ class BudgetStore:
             role,
             *caps_nano,
         ]
-        return PendingReservation(self, rid, keys, args, cap_name, scripts=(self.reserve_script,))
+        return PendingReservation(self, rid, keys, args, cap_name)
 
     def reserve(self, pending: PendingReservation) -> Reservation:
         """Run a prepared reservation on its own (one round trip)."""

@@ -14,6 +14,7 @@ from typing import Any
 from . import codec
 from .codec import dumps_dict
 from .race_keys import SaveMark, race_keys
+from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
 from .timers import as_text, store_errors
 
@@ -42,24 +43,23 @@ class RaceJobs:
             pipe.execute()
 
     def claim_submit(
-        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], trip: RoundTrip | None = None
     ) -> dict[str, Any] | None:
         """Record the intent to submit an attempt's job, unless something is recorded already.
 
         Atomic (``HSETNX``): of two processes about to submit the same attempt, one gets None
         (go ahead) and the other what the first recorded (its intent, or the job's handle).
-        ``also``: more work for the same round trip (the attempt's budget reservation): its
-        ``queue(pipe)`` queues it, its ``take(replies)`` reads its replies, ``scripts`` lists
-        the scripts it runs.
+        ``trip``: more work for the same round trip, after the claim (the attempt's budget
+        reservation), its handlers given their replies.
         """
-        return self._claim_submit(race_id, attempt_id, intent, with_request=False, also=also)[0]
+        return self._claim_submit(race_id, attempt_id, intent, with_request=False, trip=trip)[0]
 
     def claim_submit_with_request(
-        self, race_id: str, attempt_id: str, intent: dict[str, Any], also: Any = None
+        self, race_id: str, attempt_id: str, intent: dict[str, Any], trip: RoundTrip | None = None
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """:meth:`claim_submit` and :meth:`request` in one round trip: what was recorded
         (None: go ahead) and the request to submit (None if it is gone)."""
-        return self._claim_submit(race_id, attempt_id, intent, with_request=True, also=also)
+        return self._claim_submit(race_id, attempt_id, intent, with_request=True, trip=trip)
 
     def _claim_submit(
         self,
@@ -68,7 +68,7 @@ class RaceJobs:
         intent: dict[str, Any],
         *,
         with_request: bool,
-        also: Any = None,
+        trip: RoundTrip | None = None,
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         keys = race_keys(self.prefix, race_id)
         data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
@@ -79,19 +79,16 @@ class RaceJobs:
             self._touch(pipe, race_id)  # one command
             if with_request:
                 pipe.get(keys.request)
-            if also is not None:
-                also.queue(pipe)
+            riders.queue_after(pipe)
 
+        riders = trip if trip is not None else RoundTrip()
         with store_errors(f"claiming the submit of race {race_id!r}"):
-            replies = run_pipeline(self.client, build, also.scripts if also is not None else ())
+            replies = run_pipeline(self.client, build, riders.scripts)
         claimed, found = replies[0], replies[1]
-        first_also = 3
         request = None
         if with_request:
-            first_also = 4
             request = codec.loads(replies[3]) if replies[3] is not None else None
-        if also is not None:
-            also.take(replies[first_also:])
+        riders.answer(replies)
         # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
         # a script the server had to load (run_pipeline runs it again): the claim is ours.
         if claimed or found is None or as_text(found) == data:

@@ -9,7 +9,6 @@ its own slot, written next to the race's scripts in the same pipeline, never ins
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from ..core.clock import Clock
 from ..errors import LeaseError
 from . import codec
 from .race_keys import race_keys
+from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
 from .timers import as_text, store_errors
 
@@ -70,26 +70,18 @@ class RaceLiveness:
         """Queue :meth:`touch`'s one command on a pipeline of the caller's."""
         self._touch(pipe, race_id)
 
-    def touch(
-        self,
-        race_id: str,
-        *,
-        also: Callable[[Any], None] | None = None,
-        scripts: Iterable[Any] = (),
-    ) -> None:
-        """Record that the race is being advanced (its heartbeat for the janitor).
-
-        ``also(pipe)`` may queue more commands in the same round trip (``scripts``: the
-        scripts they use), as for :meth:`save`.
-        """
+    def touch(self, race_id: str, trip: RoundTrip | None = None) -> None:
+        """Record that the race is being advanced (its heartbeat for the janitor), with the
+        commands ``trip`` carries in the same round trip (its ahead ones first)."""
+        trip = trip if trip is not None else RoundTrip()
 
         def build(pipe: Any) -> None:
+            trip.queue_ahead(pipe)
             self._touch(pipe, race_id)
-            if also is not None:
-                also(pipe)
+            trip.queue_after(pipe)
 
         with store_errors(f"touching race {race_id!r}"):
-            run_pipeline(self.client, build, scripts)
+            trip.answer(run_pipeline(self.client, build, trip.scripts))
 
     def last_seen_ms(self, race_id: str) -> int | None:
         """The race's last heartbeat (epoch ms), None if it is not in the live index."""

@@ -6,14 +6,27 @@ to expire with the receipt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from . import codec
 from .codec import dumps_dict, ms
 from .race_keys import RECENT_FINISHED, SaveMark, race_keys
 from .records import RecordStream
+from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
 from .timers import store_errors
+
+
+@dataclass(frozen=True)
+class Finish:
+    """What a race's finish writes: its receipt (kept ``ttl_s``, the store's default when None),
+    the attempts whose jobs leave the live-job index with it, and its record (None: none)."""
+
+    receipt: dict[str, Any]
+    ttl_s: float | None = None
+    drop_jobs: tuple[str, ...] = ()
+    record: dict[str, Any] | None = None
 
 
 class RaceReceipts:
@@ -42,7 +55,7 @@ class RaceReceipts:
         request (only needed to submit) is dropped at once, and the race joins the index of
         recently finished races (read by :mod:`.race_lookup`). One script, one round trip
         (``race_finish.lua``); a step that finishes its race sends it in its save instead
-        (:meth:`queue_finish_on_save`).
+        (:meth:`ride_finish`).
 
         ``drop_jobs``: attempts whose jobs reached a terminal state, unregistered by the script
         that writes the receipt (no reader sees them gone beside the receipt before it).
@@ -50,46 +63,26 @@ class RaceReceipts:
         Returns how many jobs are still registered as live; with none the race also leaves the
         live index, otherwise it stays there for the janitor.
         """
+        done = Finish(receipt, ttl_s, tuple(drop_jobs), record)
         with store_errors(f"finishing race {race_id!r}"):
             (reply,) = run_pipeline(
                 self.client,
-                lambda pipe: self._queue_finish(
-                    pipe, race_id, receipt, "", ttl_s, drop_jobs, record
-                ),
+                lambda pipe: self._queue_finish(pipe, race_id, done, ""),
                 [self._finish],
             )
         return int(reply[1])
 
-    def queue_finish_on_save(
-        self,
-        pipe: Any,
-        race_id: str,
-        receipt: dict[str, Any],
-        saved: SaveMark,
-        ttl_s: float | None = None,
-        *,
-        drop_jobs: Iterable[str] = (),
-        record: dict[str, Any] | None = None,
-    ) -> None:
-        """Queue :meth:`finish` on the pipeline of the save whose step finished the race, to
-        run only if that save wins (``saved``: its mark): no round trip of its own. Pass
-        :attr:`finish_script` among the save's scripts. A finish sent again after a lost
-        answer appends no second record."""
-        self._queue_finish(pipe, race_id, receipt, saved.mark, ttl_s, drop_jobs, record)
+    def ride_finish(self, trip: RoundTrip, race_id: str, done: Finish, saved: SaveMark) -> None:
+        """Have ``trip`` carry :meth:`finish` in the save whose step finished the race, to run
+        only if that save wins (``saved``: its mark): no round trip of its own. A finish sent
+        again after a lost answer appends no second record."""
+        trip.ride(lambda pipe: self._queue_finish(pipe, race_id, done, saved.mark), [self._finish])
 
-    def _queue_finish(
-        self,
-        pipe: Any,
-        race_id: str,
-        receipt: dict[str, Any],
-        mark: str,
-        ttl_s: float | None,
-        drop_jobs: Iterable[str],
-        record: dict[str, Any] | None,
-    ) -> None:
+    def _queue_finish(self, pipe: Any, race_id: str, done: Finish, mark: str) -> None:
         """Queue ``race_finish.lua`` (``mark``: '' to finish now, or the save's mark). One
         script across the race's, the records' and the race indexes' slots: it needs a single
         primary (``docs/architecture.md``, *Redis topology*)."""
+        receipt, ttl_s, drop_jobs, record = done.receipt, done.ttl_s, done.drop_jobs, done.record
         keys = race_keys(self.prefix, race_id)
         data = dumps_dict(receipt, f"receipt of race {race_id!r}")
         ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)

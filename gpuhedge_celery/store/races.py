@@ -38,6 +38,7 @@ from .race_keys import ResultWrite, SaveMark, finished_races_key, live_races_key
 from .race_liveness import RaceLiveness
 from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
+from .round_trip import RoundTrip
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
 
@@ -96,6 +97,16 @@ def new_save_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class Keeping:
+    """How long a race's keys live (its receipt, and its state while it runs) and how many
+    finished races' records the record stream keeps."""
+
+    receipt_ttl_s: float = DEFAULT_RECEIPT_TTL_S
+    state_ttl_s: float | None = DEFAULT_STATE_TTL_S
+    records_maxlen: int = DEFAULT_RECORDS_MAXLEN
+
+
 class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
 
@@ -103,12 +114,13 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self,
         client: Any,
         prefix: str = "gpuhedge",
+        keeping: Keeping | None = None,
         *,
-        receipt_ttl_s: float = DEFAULT_RECEIPT_TTL_S,
-        state_ttl_s: float | None = DEFAULT_STATE_TTL_S,
         clock: Clock | None = None,
-        records_maxlen: int = DEFAULT_RECORDS_MAXLEN,
     ):
+        keeping = keeping or Keeping()
+        receipt_ttl_s, state_ttl_s = keeping.receipt_ttl_s, keeping.state_ttl_s
+        records_maxlen = keeping.records_maxlen
         if receipt_ttl_s <= 0:
             raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
         self.client = client
@@ -135,31 +147,29 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         race_id: str,
         state: dict[str, Any],
         request: dict[str, Any] | None = None,
-        also: Callable[[Any], None] | None = None,
-        scripts: tuple[Any, ...] = (),
+        trip: RoundTrip | None = None,
         save_id: str | None = None,
-        took: Callable[[list[Any]], None] | None = None,
     ) -> int:
         """Store a new race's first state (version 1); VersionConflict if the race exists.
 
         ``request``: the caller's request, stored once (compact JSON, its own key, written in
         the same round trip) rather than in the state every step rewrites; read it back with
         :meth:`request` or :meth:`claim_submit_with_request`. :meth:`finish` drops it.
-        ``also``, ``scripts``, ``save_id`` and ``took``: as for :meth:`save` (the first timers
-        and the first submit's intent ride in this round trip).
+        ``trip`` and ``save_id``: as for :meth:`save` (the first timers and the first submit's
+        intent ride in this round trip).
         """
-        more: dict[str, Any] = {"also": also, "scripts": scripts, "save_id": save_id, "took": took}
-        if request is None:
-            return self.save(race_id, state, 0, **more)
-        key = race_keys(self.prefix, race_id).request
-        data = dumps_dict(request, f"request of race {race_id!r}")
-        ttl_ms = ms(self.state_ttl_s)
+        trip = trip if trip is not None else RoundTrip()
+        if request is not None:
+            key = race_keys(self.prefix, race_id).request
+            data = dumps_dict(request, f"request of race {race_id!r}")
+            ttl_ms = ms(self.state_ttl_s)
 
-        def store_request(pipe: Any) -> None:
-            # NX: a redelivered create (which then conflicts) leaves the first one in place
-            pipe.set(key, data, nx=True, px=ttl_ms or None)
+            def store_request(pipe: Any) -> None:
+                # NX: a redelivered create (which then conflicts) leaves the first one in place
+                pipe.set(key, data, nx=True, px=ttl_ms or None)
 
-        return self.save(race_id, state, 0, before=store_request, **more)
+            trip.ahead(store_request)
+        return self.save(race_id, state, 0, trip, save_id)
 
     def request(self, race_id: str) -> dict[str, Any] | None:
         """The race's request as :meth:`create` stored it; None once the race has finished
@@ -184,40 +194,33 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         race_id: str,
         state: dict[str, Any],
         expected_version: int,
-        also: Callable[[Any], None] | None = None,
-        scripts: tuple[Any, ...] = (),
-        before: Callable[[Any], None] | None = None,
+        trip: RoundTrip | None = None,
         save_id: str | None = None,
-        took: Callable[[list[Any]], None] | None = None,
     ) -> int:
         """Save ``state`` if the race is still at ``expected_version``; returns the new version.
 
         Raises :class:`VersionConflict` when someone saved since (or, for version 0, the race
-        already exists). Also refreshes the race's heartbeat. ``also(pipe)`` may queue more
-        commands in the same round trip (``scripts``: the scripts they use); they run whether
-        or not the save wins, so they must be harmless when it loses (idempotent timer arms),
-        or check that it won (:meth:`save_mark`, with the ``save_id`` given here).
-        ``before(pipe)`` queues commands that run before the save (Redis runs a pipeline in
-        order), for data the saved state refers to. Its results come first in the reply.
-        ``took(replies)``: given the replies of ``also``'s commands once the save won.
+        already exists). Also refreshes the race's heartbeat. ``trip``: commands riding in the
+        same round trip (:class:`~.round_trip.RoundTrip`), ahead of the save or after it; those
+        after run whether or not the save wins, so they must be harmless when it loses
+        (idempotent timer arms) or check that it won (:meth:`save_mark`, with the ``save_id``
+        given here). Their handlers are given their replies once the save won.
         """
         data = race_parts.encode(state, f"state of race {race_id!r}")
         save_id = save_id or new_save_id()
-        skip = 0
+        trip = trip if trip is not None else RoundTrip()
+        at = 0
 
         def build(pipe: Any) -> None:
-            nonlocal skip
-            if before is not None:
-                before(pipe)
-                skip = len(pipe.command_stack)
+            nonlocal at
+            trip.queue_ahead(pipe)
+            at = len(pipe.command_stack)
             self.queue_save(pipe, race_id, data, expected_version, save_id)
-            if also is not None:
-                also(pipe)
+            trip.queue_after(pipe)
 
-        replies = self._send_save(race_id, build, [self._save, *scripts])
-        version = self.saved(race_id, replies[skip], data, expected_version, save_id)
-        if took is not None:
-            took(replies[skip + 2 :])  # after the save and the heartbeat
+        replies = self._send_save(race_id, build, [self._save, *trip.scripts])
+        version = self.saved(race_id, replies[at], data, expected_version, save_id)
+        trip.answer(replies)
         return version
 
     def encode(self, race_id: str, state: dict[str, Any]) -> race_parts.EncodedState:

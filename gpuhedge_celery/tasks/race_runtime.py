@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
@@ -25,7 +25,9 @@ from ..names import TASK_RACE_STEP as TASK_RACE_STEP
 from ..names import TASK_RACE_SUBMIT
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
+from ..race.attempts import SubmitHow
 from ..race.backstops import launch_backstop_id
+from ..race.base import RaceParts
 from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
 from ..race.receipt import by_reference, result_key
@@ -34,7 +36,7 @@ from ..race.watch_batch import WatchBatch
 from ..store.budget import BudgetStore
 from ..store.connection import client_for
 from ..store.race_keys import ResultWrite
-from ..store.races import RaceStore
+from ..store.races import Keeping, RaceStore
 from ..store.redis_clock import RedisClock
 from ..store.timer_service import TimerService
 from ..store.timers import TimerStore
@@ -86,6 +88,7 @@ class CeleryEffects:
         self._cancels: ThreadPoolExecutor | None = None
         self._launches: ThreadPoolExecutor | None = None
         self.launches_here = True  # read by the driver: it arms each launch's backstop
+        self.driver: RaceDriver | None = None  # the driver these effects serve (set with it)
         self._events: queue.SimpleQueue[tuple[str, str, dict[str, Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -94,11 +97,13 @@ class CeleryEffects:
 
     def launch(self, race_id: str, attempt_id: str, provider: str) -> None:
         self._pool("_launches", "gpuhedge-launch").submit(
-            _launch_now, race_id, attempt_id, provider
+            _launch_now, self, race_id, attempt_id, provider
         )
 
     def cancel(self, race_id: str, attempt_id: str, provider: str) -> None:
-        self._pool("_cancels", "gpuhedge-cancel").submit(_cancel_now, race_id, attempt_id, provider)
+        self._pool("_cancels", "gpuhedge-cancel").submit(
+            _cancel_now, self, race_id, attempt_id, provider
+        )
 
     def _pool(self, attr: str, name: str) -> ThreadPoolExecutor:
         """The launch or cancel thread pool, started on first use (after any fork)."""
@@ -249,7 +254,7 @@ class CeleryEffects:
                 return
 
 
-def _launch_now(race_id: str, attempt_id: str, provider: str) -> None:
+def _launch_now(effects: CeleryEffects, race_id: str, attempt_id: str, provider: str) -> None:
     """One attempt's submit on a launch thread (see :meth:`CeleryEffects.launch`).
 
     Flower lists it as the ``race_submit`` task it replaces (task events only, under the id
@@ -258,9 +263,9 @@ def _launch_now(race_id: str, attempt_id: str, provider: str) -> None:
     """
     # Marked like a task too: logs (and the crash tests) show which worker holds the submit.
     log.info("race_submit[%s:%s] submitting to %s", race_id, attempt_id, provider)
-    rt = runtime()
+    driver = cast("RaceDriver", effects.driver)
     uuid, started = f"{race_id}:{attempt_id}", time.monotonic()
-    rt.effects.send(
+    effects.send(
         uuid,
         "task-received",
         {
@@ -274,31 +279,27 @@ def _launch_now(race_id: str, attempt_id: str, provider: str) -> None:
             "expires": None,
         },
     )
-    rt.effects.send(uuid, "task-started", {})
+    effects.send(uuid, "task-started", {})
     try:
-        rt.driver.submit_attempt(
-            race_id,
-            attempt_id,
-            backstop=launch_backstop_id(race_id, attempt_id),
-            decided_here=True,
-        )
+        how = SubmitHow(decided_here=True, backstop=launch_backstop_id(race_id, attempt_id))
+        driver.submit_attempt(race_id, attempt_id, how)
     except Exception as e:  # the backstop timer takes it over; say why here
         log.exception(
             "race %s: launch of %s failed; the backstop timer takes it over", race_id, attempt_id
         )
-        rt.effects.send(uuid, "task-failed", {"exception": repr(e), "traceback": ""})
+        effects.send(uuid, "task-failed", {"exception": repr(e), "traceback": ""})
         return
     runtime_s = time.monotonic() - started
-    rt.effects.send(uuid, "task-succeeded", {"result": "None", "runtime": runtime_s})
+    effects.send(uuid, "task-succeeded", {"result": "None", "runtime": runtime_s})
 
 
-def _cancel_now(race_id: str, attempt_id: str, provider: str) -> None:
+def _cancel_now(effects: CeleryEffects, race_id: str, attempt_id: str, provider: str) -> None:
     """One native cancel on a cancel thread (see :meth:`CeleryEffects.cancel`)."""
     # The marker names the race like a task would, so logs (and the crash tests) show
     # which worker holds the cancel.
     log.info("race_cancel[%s:%s] cancelling %s natively", race_id, attempt_id, provider)
     try:
-        runtime().driver.cancel_attempt(race_id, attempt_id)
+        cast("RaceDriver", effects.driver).cancel_attempt(race_id, attempt_id)
     except Exception:  # the backstop timer retries it; say why here
         log.exception(
             "race %s: cancel of %s failed; the backstop timer retries it", race_id, attempt_id
@@ -360,28 +361,18 @@ class RaceRuntime:
         self.prefix = settings.prefix
         self.config: GpuHedgeConfig = load_config(settings.config_path)
         install_redis_ledger(self.client, self.prefix)
-        self.store = RaceStore(
-            self.client,
-            self.prefix,
-            receipt_ttl_s=self.settings.receipt_ttl_s,
-            records_maxlen=self.settings.records_maxlen,
-            clock=self.clock,
-        )
+        keeping = Keeping(self.settings.receipt_ttl_s, records_maxlen=self.settings.records_maxlen)
+        self.store = RaceStore(self.client, self.prefix, keeping, clock=self.clock)
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
         self.effects = CeleryEffects(self.settings, self.prefix, self.client)
         # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
         self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
-        self.driver = RaceDriver(
-            self.store,
-            self.timers,
-            self.provider,
-            self.effects,
-            self.settings,
-            self.clock,
-            budget=self.budget,
-        )
+        parts = RaceParts(self.store, self.timers, self.provider, self.effects, self.settings)
+        parts.clock, parts.budget = self.clock, self.budget
+        self.driver = RaceDriver(parts)
+        self.effects.driver = self.driver
         self.service: TimerService | None = None
         self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started

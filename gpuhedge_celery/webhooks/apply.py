@@ -21,7 +21,7 @@ from ..core.attempts import Phase
 from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..errors import GpuHedgeError, ProviderError, ProviderProtocolError
-from ..race.base import find_attempt
+from ..race.base import JobRef, find_attempt
 
 if TYPE_CHECKING:
     from ..race.driver import RaceDriver
@@ -85,7 +85,7 @@ def apply_delivery(
         return 200, {"ignored": "the job has not ended"}
     spec = record.state["spec"]
     cap = float((spec.get("caps_s") or {}).get(a.provider, 180.0))
-    driver.conclude(race_id, attempt_id, provider, handle, cap, spec, result=result)
+    driver.conclude(JobRef(race_id, attempt_id, a.provider, handle.to_dict(), cap), spec, result)
     return 200, {"applied": str(result.state)}
 
 
