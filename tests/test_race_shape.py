@@ -7,6 +7,7 @@ than five arguments cannot be read at the call site. These hold the race path to
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -26,13 +27,14 @@ MAX_PARAMETERS = 5
 MAX_RACE_HALF_LINES = 9_100
 
 
-def _project_classes() -> set[str]:
+@functools.cache
+def _project_classes() -> frozenset[str]:
     names = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 names.add(node.name)
-    return names
+    return frozenset(names)
 
 
 def _base_name(base: ast.expr) -> str:
