@@ -13,6 +13,7 @@ from gpuhedge_celery.config import parse_config
 from gpuhedge_celery.core.jobs import JobState
 from gpuhedge_celery.core.receipts import Evidence
 from gpuhedge_celery.errors import ConfigError, SubmitError
+from gpuhedge_celery.providers.base import TakesWebhooks
 from tests.support.cerebrium_fake import KEY, FakeCerebrium, cerebrium_block
 from tests.support.waiting import wait_for
 from tests.support.webhook_server import Recorder
@@ -197,7 +198,7 @@ def test_the_example_config_builds_a_runpod_primary_hedged_by_cerebrium():
     env = {"RUNPOD_ENDPOINT_ID": "ep", "RUNPOD_API_KEY": "k", "CEREBRIUM_PROJECT_ID": "p-9",
            "CEREBRIUM_API_KEY": KEY}  # fmt: skip
     p = cfg.build("cerebrium", env=env)
-    assert p.adapter == "cerebrium" and p.takes_webhooks and p.app_id == "p-9-tts"
+    assert p.adapter == "cerebrium" and isinstance(p, TakesWebhooks) and p.app_id == "p-9-tts"
     assert cfg.by_role("primary")[0].adapter == "runpod" and KEY not in repr(p)
 
 

@@ -235,6 +235,47 @@ class Provider(abc.ABC):
             raise ValueError(f"handle of provider {handle.provider!r} given to {self.name!r}")
 
 
+# Optional capabilities a provider may have beside the contract above; the race's watch and
+# the webhook receiver check for each with isinstance.
+
+
+@runtime_checkable
+class HintsNextChange(Protocol):
+    """A provider that knows when a job's state may next change: its watch polls then rather
+    than on the watch interval (None: no idea)."""
+
+    def next_change_at(self, handle: JobHandle) -> float | None: ...
+
+
+@runtime_checkable
+class PollsWithHint(Protocol):
+    """A provider whose one look answers a job's state and when to look again (one call
+    instead of :meth:`Provider.status` and :meth:`HintsNextChange.next_change_at`).
+    ``reserved``: the request slot a rate-limited provider reserved when it deferred this poll
+    (``RateLimited.reserved``), handed back to be spent; only that provider is given one."""
+
+    def status_and_next_change(
+        self, handle: JobHandle, reserved: float | None = None
+    ) -> tuple[JobState, float | None]: ...
+
+
+@runtime_checkable
+class PollsMany(Protocol):
+    """A provider that answers many jobs' states in one look (the batched watch loop)."""
+
+    def status_and_next_change_many(
+        self, handles: list[JobHandle]
+    ) -> list[tuple[JobState, float | None]]: ...
+
+
+@runtime_checkable
+class TakesWebhooks(Protocol):
+    """A provider that pushes a job's end to the webhook receiver: the body a delivery carries,
+    parsed into the job's result (None: not ended yet)."""
+
+    def webhook_result(self, handle: JobHandle, body: Any) -> AttemptResult | None: ...
+
+
 @runtime_checkable
 class CancelsBehindQueued(Protocol):
     """A provider whose cancels share a rate-limited route: the cancel of a job seen running

@@ -62,7 +62,6 @@ class CerebriumProvider(Provider):
 
     adapter = "cerebrium"
     reports_queue_state = False
-    takes_webhooks = True
 
     def __init__(
         self,

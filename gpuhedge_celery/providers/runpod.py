@@ -129,9 +129,6 @@ class RunpodProvider(Provider):
     #: and the race's deadline, so the race decides on a fresh state; between them the pacing
     #: is :meth:`next_poll_at`
     polls_before_decisions = True
-    #: with webhooks on, ``/run`` carries the attempt's receiver URL; RunPod POSTs the
-    #: ``/status`` body there when the job ends (:meth:`webhook_result`)
-    takes_webhooks = True
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, StatusObserved
 from ..errors import RateLimited
-from ..providers.base import Provider
+from ..providers.base import HintsNextChange, PollsWithHint, Provider, TakesWebhooks
 from ..store.round_trip import RoundTrip
 from ..store.timers import HEAD, IF_IDLE
 from .backstops import BackstopDrop
@@ -119,7 +119,7 @@ class Watcher:
 
     def pushed(self, provider: Provider) -> bool:
         """Whether ``provider``'s jobs report their end by webhook (then polled as a net)."""
-        return self.driver.webhooks.on and bool(getattr(provider, "takes_webhooks", False))
+        return self.driver.webhooks.on and isinstance(provider, TakesWebhooks)
 
     def poll(self, race: Race, attempt_id: str) -> Event:
         """One status poll of an attempt's job, as the event that reports it."""
@@ -156,15 +156,13 @@ class Watcher:
         handle = ref.job
         drop = first.drop if first is not None else None
         submitted = first.submitted if first is not None else None
-        both = getattr(provider, "status_and_next_change", None)
-        hint = getattr(provider, "next_change_at", None)
         at: float | None = None
         deferred, slot = False, None
         try:
-            if callable(both) and reserved is not None:
-                state, at = both(handle, reserved=reserved)
-            elif callable(both):  # one provider call instead of two
-                state, at = both(handle)
+            if isinstance(provider, PollsWithHint) and reserved is not None:
+                state, at = provider.status_and_next_change(handle, reserved=reserved)
+            elif isinstance(provider, PollsWithHint):  # one provider call instead of two
+                state, at = provider.status_and_next_change(handle)
             else:
                 state = provider.status(handle)
             error = None
@@ -182,12 +180,17 @@ class Watcher:
             if drop is not None:
                 drop.now()
             return
-        label = state.value if state is not None else "poll_error"
+        label: str | None = state.value if state is not None else "poll_error"
         if deferred and submitted is None:
             label = last  # unchanged: the heartbeat and the next arm only
-        if at is None and callable(hint) and not callable(both) and state is not None:
+        if (
+            at is None
+            and state is not None
+            and isinstance(provider, HintsNextChange)
+            and not isinstance(provider, PollsWithHint)
+        ):
             try:
-                at = hint(handle)
+                at = provider.next_change_at(handle)
             except Exception:
                 at = None
         near = bool(getattr(provider, "polls_before_decisions", False))

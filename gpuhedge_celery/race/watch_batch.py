@@ -38,6 +38,7 @@ from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ScheduleTimer, StatusObserved
 from ..errors import StoreUnavailable
+from ..providers.base import PollsMany
 from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict
 from ..store.round_trip import RoundTrip
 from ..store.scripts import run_pipeline
@@ -123,7 +124,7 @@ class WatchBatch:
             except Exception:
                 back(timer, None)  # the per-timer path logs what is wrong
                 continue
-            if not callable(getattr(provider, "status_and_next_change_many", None)):
+            if not isinstance(provider, PollsMany):
                 back(timer, None)
                 continue
             by_provider.setdefault(payload["provider"], []).append(_Poll(timer, handle))

@@ -21,6 +21,7 @@ from ..core.attempts import Phase
 from ..core.jobs import JobHandle
 from ..core.race import Race
 from ..errors import GpuHedgeError, ProviderError, ProviderProtocolError
+from ..providers.base import TakesWebhooks
 from ..race.base import JobRef, find_attempt
 
 if TYPE_CHECKING:
@@ -66,11 +67,10 @@ def apply_delivery(
         time.sleep(HANDLE_POLL_S)
     handle = JobHandle.from_dict(data)
     provider = driver.providers(a.provider)
-    parse = getattr(provider, "webhook_result", None)
-    if not callable(parse):
+    if not isinstance(provider, TakesWebhooks):
         return 400, {"error": f"provider {a.provider!r} ({provider.adapter}) takes no webhooks"}
     try:
-        result = parse(handle, body)
+        result = provider.webhook_result(handle, body)
     except ProviderProtocolError as e:  # the body is not this job's status
         return 400, {"error": _line(str(e))}
     except ProviderError as e:  # the provider could not be asked to confirm it: retry later
