@@ -253,14 +253,14 @@ def test_a_slow_poll_is_bounded_by_its_timeout(server):
 
 def test_a_slow_spawn_is_outcome_unknown_and_its_late_call_is_cancelled(server, caplog):
     p = build(server, timeouts={"spawn_s": 0.3, "poll_s": 1, "cancel_s": 1})
-    server.knobs.spawn_delay_s = 1.0  # the call exists at once; its id comes a second later
+    server.knobs.spawn_delay_s = 2.0  # the call exists at once; its id comes 2 s later
     started = time.monotonic()
     with caplog.at_level(logging.ERROR), pytest.raises(SubmitError) as caught:
         p.submit({"modal_fake": {"run_s": 30}})
-    assert time.monotonic() - started < 0.8
+    assert time.monotonic() - started < 1.5  # gave up at its timeout, never waited for the id
     assert "submit outcome unknown" in str(caught.value) and "tts/synthesize" in str(caught.value)
     [call_id] = calls(server)
-    wait_for(lambda: calls(server)[call_id]["cancelled"], 5, "the late call to be cancelled")
+    wait_for(lambda: calls(server)[call_id]["cancelled"], 10, "the late call to be cancelled")
     assert any(call_id in r.getMessage() for r in caplog.records)
 
 
