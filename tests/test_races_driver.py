@@ -16,6 +16,8 @@ from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.jobs import JobHandle
 from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
+from gpuhedge_celery.race.attempts import SubmitHow
+from gpuhedge_celery.race.backstops import cancel_backstop_id
 from gpuhedge_celery.race.base import JobRef, RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
@@ -410,3 +412,32 @@ def test_a_result_nested_too_deep_to_store_ends_its_attempt_invalid(setup):
     assert state["results"]["a1"]["valid"] is False
     assert "cannot be stored as JSON" in " ".join(state["results"]["a1"]["reasons"])
     assert state["race"]["winner"] is None
+
+
+def test_reports_that_drop_a_backstop_survive_a_server_that_forgot_its_scripts(private_redis):
+    # A submit's failure and a loser's cancel are each reported in a save that drops their
+    # backstop timer with a script; after a restart or SCRIPT FLUSH that save must load every
+    # script it sends, or the step is saved but its actions (the next attempt, the finish's
+    # events) never run and the backstop fires for nothing.
+    import redis
+
+    client = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    driver, effects, cfg, _, _ = build_driver(client, "flush", Recorder())
+    failing = {"sim": {"p": {"outcome": "submit_error"}, "h": {"queue_s": 0, "run_s": 0}}}
+    driver.create("s1", failing, build_spec(cfg, policy="hedge:p->h@10s"))
+    key, due, payload, backstop = driver.submitter.launch_backstop("s1", "a1")
+    driver.timers.arm(key, due, payload, timer_id=backstop)  # as an inline launch does
+    client.script_flush()
+    driver.submit_attempt("s1", "a1", SubmitHow(decided_here=True, backstop=backstop))
+    assert driver.timers.due_time(backstop) is None  # dropped with the report
+    assert effects.launched == [("s1", "a1"), ("s1", "a2")]  # its failure launched the hedge
+    hedged = {"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0, "run_s": 0}}}
+    driver.create("s2", hedged, build_spec(cfg, policy="hedge:p->h@0s"))
+    driver.submit_attempt("s2", "a1")
+    driver.submit_attempt("s2", "a2")  # the hedge answers at once and wins
+    assert effects.cancelled == [("s2", "a1")]
+    client.script_flush()
+    driver.cancel_attempt("s2", "a1")
+    assert driver.timers.due_time(cancel_backstop_id("s2", "a1")) is None
+    assert driver.store.receipt("s2")["winner"] == "a2"
+    assert "loser_cancelled" in effects.events

@@ -43,7 +43,7 @@ class BackstopDrop:
     def ride_ahead(self) -> RoundTrip:
         """A round trip that carries the drop ahead of a save (a step's report of the work)."""
         trip = RoundTrip()
-        trip.ahead(self.queue)
+        trip.ahead(self.queue, [self.timers.cancel_script])
         return trip
 
     def now(self) -> None:

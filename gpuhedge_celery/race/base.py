@@ -34,7 +34,7 @@ class Effects(Protocol):
 
         Effects with a true ``launches_here`` attribute run the submit in this process (it
         may die with it): the driver then arms the attempt's launch backstop timer first, and
-        they pass its id (``launch_backstop_id``) to ``submit_attempt(..., backstop=...)``.
+        they pass its id (``launch_backstop_id``) to ``submit_attempt`` in its ``SubmitHow``.
         Without it (a task queue's redelivery covers a crash) no backstop is armed.
         """
 

@@ -285,6 +285,8 @@ class RaceDriver:
         claim, the timer arms, the budget settlements and the finish, each acting only if the
         save wins (its mark) or harmless if it loses."""
         trip = ahead.ahead_only() if ahead is not None else RoundTrip()
+        # every save lists the timer scripts: a NOSCRIPT reload must cover whatever rides in it
+        trip.scripts.extend((self.timers.arm_script, self.timers.cancel_script))
         mark = self.store.save_mark(step.race_id, step.version, step.save_id)
         step.claim = step.receipt = None
         if step.wants(DeclareWinner) and step.race.winner is not None:

@@ -73,7 +73,13 @@ class RaceJobs:
         keys = race_keys(self.prefix, race_id)
         data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
 
+        riders = trip if trip is not None else RoundTrip()
+        at = 0
+
         def build(pipe: Any) -> None:
+            nonlocal at
+            riders.queue_ahead(pipe)
+            at = len(pipe.command_stack)
             pipe.hsetnx(keys.jobs, attempt_id, data)
             pipe.hget(keys.jobs, attempt_id)
             self._touch(pipe, race_id)  # one command
@@ -81,13 +87,12 @@ class RaceJobs:
                 pipe.get(keys.request)
             riders.queue_after(pipe)
 
-        riders = trip if trip is not None else RoundTrip()
         with store_errors(f"claiming the submit of race {race_id!r}"):
             replies = run_pipeline(self.client, build, riders.scripts)
-        claimed, found = replies[0], replies[1]
+        claimed, found = replies[at], replies[at + 1]
         request = None
         if with_request:
-            request = codec.loads(replies[3]) if replies[3] is not None else None
+            request = codec.loads(replies[at + 3]) if replies[at + 3] is not None else None
         riders.answer(replies)
         # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
         # a script the server had to load (run_pipeline runs it again): the claim is ours.

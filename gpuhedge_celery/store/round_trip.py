@@ -47,6 +47,8 @@ class RoundTrip:
     def ahead_only(self) -> RoundTrip:
         """A new round trip with this one's ``ahead`` riders: a step tried again after a
         version conflict sends the caller's commands again and decides its own anew."""
+        if self._after:
+            raise ValueError("a round trip handed to a step carries commands ahead of it only")
         again = RoundTrip()
         for rider in self._ahead:
             again.ahead(rider.queue, (), rider.take)
