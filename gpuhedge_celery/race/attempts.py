@@ -103,13 +103,13 @@ NO_REQUEST = "not submitted: the race's request is gone (the race expired or fin
 
 if TYPE_CHECKING:
     from ..store.races import RaceRecord, RaceStore
-    from .driver import RaceDriver
+    from .base import Driver
 
 
 class Submitter:
     """Per-attempt submits."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
     def submit(self, race_id: str, attempt_id: str, how: SubmitHow | None = None) -> None:

@@ -20,10 +20,9 @@ from .settings import RaceSettings
 if TYPE_CHECKING:
     from ..providers.base import Provider
     from ..store.races import RaceStore
+    from ..store.round_trip import RoundTrip
     from ..store.timers import TimerStore
     from ..webhooks.settings import WebhookSettings
-    from .budget import RaceBudget
-    from .outcome import RiddenClaim
 
 
 class Effects(Protocol):
@@ -69,7 +68,7 @@ class RaceParts:
     settings: RaceSettings = field(default_factory=RaceSettings)
     clock: Clock = field(default_factory=WallClock)
     webhooks: WebhookSettings | None = None
-    budget: RaceBudget | None = None
+    budget: Any = None  # a RaceBudget (race/budget.py imports modules that import this one)
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ class Step:
     late: bool = False  # a loser's late result, taken by a race already finished
     # What rode in the save: its timer arms, the winner claim, the finish (its receipt).
     armed: bool = False
-    claim: RiddenClaim | None = None
+    claim: Any = None  # the outcome's RiddenClaim
     receipt: dict[str, Any] | None = None
 
     def wants(self, kind: type[Action]) -> bool:
@@ -122,6 +121,38 @@ class Step:
     @property
     def caps(self) -> dict[str, Any]:
         return (self.state.get("spec") or {}).get("caps_s") or {}
+
+
+class Driver(Protocol):
+    """What the driver's collaborators (submit, watch, conclude, cancel, outcome, recovery)
+    use of the :class:`~.driver.RaceDriver` that owns them: its parts, each other, and its
+    step. Typed here so that none of them imports the driver module (no import cycle)."""
+
+    store: RaceStore
+    timers: TimerStore
+    providers: Callable[[str], Provider]
+    effects: Effects
+    settings: RaceSettings
+    clock: Clock
+    webhooks: WebhookSettings
+    budget: Any
+    submitter: Any
+    watcher: Any
+    concluder: Any
+    canceller: Any
+    outcome: Any
+    recovery: Any
+
+    def step(
+        self,
+        race_id: str,
+        event: Any,
+        update: Callable[[dict[str, Any]], None] | None = None,
+        trip: RoundTrip | None = None,
+        answered: Any = None,
+    ) -> Race | None: ...
+
+    def launch(self, race_id: str, attempt_id: str, provider: str, armed: bool = False) -> None: ...
 
 
 def find_attempt(race: Race, attempt_id: str) -> Attempt | None:

@@ -21,8 +21,7 @@ from .backstops import BackstopDrop, cancel_backstop_id
 from .base import JobRef, due_ms, find_attempt, remember
 
 if TYPE_CHECKING:
-    from .base import Step
-    from .driver import RaceDriver
+    from .base import Driver, Step
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 class Canceller:
     """Per-attempt native cancels and their receipts."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
         # A cancel's attempt as the step that decided it saved it, for the cancel that follows
         # in this process (no read on the way to the provider); bounded (base.py ``remember``).

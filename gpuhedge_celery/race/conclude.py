@@ -31,7 +31,7 @@ from .base import JobRef, find_attempt, remember
 from .receipt import result_key
 
 if TYPE_CHECKING:
-    from .driver import RaceDriver
+    from .base import Driver
 
 
 def checked_result(
@@ -64,7 +64,7 @@ def checked_result(
 class Concluder:
     """A terminal job's result, to its race."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
     def conclude(

@@ -31,7 +31,7 @@ from .receipt import (
 from .spec import spec_from_state
 
 if TYPE_CHECKING:
-    from .driver import RaceDriver
+    from .base import Driver
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RiddenClaim:
 class Outcome:
     """The end of a race, and the lifecycle events on the way to it."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
         # A valid result this process just stored, kept for the step that may declare it the
         # winner (no read back); bounded (race/base.py ``remember``).

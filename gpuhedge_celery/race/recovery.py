@@ -20,7 +20,7 @@ from .attempts import SubmitHow
 from .base import JobRef, due_ms
 
 if TYPE_CHECKING:
-    from .driver import RaceDriver
+    from .base import Driver
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Recovery:
     """The durable timers' handler and crash recovery."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
     def on_timer(self, timer: Timer) -> None:

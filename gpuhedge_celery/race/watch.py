@@ -23,7 +23,7 @@ from .base import JobRef, due_ms, find_attempt
 
 if TYPE_CHECKING:
     from ..store.timers import TimerStore
-    from .driver import RaceDriver
+    from .base import Driver
 
 MIN_WATCH_GAP_S = 0.002
 DECISION_LEAD_S = 0.25  # a poll this long before a race decision, for providers that ask
@@ -114,7 +114,7 @@ def watch_timer(
 class Watcher:
     """Per-job watch polls."""
 
-    def __init__(self, driver: RaceDriver) -> None:
+    def __init__(self, driver: Driver) -> None:
         self.driver = driver
 
     def pushed(self, provider: Provider) -> bool:
