@@ -83,16 +83,6 @@ class _RaceWork:
     # carries the same save id and arm ids, so what already ran is recognised, not repeated.
     trip: RoundTrip | None = None  # the step's timer arms and budget settlements
 
-    @property
-    def loaded(self) -> RaceRecord:
-        """The race's record, once read (every race that steps or saves was read)."""
-        return cast(RaceRecord, self.record)
-
-    @property
-    def stepped(self) -> Race:
-        """The race in memory, once its step was applied."""
-        return cast(Race, self.race)
-
     def decisions(self, poll: _Poll) -> list[float]:
         """The race's decision times as it will be saved, else as ``poll`` last saw them (for
         a provider polled just before each)."""
