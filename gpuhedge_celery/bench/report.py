@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 
+from ..commands._options import shown
 from ..store import codec
 
 TARGET_S = 2.0
@@ -174,29 +175,26 @@ def time_command(path: Path, repeat: int) -> dict[str, Any]:
 
 
 @click.command("report")
-@click.option(
+@shown(
     "--records",
     "n",
     type=click.IntRange(1),
     default=100_000,
-    show_default=True,
     help="Requests in the synthetic file.",
 )
-@click.option(
+@shown(
     "--gpuhedge-share",
     type=click.FloatRange(0, 1),
     default=0.1,
-    show_default=True,
     help="Share of requests written in GPUHedge's live-record format.",
 )
-@click.option(
+@shown(
     "--repeat",
     type=click.IntRange(1, 20),
     default=3,
-    show_default=True,
     help="Timed runs of each kind (the best is reported).",
 )
-@click.option("--seed", type=int, default=1, show_default=True)
+@shown("--seed", type=int, default=1)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the only format).")
 def command(n: int, gpuhedge_share: float, repeat: int, seed: int, as_json: bool) -> None:
     """Time `report` over synthetic records (default 100,000; target under 2 s)."""

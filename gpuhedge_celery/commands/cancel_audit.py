@@ -37,6 +37,7 @@ from ._direct import (
     provider_names,
     settled_usd,
 )
+from ._options import providers_option, request_option, shown
 from ._spend import gate, go_option
 from .race import _request
 
@@ -128,38 +129,19 @@ def _cancel_at(
 
 
 @click.command(name="cancel-audit")
-@click.option(
-    "--providers",
-    "names",
-    default=None,
-    help="Comma-separated provider names [default: every deployed provider].",
-)
-@click.option(
-    "--repeats",
-    type=click.IntRange(1, 1000),
-    default=3,
-    show_default=True,
-    help="Cancels per provider and phase.",
-)
-@click.option(
-    "--request",
-    "request_text",
-    default="{}",
-    show_default=True,
-    help="The job's request: JSON, @FILE or - (standard input).",
-)
-@click.option(
+@providers_option
+@shown("--repeats", type=click.IntRange(1, 1000), default=3, help="Cancels per provider and phase.")
+@request_option("The job's request")
+@shown(
     "--early-s",
     type=click.FloatRange(0),
     default=0.5,
-    show_default=True,
     help="Early cancels: seconds after the submit.",
 )
-@click.option(
+@shown(
     "--late-s",
     type=click.FloatRange(0),
     default=0.5,
-    show_default=True,
     help="Late cancels: seconds after the job was first seen running.",
 )
 @click.option("--out", "out_path", default=None, help="Write the JSONL audit here.")

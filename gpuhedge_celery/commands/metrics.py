@@ -15,6 +15,7 @@ import json
 import click
 
 from ..metrics.definitions import ALL_METRICS, COUNTER
+from ._options import shown
 
 
 @click.group(name="metrics")
@@ -23,33 +24,25 @@ def command() -> None:
 
 
 @command.command(name="serve")
-@click.option(
+@shown(
     "--port",
     type=click.IntRange(0, 65535),
     default=9540,
-    show_default=True,
     help="TCP port (0: any free port, printed at start).",
 )
-@click.option(
-    "--addr",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to listen on (0.0.0.0: every interface).",
-)
-@click.option(
+@shown("--addr", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
+@shown(
     "--stale-s",
     type=click.FloatRange(0, min_open=True),
     default=30.0,
-    show_default=True,
     help="A race whose heartbeat is older counts as stale (the janitor's threshold, "
     "GPUHEDGE_JANITOR_STALE_S).",
 )
-@click.option(
+@shown(
     "--timer-namespace",
     "namespaces",
     multiple=True,
     default=("races",),
-    show_default=True,
     help="Durable-timer namespace to report (GPUHEDGE_TIMER_NAMESPACE); repeat for several.",
 )
 def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> None:

@@ -42,6 +42,7 @@ from ._direct import (
     provider_names,
     settled_usd,
 )
+from ._options import providers_option, request_option, shown
 from ._spend import gate, go_option
 from .race import _request
 
@@ -186,35 +187,18 @@ def _last_round(path: str) -> int:
 
 
 @click.command(name="rounds")
-@click.option(
-    "--rounds",
-    "count",
-    type=click.IntRange(1, 10_000),
-    default=10,
-    show_default=True,
-    help="How many paired rounds.",
+@shown(
+    "--rounds", "count", type=click.IntRange(1, 10_000), default=10, help="How many paired rounds."
 )
-@click.option(
+@shown(
     "--wait",
     "wait_s",
     type=click.FloatRange(0),
     default=300.0,
-    show_default=True,
     help="Real seconds between rounds (long enough for workers to scale to zero).",
 )
-@click.option(
-    "--providers",
-    "names",
-    default=None,
-    help="Comma-separated provider names [default: every deployed provider].",
-)
-@click.option(
-    "--request",
-    "request_text",
-    default="{}",
-    show_default=True,
-    help="The request every provider gets: JSON, @FILE or - (standard input).",
-)
+@providers_option
+@request_option("The request every provider gets")
 @click.option("--out", "out_path", required=True, help="The traces file (JSONL) to write.")
 @click.option(
     "--append", is_flag=True, help="Add rounds to an existing --out file (round ids continue)."
