@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -179,26 +178,7 @@ class SimProvider(Provider):
 
     def draw(self, key: str) -> dict[str, Any]:
         """The fate of the job with ``key``: same seed and key, same fate, in every process."""
-        spec = self.spec
-        rng = random.Random(f"{spec.seed}:{key}")
-        slow = rng.random() < spec.slow_probability
-        mode = spec.slow if slow else spec.fast
-        queue_s = mode.queue_s.draw(rng)
-        run_s = mode.run_s.draw(rng)
-        u = rng.random()
-        if u < spec.fail_probability:
-            outcome = "failed"
-        elif u < spec.fail_probability + spec.invalid_probability:
-            outcome = "invalid"
-        else:
-            outcome = "ok"
-        return {
-            "key": key,
-            "slow": slow,
-            "queue_s": round(queue_s, 6),
-            "run_s": round(run_s, 6),
-            "outcome": outcome,
-        }
+        return self.spec.draw(key)
 
     # --- contract ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from .options import Block
 
@@ -155,6 +156,29 @@ class SimSpec:
         modes = [self.fast] + ([self.slow] if self.slow_probability > 0 else [])
         longest = max(m.queue_s.upper() + m.run_s.upper() for m in modes)
         return longest * self.time_scale
+
+    def draw(self, key: str) -> dict[str, Any]:
+        """The fate of the job with ``key`` (mode, queue_s, run_s in provider seconds, outcome):
+        same seed and key, same fate, in every process."""
+        rng = random.Random(f"{self.seed}:{key}")
+        slow = rng.random() < self.slow_probability
+        mode = self.slow if slow else self.fast
+        queue_s = mode.queue_s.draw(rng)
+        run_s = mode.run_s.draw(rng)
+        u = rng.random()
+        if u < self.fail_probability:
+            outcome = "failed"
+        elif u < self.fail_probability + self.invalid_probability:
+            outcome = "invalid"
+        else:
+            outcome = "ok"
+        return {
+            "key": key,
+            "slow": slow,
+            "queue_s": round(queue_s, 6),
+            "run_s": round(run_s, 6),
+            "outcome": outcome,
+        }
 
     @classmethod
     def from_block(cls, block: Block, *, time_scale: float | None = None) -> SimSpec:
