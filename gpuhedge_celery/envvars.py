@@ -17,7 +17,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 
@@ -65,7 +65,10 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"expected 1/0, true/false, yes/no or on/off, got {raw!r}", key=name)
 
 
-def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+def _float(
+    env: Mapping[str, str], name: str, default: D, *, minimum: float = 0.0, bound: str = ""
+) -> float | D:
+    """A number above ``minimum``; ``bound`` says so in its error (default ``a number > M``)."""
     return env_number(
         env,
         name,
@@ -73,7 +76,7 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float 
         cast=float,
         kind="a number",
         valid=lambda v: v > minimum,
-        bound=f"a number > {minimum:g}",
+        bound=bound or f"a number > {minimum:g}",
     )
 
 
@@ -102,15 +105,7 @@ def _maxlen(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _positive(env: Mapping[str, str], name: str, default: D) -> float | D:
-    return env_number(
-        env,
-        name,
-        default,
-        cast=float,
-        kind="a number",
-        valid=lambda v: v > 0,
-        bound="a positive number",
-    )
+    return _float(env, name, default, bound="a positive number")
 
 
 TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
@@ -291,35 +286,16 @@ def broker_prefix(env: Mapping[str, str], prefix: str) -> str:
     return "" if prefix == DEFAULT_PREFIX else f"{prefix}:"
 
 
-@overload
 def _number(
     env: Mapping[str, str],
     name: str,
-    default: float,
-    *,
-    minimum: float = ...,
-    integer: bool = ...,
-    strict: bool = ...,
-) -> float: ...
-@overload
-def _number(
-    env: Mapping[str, str],
-    name: str,
-    default: None,
-    *,
-    minimum: float = ...,
-    integer: bool = ...,
-    strict: bool = ...,
-) -> float | None: ...
-def _number(
-    env: Mapping[str, str],
-    name: str,
-    default: float | None,
+    default: D,
     *,
     minimum: float = 0.0,
     integer: bool = False,
     strict: bool = True,
-) -> float | None:
+) -> float | D:
+    """``name``'s number, or ``default`` (of any type) when unset, blank or ``none``."""
     raw = env.get(name)
     if raw is None or raw.strip() == "" or raw.strip().lower() == "none":
         return default
