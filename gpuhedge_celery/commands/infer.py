@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from ..errors import RaceFailed
-from .race import gated_request, race_options, send_race
+from .race import gated_race, race_options
 
 RECEIPT_WAIT_S = 30.0  # after the result: the losers' cancels confirm within this
 
@@ -45,26 +45,15 @@ def final_receipt(race_id: str, wait_s: float = RECEIPT_WAIT_S) -> dict[str, Any
 @click.command(name="infer")
 @race_options
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt as JSON.")
-def command(
-    request: str,
-    policy: str | None,
-    providers: str | None,
-    budget_key: str | None,
-    timeout_s: float,
-    as_json: bool,
-    go: bool,
-) -> None:
+def command(as_json: bool, **ask: Any) -> None:
     """Race REQUEST once on the workers and print its receipt; a dry run unless --go."""
     from .receipt import render
 
-    _cfg, body, names = gated_request(request, policy, providers, budget_key, go)
+    send = gated_race(**ask)
 
     failed: RaceFailed | None = None
     try:
-        out = send_race(
-            body, policy=policy, providers=names, budget_key=budget_key, timeout_s=timeout_s
-        )
-        race_id = out["race_id"]
+        race_id = send()["race_id"]
     except RaceFailed as e:
         failed, race_id = e, e.race_id
     receipt = final_receipt(race_id)

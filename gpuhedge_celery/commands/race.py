@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -112,7 +114,8 @@ def send_race(
 
 
 def race_options(f: Any) -> Any:
-    """The options ``race`` and ``infer`` share: what to race, how long to wait, --go."""
+    """The options ``race`` and ``infer`` share: what to race, how long to wait, --go; the
+    command passes them on to :func:`gated_race` as they come."""
     for option in reversed(
         [
             click.argument("request"),
@@ -140,11 +143,17 @@ def race_options(f: Any) -> Any:
     return f
 
 
-def gated_request(
-    request: str, policy: str | None, providers: str | None, budget_key: str | None, go: bool
-) -> tuple[Any, dict[str, Any], list[str] | None]:
-    """The config, the request and the providers asked for, once the --go gate let them
-    through (a dry run prints the race's worst case and exits 2)."""
+def gated_race(
+    request: str,
+    policy: str | None,
+    providers: str | None,
+    budget_key: str | None,
+    timeout_s: float,
+    go: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The race :func:`race_options` asked for, once the --go gate let it through (a dry run
+    prints its worst case and exits 2): call it to send the race and wait for its result, as
+    :func:`send_race` does."""
     from .. import settings as process_settings
     from ..cli import root_config
     from ..race.spec import build_spec, check_request
@@ -158,28 +167,20 @@ def gated_request(
     lines, worst = worst_case(spec, cfg.budget, cfg)
     gate(go, [f"would race a {len(json.dumps(body))}-byte request", *lines], worst)
     check_redis()
-    return cfg, body, names
+    return partial(
+        send_race, body, policy=policy, providers=names, budget_key=budget_key, timeout_s=timeout_s
+    )
 
 
 @click.command(name="race")
 @race_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def command(
-    request: str,
-    policy: str | None,
-    providers: str | None,
-    budget_key: str | None,
-    timeout_s: float,
-    as_json: bool,
-    go: bool,
-) -> None:
+def command(as_json: bool, **ask: Any) -> None:
     """Race REQUEST (a JSON object) on the workers; a dry run unless --go."""
-    _cfg, body, names = gated_request(request, policy, providers, budget_key, go)
+    send = gated_race(**ask)
 
     try:
-        out = send_race(
-            body, policy=policy, providers=names, budget_key=budget_key, timeout_s=timeout_s
-        )
+        out = send()
     except RaceFailed as e:
         click.echo(f"race {e.race_id} failed ({e.reason}): {e}", err=True)
         raise click.exceptions.Exit(1) from None
