@@ -38,6 +38,7 @@ from . import account_checks
 from .account import LoginCheck, SpendReport
 from .base import Provider, believable_ms
 from .bounded_read import BodyRefused, failure_kind, read_bounded
+from .failed_result import failed_result
 from .httpspec import (
     Endpoint,
     HttpSpec,
@@ -163,7 +164,9 @@ class HttpProvider(Provider):
             except ProviderError as e:
                 errors += 1
                 if errors >= self.spec.max_poll_errors:
-                    return self._failed(handle, events, f"{e} ({errors} failed polls in a row)")
+                    return failed_result(
+                        self, handle, events, f"{e} ({errors} failed polls in a row)"
+                    )
             else:
                 if state is not last:
                     events.append(LifecycleEvent(self.elapsed_ms(handle), state.value.lower()))
@@ -377,7 +380,7 @@ class HttpProvider(Provider):
             if state is JobState.COMPLETED and source_ep.payload:
                 payload = self._field(source, op, source_ep, "payload", source_ep.payload)
         except ProviderError as e:
-            return self._failed(handle, events, str(e), metrics)
+            return failed_result(self, handle, events, str(e), metrics)
         if state is not JobState.COMPLETED and source_ep.error:
             try:
                 error = self.scrub(str(get_path(source, source_ep.error)))
@@ -397,26 +400,6 @@ class HttpProvider(Provider):
             metrics["cost_usd"] = self.cost_usd(metrics["execution_ms"] / 1000.0)
         return AttemptResult(
             self.name, handle.job_id, state, wall_ms, payload, metrics, events, error
-        )
-
-    def _failed(
-        self,
-        handle: JobHandle,
-        events: list[LifecycleEvent],
-        error: str,
-        metrics: dict[str, Any] | None = None,
-    ) -> AttemptResult:
-        wall_ms = self.elapsed_ms(handle)
-        events = [*events, LifecycleEvent(wall_ms, "failed", "provider error")]
-        return AttemptResult(
-            self.name,
-            handle.job_id,
-            JobState.FAILED,
-            wall_ms,
-            None,
-            dict(metrics or {}),
-            events,
-            error,
         )
 
     def _confirm(

@@ -40,6 +40,7 @@ from ..metrics import record as metric_record
 from . import runpod_account
 from .account import LoginCheck, SpendReport
 from .base import Provider, believable_ms, reported_ms
+from .failed_result import failed_result
 from .httpspec import MissingField, get_path
 from .options import Block
 from .runpod_api import JobUnknown, RunpodApi
@@ -277,14 +278,16 @@ class RunpodProvider(Provider):
                 state, data = self._status(handle, max(0.0, deadline - now))
                 errors = 0
             except JobUnknown as e:
-                return self._failed(handle, events, str(e))
+                return failed_result(self, handle, events, str(e))
             except RateLimited as e:
                 state, data = None, None
                 wait_until = e.retry_at
             except ProviderError as e:
                 errors += 1
                 if errors > self.spec.retries.attempts:
-                    return self._failed(handle, events, f"{e} ({errors} failed polls in a row)")
+                    return failed_result(
+                        self, handle, events, f"{e} ({errors} failed polls in a row)"
+                    )
                 state, data, wait_until = None, None, now + self.spec.poll.min_s
             if state is not None:
                 if state is not last:
@@ -471,7 +474,8 @@ class RunpodProvider(Provider):
             try:
                 payload = get_path(data, self.spec.payload)
             except MissingField:
-                return self._failed(
+                return failed_result(
+                    self,
                     handle,
                     events,
                     f"status GET /status/{{id}}: COMPLETED without field {self.spec.payload!r}",
@@ -489,26 +493,6 @@ class RunpodProvider(Provider):
             self.elapsed_ms(handle),
             payload,
             metrics,
-            events,
-            error,
-        )
-
-    def _failed(
-        self,
-        handle: JobHandle,
-        events: list[LifecycleEvent],
-        error: str,
-        metrics: dict[str, Any] | None = None,
-    ) -> AttemptResult:
-        wall_ms = self.elapsed_ms(handle)
-        events = [*events, LifecycleEvent(wall_ms, "failed", "provider error")]
-        return AttemptResult(
-            self.name,
-            handle.job_id,
-            JobState.FAILED,
-            wall_ms,
-            None,
-            dict(metrics or {}),
             events,
             error,
         )
