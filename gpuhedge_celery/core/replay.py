@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .adaptive import AdaptivePolicy, new_learner, observe
 from .attempts import hedged
 from .jobs import JobState
 from .outcome import PUBLISHED_RATES, ProviderRate, attempt_cost
@@ -42,9 +43,9 @@ class Round:
     round_id: int
     arms: Mapping[str, Arm]
 
-    @property
-    def subset(self) -> str:
-        return "calibration" if self.round_id <= CALIBRATION_LAST_ROUND else "evaluation"
+    def subset(self, calibration: int = CALIBRATION_LAST_ROUND) -> str:
+        """``calibration`` for rounds up to ``calibration``, ``evaluation`` after them."""
+        return "calibration" if self.round_id <= calibration else "evaluation"
 
 
 _STATES = {"COMPLETED": JobState.COMPLETED, "FAILED": JobState.FAILED, "TIMEOUT": JobState.TIMEOUT}
@@ -102,11 +103,13 @@ def load_rounds(path: str | Path) -> list[Round]:
     return parse_rounds(text.splitlines(), str(path))
 
 
-def select(rounds: Sequence[Round], subset: str) -> list[Round]:
+def select(
+    rounds: Sequence[Round], subset: str, calibration: int = CALIBRATION_LAST_ROUND
+) -> list[Round]:
     """The rounds of ``subset`` (all, calibration, evaluation)."""
     if subset not in SUBSETS:
         raise ConfigError(f"unknown subset {subset!r}: expected one of {', '.join(SUBSETS)}")
-    return [r for r in rounds if subset == "all" or r.subset == subset]
+    return [r for r in rounds if subset == "all" or r.subset(calibration) == subset]
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,11 @@ def replay_round(
     rates: Mapping[str, ProviderRate] | None = None,
 ) -> RoundResult:
     """Run ``policy``'s race on ``rnd``'s recorded timings on a virtual clock, and price it."""
+    return _priced(run_race(policy, rnd.arms, race_id=f"round-{rnd.round_id}"), rnd, rates)
+
+
+def _priced(race: Race, rnd: Round, rates: Mapping[str, ProviderRate] | None) -> RoundResult:
     rates = PUBLISHED_RATES if rates is None else rates
-    race = run_race(policy, rnd.arms, race_id=f"round-{rnd.round_id}")
     active = billed = 0.0
     for attempt in race.attempts:
         rate = rates.get(attempt.provider)
@@ -149,10 +155,42 @@ def replay_round(
 
 
 def replay_policy(
-    policy: Policy, rounds: Sequence[Round], rates: Mapping[str, ProviderRate] | None = None
+    policy: Policy,
+    rounds: Sequence[Round],
+    rates: Mapping[str, ProviderRate] | None = None,
+    calibration: int = CALIBRATION_LAST_ROUND,
 ) -> list[RoundResult]:
-    """``replay_round`` over every round, in order."""
+    """``replay_round`` over every round, in order; an adaptive policy learns as it goes."""
+    if isinstance(policy, AdaptivePolicy):
+        return replay_adaptive(policy, rounds, rates, calibration)
     return [replay_round(policy, r, rates) for r in rounds]
+
+
+def replay_adaptive(
+    policy: AdaptivePolicy,
+    rounds: Sequence[Round],
+    rates: Mapping[str, ProviderRate] | None = None,
+    calibration: int = CALIBRATION_LAST_ROUND,
+) -> list[RoundResult]:
+    """An adaptive policy over the rounds in ``round_id`` order, with an honest split.
+
+    It starts knowing nothing. After each calibration round it learns every provider's
+    recorded outcome (those rounds are paired); after each evaluation round only what its own
+    race observed. Each round's plan is made before its race runs, from earlier rounds only.
+    """
+    learner = new_learner(policy, rates)
+    own = AdaptivePolicy(**policy.params()).use(learner)
+    results = []
+    for rnd in sorted(rounds, key=lambda r: r.round_id):
+        race = run_race(own, rnd.arms, race_id=f"round-{rnd.round_id}")
+        seq = int(race.state["seq"])
+        if rnd.round_id <= calibration:
+            arms = {p: (a.wall_s, a.valid, a.queue_delay_s) for p, a in rnd.arms.items()}
+            learner.feed_paired(seq, arms)
+        else:
+            learner.feed(observe(seq, race.attempts, race.clock.now()))
+        results.append(_priced(race, rnd, rates))
+    return results
 
 
 def summarise_results(
@@ -242,13 +280,14 @@ def sweep(
     subsets: Sequence[str] = SUBSETS,
     deadlines: Sequence[float] = DEFAULT_DEADLINES_S,
     rates: Mapping[str, ProviderRate] | None = None,
+    calibration: int = CALIBRATION_LAST_ROUND,
 ) -> list[dict[str, Any]]:
     """Rows for every policy and subset. Each race runs once; subsets reuse its result."""
     rows = []
     for policy in policies:
-        results = replay_policy(policy, rounds, rates)
+        results = replay_policy(policy, rounds, rates, calibration)
         for subset in subsets:
-            wanted = {r.round_id for r in select(rounds, subset)}
+            wanted = {r.round_id for r in select(rounds, subset, calibration)}
             chosen = [r for r in results if r.round_id in wanted]
             if chosen:
                 rows.append(row(policy, subset, summarise_results(chosen, deadlines), deadlines))

@@ -1,0 +1,357 @@
+"""How an adaptive policy scores a plan: estimated p95 and cost from per-provider samples.
+
+A plan says, for one request, which hedge to use (and a backup behind it), when to poll the
+primary and cut over if it is still queued, when to hedge beside a primary that runs but has no
+result, and when the backup joins. Its score is the objective an operator states:
+``J = p95 seconds + 1000 x active USD per request`` (one cent is worth 10 s of p95), among plans
+whose estimated share of requests over the deadline is at most 5 %.
+
+Providers are modelled one by one (a sample is one job: when it ended, whether its result was
+valid, or that it was still running when the race stopped watching it), because a live race
+observes only the jobs it launched; the joint timing of two providers on one request is never
+seen again after calibration. A sample still running when it was cancelled is only known to take
+longer: its weight moves to the samples that ended later (Efron's redistribute-to-the-right,
+which is the Kaplan-Meier estimate). Older samples weigh less (a half-life in requests), so a
+provider that changes is followed.
+
+The estimate walks the race the engine would run (the same rules: a valid result wins, at most
+two live jobs, a failed hedge brings the backup at once) over the weighted samples, assuming the
+providers independent. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .outcome import ProviderRate
+
+INF = math.inf
+USD_WEIGHT = 1000.0  # seconds of p95 one dollar per request is worth
+MISS_SHARE = 0.05  # a plan may miss the deadline on at most this share of requests
+_MERGE = 0.02  # samples within 2 % of each other are one point of the estimate
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One job of one provider; times in seconds since its submit.
+
+    ``outcome``: ``valid``, ``invalid`` (ended without a valid result) or ``censored`` (still
+    running when the race stopped watching it at ``at``). ``queue_lo``/``queue_hi`` bound how
+    long it sat queued, from poll answers (exact when both are equal).
+    """
+
+    seq: int
+    at: float
+    outcome: str
+    queue_lo: float = 0.0
+    queue_hi: float = INF
+
+
+@dataclass(frozen=True)
+class Point:
+    """A weighted outcome of one provider's job: it ended at ``at``, valid or not."""
+
+    at: float
+    ok: bool
+    weight: float
+    queue_lo: float = 0.0
+    queue_hi: float = INF
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's hedging plan (seconds; ``None``: never)."""
+
+    hedge: str | None = None
+    backup: str | None = None
+    cutover_s: float | None = None  # poll the primary; still queued -> cancel it, hedge
+    safety_s: float | None = None  # no result yet -> hedge beside the running primary
+    backup_s: float | None = None  # after the hedge's launch: the backup joins
+    cancel_queued: bool = True  # False: a primary still queued keeps its place beside the hedge
+    poll_s: float | None = None  # without a cutover: poll the primary then anyway, to learn
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "hedge": self.hedge,
+            "backup": self.backup,
+            "cutover_s": self.cutover_s,
+            "safety_s": self.safety_s,
+            "backup_s": self.backup_s,
+            "cancel_queued": self.cancel_queued,
+            "poll_s": self.poll_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Plan:
+        def num(key: str) -> float | None:
+            value = data.get(key)
+            return None if value is None else float(value)  # type: ignore[arg-type]
+
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return None if value is None else str(value)
+
+        return cls(
+            text("hedge"),
+            text("backup"),
+            num("cutover_s"),
+            num("safety_s"),
+            num("backup_s"),
+            bool(data.get("cancel_queued", True)),
+            num("poll_s"),
+        )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a plan is expected to give per request."""
+
+    p95_s: float
+    active_usd: float
+    miss_share: float
+    hedge_share: float
+
+    @property
+    def objective(self) -> float:
+        return self.p95_s + USD_WEIGHT * self.active_usd
+
+
+def weights(n: int, half_life: float) -> list[tuple[float, float]]:
+    """The (short, long) memory weight of each of ``n`` samples of one provider, oldest first:
+    halved for every ``half_life`` newer samples, and for five times as many. The short memory
+    weighs a sample (to follow a change); the long one shapes what a censored job would have
+    done."""
+    return [
+        (0.5 ** ((n - 1 - i) / half_life), 0.5 ** ((n - 1 - i) / (5 * half_life))) for i in range(n)
+    ]
+
+
+def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
+    """The weighted outcome distribution of one provider, censored samples redistributed.
+
+    A censored job's weight goes to the jobs seen to end later in proportion to their long
+    memory: how long a job runs past a point is a property of the provider, not of how
+    recently a job that long was watched (a plan that always stops such jobs sees none).
+    """
+    pairs = sorted(
+        zip(samples, weights(len(samples), half_life), strict=True), key=lambda p: p[0].at
+    )
+    mass = [short for _, (short, _long) in pairs]
+    for i, (sample, _) in enumerate(pairs):
+        if sample.outcome != "censored":
+            continue
+        later = [
+            j
+            for j in range(i + 1, len(pairs))
+            if pairs[j][0].outcome != "censored" and pairs[j][0].queue_hi > sample.queue_lo
+        ]  # a job cancelled while queued goes to jobs that could have queued that long
+        total = sum(pairs[j][1][1] for j in later)
+        if total > 0:
+            for j in later:
+                mass[j] += mass[i] * pairs[j][1][1] / total
+            mass[i] = 0.0
+        # nothing seen later: it stays a point at its lower bound (ended then, invalid)
+    out = [
+        Point(s.at, s.outcome == "valid", m, round(s.queue_lo, 1), round(s.queue_hi, 1))
+        for (s, _), m in zip(pairs, mass, strict=True)
+        if m > 0
+    ]
+    total = sum(p.weight for p in out)
+    return _merge([Point(p.at, p.ok, p.weight / total, p.queue_lo, p.queue_hi) for p in out])
+
+
+def _merge(pts: list[Point]) -> list[Point]:
+    """Points of the same outcome within 2 % of each other become one (the estimate's cost)."""
+    merged: list[Point] = []
+    for p in sorted(pts, key=lambda q: (q.ok, q.at, q.queue_lo, q.queue_hi)):
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.ok == p.ok
+            and p.at <= last.at * (1 + _MERGE) + 1e-9
+            and (last.queue_lo, last.queue_hi) == (p.queue_lo, p.queue_hi)
+        ):
+            w = last.weight + p.weight
+            at = (last.at * last.weight + p.at * p.weight) / w
+            merged[-1] = Point(at, p.ok, w, p.queue_lo, p.queue_hi)
+        else:
+            merged.append(p)
+    return merged
+
+
+def queued_share(p: Point, at: float, exact: Sequence[float]) -> float:
+    """How likely a primary job of point ``p`` is still queued ``at`` seconds after its submit.
+
+    Bounds from polls decide when they can; between them, the exactly known queue delays of
+    other jobs in that interval say how the time splits (uniform when there are none).
+    """
+    if p.queue_lo >= at:
+        return 1.0 if p.queue_lo > at or p.queue_hi > at else 0.0
+    hi = min(p.queue_hi, p.at)
+    if hi <= at:
+        return 0.0
+    inside = [d for d in exact if p.queue_lo <= d <= hi]
+    if inside:
+        return sum(1 for d in inside if d > at) / len(inside)
+    if math.isinf(hi):
+        return 0.5
+    return (hi - at) / (hi - p.queue_lo)
+
+
+@dataclass(frozen=True)
+class HedgeLeg:
+    """The outcome of a hedge (and its backup) from the hedge's launch: when a valid result is
+    in (``INF``: none), and the active seconds each provider ran."""
+
+    after: float
+    hedge_s: float
+    backup_s: float
+    weight: float
+
+
+def hedge_legs(
+    hedge: Sequence[Point], backup: Sequence[Point] | None, backup_after: float | None
+) -> list[HedgeLeg]:
+    """Every way the hedge (and the backup joining ``backup_after`` later, or when the hedge
+    fails) can go, weighted."""
+    legs: list[HedgeLeg] = []
+    for h in hedge:
+        joins = h.at if not h.ok else INF
+        if backup_after is not None:
+            joins = min(joins, backup_after)
+        if backup is None or math.isinf(joins) or (h.ok and h.at <= joins):
+            done = h.at if h.ok else INF
+            legs.append(HedgeLeg(done, h.at, 0.0, h.weight))
+            continue
+        for b in backup:
+            first = min(h.at if h.ok else INF, joins + b.at if b.ok else INF)
+            hedge_ran = min(h.at, first)
+            backup_ran = min(b.at, first - joins) if not math.isinf(first) else b.at
+            legs.append(HedgeLeg(first, hedge_ran, backup_ran, h.weight * b.weight))
+    return legs
+
+
+def _quantile(values: list[tuple[float, float]], q: float) -> float:
+    values.sort()
+    total = sum(w for _, w in values)
+    run = 0.0
+    for x, w in values:
+        run += w
+        if run >= q * total - 1e-12:
+            return x
+    return values[-1][0] if values else INF
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What the estimate of every plan reads: the samples as points, the rates, the deadline."""
+
+    primary: str
+    primary_points: Sequence[Point]
+    exact_queue: Sequence[float]
+    hedges: Mapping[str, Sequence[Point]]
+    rates: Mapping[str, ProviderRate]
+    deadline_s: float
+    cancel_s: float = 0.0  # how long a cancel of the primary takes to land
+    cache: dict[tuple[str | None, str | None, float | None], tuple[list[HedgeLeg], float]] = field(
+        default_factory=dict
+    )
+
+
+def _legs(scene: Scene, plan: Plan) -> tuple[list[HedgeLeg], float]:
+    """The plan's hedge legs (equal outcomes merged) and their expected USD, cached per scene."""
+    key = (plan.hedge, plan.backup, plan.backup_s)
+    cached = scene.cache.get(key)
+    if cached is not None:
+        return cached
+    assert plan.hedge is not None
+    backup = scene.hedges[plan.backup] if plan.backup is not None else None
+    rate_h = scene.rates[plan.hedge].rate_per_s
+    rate_b = scene.rates[plan.backup].rate_per_s if plan.backup is not None else 0.0
+    merged: dict[float, list[float]] = {}
+    usd = 0.0
+    for g in hedge_legs(scene.hedges[plan.hedge], backup, plan.backup_s):
+        usd += g.weight * (g.hedge_s * rate_h + g.backup_s * rate_b)
+        slot = merged.setdefault(round(g.after, 2), [0.0, 0.0, 0.0])
+        slot[0] += g.weight
+        slot[1] += g.weight * g.hedge_s
+        slot[2] += g.weight * g.backup_s
+    legs = [HedgeLeg(at, h / w, b / w, w) for at, (w, h, b) in merged.items() if w > 0]
+    scene.cache[key] = (legs, usd)
+    return legs, usd
+
+
+def estimate(scene: Scene, plan: Plan) -> Estimate:
+    """The plan's expected p95, active USD, share over the deadline and share hedged."""
+    rate_p = scene.rates[scene.primary].rate_per_s
+    legs: list[HedgeLeg] = []
+    leg_usd = rate_h = rate_b = 0.0
+    if plan.hedge is not None:
+        legs, leg_usd = _legs(scene, plan)
+        rate_h = scene.rates[plan.hedge].rate_per_s
+        rate_b = scene.rates[plan.backup].rate_per_s if plan.backup is not None else 0.0
+    outcomes: list[tuple[float, float]] = []
+    starts: dict[float, float] = {}  # the hedge's launch time -> weight (legs added once each)
+    usd = hedged = 0.0
+    cut = plan.cutover_s if plan.hedge is not None else None
+    safety = plan.safety_s if plan.hedge is not None else None
+
+    def beside(t: float, p: Point, w: float) -> None:
+        # the hedge joins the primary at t; the first valid result wins
+        nonlocal usd, hedged
+        hedged += w
+        for g in legs:
+            first = min(p.at if p.ok else INF, t + g.after)
+            gw = w * g.weight
+            hedge_ran = min(g.hedge_s, first - t) if not math.isinf(first) else g.hedge_s
+            usd += gw * (min(p.at, first) * rate_p + hedge_ran * rate_h)
+            if not math.isinf(first) and first - t > g.hedge_s:
+                usd += gw * g.backup_s * rate_b
+            outcomes.append((first, gw))
+
+    for p in scene.primary_points:
+        w = p.weight
+        if cut is not None and p.at > cut:
+            q = queued_share(p, cut, scene.exact_queue)
+            if q > 0 and not plan.cancel_queued:
+                beside(cut, p, w * q)
+                w *= 1 - q
+            elif q > 0:
+                if scene.cancel_s > 0:  # a slow cancel lets a job that starts meanwhile run
+                    ran = max(0.0, min(p.at, cut + scene.cancel_s) - max(p.queue_lo, cut))
+                    usd += w * q * ran * rate_p
+                starts[cut] = starts.get(cut, 0.0) + w * q
+                w *= 1 - q
+            if w <= 0:
+                continue
+        if not p.ok and (safety is None or p.at <= safety):
+            usd += w * p.at * rate_p
+            if plan.hedge is None:
+                outcomes.append((INF, w))
+            else:
+                starts[p.at] = starts.get(p.at, 0.0) + w  # the primary failed: hedge at once
+        elif safety is None or p.at <= safety:
+            usd += w * p.at * rate_p
+            outcomes.append((p.at, w))
+        else:
+            beside(safety, p, w)
+    for t, w in starts.items():
+        hedged += w
+        usd += w * leg_usd
+        outcomes.extend((t + g.after, w * g.weight) for g in legs)
+    total = sum(w for _, w in outcomes)
+    miss = sum(w for x, w in outcomes if x > scene.deadline_s) / total
+    return Estimate(_quantile(outcomes, 0.95), usd / total, miss, hedged / total)
+
+
+def grid(values: Iterable[float], lo: float, hi: float) -> list[float]:
+    """Distinct candidate times within [lo, hi], rounded to 0.1 s."""
+    return sorted({round(v, 1) for v in values if lo <= v <= hi})
+
+
+def quantiles(values: Sequence[float], qs: Sequence[float] = (0.5, 0.75, 0.9, 0.95)) -> list[float]:
+    """Nearest-rank quantiles of ``values`` (none when there are none)."""
+    data = sorted(values)
+    return [data[min(len(data) - 1, int(q * len(data)))] for q in qs] if data else []

@@ -1,0 +1,377 @@
+"""What an adaptive policy has learned, and the plan it gives the next request.
+
+A :class:`Learner` keeps, per provider, the recent jobs it saw (:class:`~.adaptive_fit.Sample`),
+the hedge budget's tokens, the providers in alarm, and the plan the last fit chose. Races take a
+plan when they start (:meth:`Learner.next_request`) and hand back what they observed when they
+finish (:meth:`Learner.feed`); calibration rounds, where every provider ran the same request,
+are fed whole (:meth:`Learner.feed_paired`). Everything is JSON-safe (:meth:`to_dict`), so the
+same state can live in memory (replay) or in Redis shared by every coordinator (live).
+
+Rules, each a line of the docs' learning rule:
+
+* the plan minimises the estimated objective (:mod:`.adaptive_fit`) over a grid of hedges,
+  backups and times; it is refitted every ``REFIT_EVERY`` requests and at once on an alarm;
+* a provider whose last jobs mostly failed is in alarm: not used as a hedge for
+  ``ALARM_COOLDOWN`` requests (the fit's average would take many more to move);
+* a hedge provider the policy has not watched for long (its samples' weight below
+  ``STALE_WEIGHT``) is tried once as the hedge, so a provider that recovered is noticed;
+* a hedge budget ``R`` is a token bucket: ``R`` tokens a request, at most ``CAPACITY``, one per
+  hedge launched; plans hedging more often than ``R`` are not chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .adaptive_fit import (
+    INF,
+    MISS_SHARE,
+    Estimate,
+    Plan,
+    Point,
+    Sample,
+    Scene,
+    estimate,
+    grid,
+    quantiles,
+    weights,
+)
+from .adaptive_fit import points as to_points
+from .outcome import ProviderRate
+
+CAPACITY = 10.0  # hedge tokens the bucket holds at most (and starts with)
+HALF_LIFE = 20.0  # newer samples of the same provider after which a sample weighs half
+KEEP = 256  # samples kept per provider (the primary's rare long jobs must stay in view)
+MIN_SAMPLES = 3  # below this, a provider is explored before it is judged
+REFIT_EVERY = 4  # requests between fits
+ALARM_WINDOW, ALARM_FAILS, ALARM_COOLDOWN = 3, 2, 25
+STALE_AGE = 60  # requests without a finished job after which a provider is probed again
+PROBE_GAP = 50  # requests between two probes of one provider
+PRIMARY_PROBE = 10  # every this many requests a cutover keeps the queued primary beside the hedge
+CUTOVER_GRID = (1.0, 2.0, 3.0, 5.0, 10.0)
+SAFETY_GRID = (2.0, 8.5, 20.0, 30.0)
+BACKUP_GRID = (10.0, 30.0)
+DEFAULT_PLAN_TIMES = (2.5, 8.5)  # cutover and safety before anything is learned
+
+
+@dataclass
+class Learner:
+    """The learned state of one adaptive policy (one name)."""
+
+    primary: str
+    hedges: tuple[str, ...]
+    deadline_s: float
+    budget: float | None = None  # hedges per request over the long run
+    rates: Mapping[str, ProviderRate] = field(default_factory=dict)
+    seq: int = 0  # requests planned so far
+    tokens: float = CAPACITY
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+    cancel_s: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    alarm_until: dict[str, int] = field(default_factory=dict)
+    alarm_for: dict[str, int] = field(default_factory=dict)  # the last alarm's length
+    plan: Plan = field(default_factory=Plan)
+    estimate: Estimate | None = None
+    fitted_at: int = -1
+    races: int = 0  # finished races fed
+    paired: int = 0  # calibration rounds fed
+    probed_at: dict[str, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ per request
+    def next_request(self) -> tuple[int, Plan]:
+        """The next request's number and plan (from what was fed before it)."""
+        self.seq += 1
+        if self.budget is not None:
+            self.tokens = min(CAPACITY, self.tokens + self.budget)
+        if self.fitted_at < 0 or self.seq - self.fitted_at >= REFIT_EVERY:
+            self.fit()
+        return self.seq, self._with_probe(self.plan)
+
+    def take_token(self) -> bool:
+        """Spend a hedge token; False (and nothing spent) when the bucket is empty."""
+        if self.budget is None:
+            return True
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    # ------------------------------------------------------------------ learning
+    def feed_paired(self, seq: int, arms: Mapping[str, tuple[float, bool, float | None]]) -> None:
+        """A calibration round: every provider's (wall seconds, valid, queue delay or None)."""
+        for provider, (wall_s, valid, queue) in arms.items():
+            lo, hi = (
+                (queue, queue) if queue is not None and provider == self.primary else (0.0, INF)
+            )
+            self._add(provider, Sample(seq, wall_s, "valid" if valid else "invalid", lo, hi))
+        self.paired += 1
+
+    def feed(self, observed: Mapping[str, Any]) -> None:
+        """What one finished race observed (:func:`~.adaptive.observe`)."""
+        seq = int(observed["seq"])
+        alarmed = False
+        for job in observed.get("jobs", ()):
+            provider = str(job["provider"])
+            lo, hi = float(job.get("queue_lo", 0.0)), job.get("queue_hi")
+            if provider != self.primary:
+                lo, hi = 0.0, None  # only the primary's queue time decides a cutover
+            sample = Sample(
+                seq, float(job["at"]), str(job["outcome"]), lo, INF if hi is None else float(hi)
+            )
+            self._add(provider, sample)
+            if sample.outcome != "censored" and self._check_alarm(provider):
+                alarmed = True
+            if job.get("cancel_s") is not None:
+                kept = self.cancel_s.setdefault(provider, [])
+                kept.append((seq, float(job["cancel_s"])))
+                del kept[:-KEEP]
+        self.races += 1
+        if alarmed:
+            self.fit()
+
+    def _add(self, provider: str, sample: Sample) -> None:
+        kept = self.samples.setdefault(provider, [])
+        kept.append(sample)
+        del kept[:-KEEP]
+
+    def _check_alarm(self, provider: str) -> bool:
+        """Raise the provider's alarm when most of its last jobs failed; True if newly raised."""
+        last = [s for s in self.samples.get(provider, ()) if s.outcome != "censored"]
+        last = last[-ALARM_WINDOW:]
+        fails = sum(1 for s in last if s.outcome == "invalid")
+        if len(last) == ALARM_WINDOW and fails >= ALARM_FAILS and not self.in_alarm(provider):
+            # failing again soon after its last alarm: twice as long out (at most 8 times)
+            previous = self.alarm_for.get(provider, 0)
+            recent = self.seq - self.alarm_until.get(provider, -(10**9)) < ALARM_COOLDOWN
+            length = (
+                min(previous * 2, 8 * ALARM_COOLDOWN) if recent and previous else ALARM_COOLDOWN
+            )
+            self.alarm_for[provider] = length
+            self.alarm_until[provider] = self.seq + length
+            return True
+        return False
+
+    def in_alarm(self, provider: str) -> bool:
+        return self.alarm_until.get(provider, -1) > self.seq
+
+    def cancel_latency(self, provider: str) -> float:
+        """The weighted median seconds from a cancel's send to its acknowledgement."""
+        kept = self.cancel_s.get(provider, [])
+        if not kept:
+            return 0.0
+        memory = [short for short, _long in weights(len(kept), HALF_LIFE)]
+        pairs = sorted(zip((s for _, s in kept), memory, strict=True))
+        half, run = sum(w for _, w in pairs) / 2, 0.0
+        for s, w in pairs:
+            run += w
+            if run >= half:
+                return s
+        return pairs[-1][0]
+
+    def last_seen(self, provider: str, queued_past: float | None = None) -> int:
+        """The request that last saw ``provider``'s job end (with ``queued_past``: a job
+        queued longer than that, i.e. one a cutover would have cancelled); -1 if none."""
+        for s in reversed(self.samples.get(provider, ())):
+            if s.outcome != "censored" and (queued_past is None or s.queue_lo > queued_past):
+                return s.seq
+        return -1
+
+    # ------------------------------------------------------------------ the fit
+    def fit(self) -> None:
+        """Choose the plan with the best estimated objective from what was fed so far."""
+        self.fitted_at = self.seq
+        usable = [h for h in self.hedges if not self.in_alarm(h)]
+        unknown = [h for h in usable if len(self.samples.get(h, ())) < MIN_SAMPLES]
+        if len(self.samples.get(self.primary, ())) < MIN_SAMPLES or unknown:
+            hedge = unknown[self.seq % len(unknown)] if unknown else (usable[0] if usable else None)
+            cut, safety = DEFAULT_PLAN_TIMES
+            self.plan, self.estimate = Plan(hedge, None, cut, safety, None), None
+            return
+        scene = self._scene(usable)
+        best: tuple[tuple[int, float, float], Plan, Estimate] | None = None
+        for plan in self._candidates(scene, usable):
+            est = estimate(scene, plan)
+            key = self._rank(est)
+            if best is None or key < best[0]:
+                best = (key, plan, est)
+        assert best is not None  # the no-hedge plan is always a candidate
+        plan = best[1]
+        if plan.cutover_s is None and (scene.exact_queue or self._queue_seen()):
+            # no cutover: still read the primary's state once, so the next fit knows it
+            plan = _replace(plan, poll_s=DEFAULT_PLAN_TIMES[0])
+        self.plan, self.estimate = plan, best[2]
+
+    def _queue_seen(self) -> bool:
+        return any(s.queue_lo > 0 for s in self.samples.get(self.primary, ()))
+
+    def _rank(self, est: Estimate) -> tuple[int, float, float]:
+        over_budget = self.budget is not None and est.hedge_share > self.budget
+        feasible = est.miss_share <= MISS_SHARE and not over_budget
+        if feasible:
+            return (0, est.objective, est.miss_share)
+        return (1 + int(over_budget), est.miss_share, est.objective)
+
+    def _scene(self, usable: Sequence[str]) -> Scene:
+        primary = self._points(self.primary)
+        exact = [
+            s.queue_lo
+            for s in self.samples.get(self.primary, ())
+            if s.queue_lo == s.queue_hi and s.queue_lo < INF
+        ]
+        hedges = {h: self._points(h) for h in usable}
+        return Scene(
+            self.primary,
+            primary,
+            exact,
+            hedges,
+            self.rates,
+            self.deadline_s,
+            self.cancel_latency(self.primary),
+        )
+
+    def _points(self, provider: str) -> list[Point]:
+        return to_points(self.samples.get(provider, []), HALF_LIFE)
+
+    def _candidates(self, scene: Scene, usable: Sequence[str]) -> list[Plan]:
+        plans = [Plan()]
+        queue_signal = bool(scene.exact_queue) or any(
+            p.queue_lo > 0 or p.queue_hi < INF for p in scene.primary_points
+        )
+        cuts: list[float | None] = [None]
+        if queue_signal:
+            # just past the queue times seen, where a cutover stops catching warm jobs
+            near = quantiles(scene.exact_queue, (0.5, 0.7, 0.9))
+            cuts += grid([*CUTOVER_GRID, *(d * 1.1 + 0.1 for d in near)], 0.1, scene.deadline_s / 2)
+        valid_primary = quantiles([p.at for p in scene.primary_points if p.ok])
+        safeties: list[float | None] = [None]
+        safeties += grid(
+            [*SAFETY_GRID, *(t * 1.1 + 0.5 for t in valid_primary)], 1.0, scene.deadline_s
+        )
+        for hedge in usable:
+            valid = quantiles([p.at for p in scene.hedges[hedge] if p.ok])
+            backups: list[float | None] = [None]
+            backups += grid([*BACKUP_GRID, *(t * 1.05 + 0.5 for t in valid)], 1.0, scene.deadline_s)
+            for backup in [None, *(b for b in usable if b != hedge)]:
+                plans += self._descend(scene, hedge, backup, cuts, safeties, backups)
+        return plans
+
+    def _descend(
+        self,
+        scene: Scene,
+        hedge: str,
+        backup: str | None,
+        cuts: Sequence[float | None],
+        safeties: Sequence[float | None],
+        backups: Sequence[float | None],
+    ) -> list[Plan]:
+        """The best plan for one hedge and backup, one time at a time (two passes)."""
+        cut0 = DEFAULT_PLAN_TIMES[0] if len(cuts) > 1 else None
+        plan = Plan(hedge, backup, cut0, DEFAULT_PLAN_TIMES[1], None)
+        tried = [plan]
+        for _ in range(2):
+            if backup is not None:
+                plan = self._best([_replace(plan, backup_s=b) for b in backups], scene)
+                tried.append(plan)
+            plan = self._best(
+                [
+                    _replace(plan, cutover_s=c, safety_s=s)
+                    for c in cuts
+                    for s in safeties
+                    if c is None or s is None or s >= c
+                ],
+                scene,
+            )
+            tried.append(plan)
+        return tried
+
+    def _best(self, plans: Sequence[Plan], scene: Scene) -> Plan:
+        return min(plans, key=lambda p: self._rank(estimate(scene, p)))
+
+    def _with_probe(self, plan: Plan) -> Plan:
+        """The fitted plan, or once in a while one that watches what the plan never shows: a
+        hedge not seen for long, or how a primary job a cutover would cancel really ends."""
+        if plan.hedge is None:
+            return plan
+        for hedge in self.hedges:
+            if hedge == plan.hedge or self.in_alarm(hedge):
+                continue
+            if self._due(hedge, self.last_seen(hedge)):
+                backup = plan.backup if plan.backup != hedge else plan.hedge
+                return _replace(plan, hedge=hedge, backup=backup)
+        if plan.cutover_s is not None and plan.cancel_queued and self.seq % PRIMARY_PROBE == 0:
+            # cheap: a queued job costs nothing, and it is cancelled when the hedge wins
+            return _replace(plan, cancel_queued=False)
+        return plan
+
+    def _due(self, provider: str, last: int) -> bool:
+        if self.seq - last < STALE_AGE:
+            return False
+        if self.seq - self.probed_at.get(provider, -PROBE_GAP) < PROBE_GAP:
+            return False
+        self.probed_at[provider] = self.seq
+        return True
+
+    # ------------------------------------------------------------------ state
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "primary": self.primary,
+            "hedges": list(self.hedges),
+            "deadline_s": self.deadline_s,
+            "budget": self.budget,
+            "seq": self.seq,
+            "tokens": self.tokens,
+            "samples": {
+                p: [[s.seq, s.at, s.outcome, s.queue_lo, _finite(s.queue_hi)] for s in kept]
+                for p, kept in self.samples.items()
+            },
+            "cancel_s": {p: [list(x) for x in kept] for p, kept in self.cancel_s.items()},
+            "alarm_until": dict(self.alarm_until),
+            "alarm_for": dict(self.alarm_for),
+            "plan": self.plan.to_dict(),
+            "fitted_at": self.fitted_at,
+            "races": self.races,
+            "paired": self.paired,
+            "probed_at": dict(self.probed_at),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], rates: Mapping[str, ProviderRate]) -> Learner:
+        samples = {
+            p: [
+                Sample(int(a), float(b), str(c), float(d), INF if e is None else float(e))
+                for a, b, c, d, e in kept
+            ]
+            for p, kept in data.get("samples", {}).items()
+        }
+        return cls(
+            primary=str(data["primary"]),
+            hedges=tuple(data["hedges"]),
+            deadline_s=float(data["deadline_s"]),
+            budget=None if data.get("budget") is None else float(data["budget"]),
+            rates=rates,
+            seq=int(data.get("seq", 0)),
+            tokens=float(data.get("tokens", CAPACITY)),
+            samples=samples,
+            cancel_s={
+                p: [(int(a), float(b)) for a, b in kept]
+                for p, kept in data.get("cancel_s", {}).items()
+            },
+            alarm_until={p: int(v) for p, v in data.get("alarm_until", {}).items()},
+            alarm_for={p: int(v) for p, v in data.get("alarm_for", {}).items()},
+            plan=Plan.from_dict(data.get("plan", {})),
+            fitted_at=int(data.get("fitted_at", -1)),
+            races=int(data.get("races", 0)),
+            paired=int(data.get("paired", 0)),
+            probed_at={p: int(v) for p, v in data.get("probed_at", {}).items()},
+        )
+
+
+def _finite(x: float) -> float | None:
+    return None if x == INF else x
+
+
+def _replace(plan: Plan, **changes: Any) -> Plan:
+    data = plan.to_dict()
+    data.update(changes)
+    return Plan.from_dict(data)
