@@ -12,6 +12,7 @@ import click
 from ..core.outcome import PUBLISHED_RATES, ProviderRate
 from ..core.policies import Policy, parse_policy
 from ..core.replay import (
+    CALIBRATION_LAST_ROUND,
     SUBSETS,
     Round,
     default_policies,
@@ -31,6 +32,7 @@ FAMILY_TITLES = {
     "fixed": "fixed hedges",
     "cutover": "queue-state cutovers",
     "cascade": "cascades",
+    "adaptive": "adaptive policies (learning as they go)",
     "custom": "other policies",
 }
 
@@ -121,6 +123,7 @@ def write_plot(
     rates: dict[str, ProviderRate],
     subset: str,
     deadlines: Sequence[float],
+    calibration: int = CALIBRATION_LAST_ROUND,
 ) -> None:
     """A PNG of latency CDFs per policy on a log time axis, SLO deadlines marked, and a box
     plot per policy beside it (``<path stem>_box.png``)."""
@@ -131,13 +134,14 @@ def write_plot(
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
 
-    chosen = select(rounds, subset)
+    wanted = {r.round_id for r in select(rounds, subset, calibration)}
     styles = {"single": ":", "race": "-.", "fixed": "--", "cutover": "-", "cascade": "-"}
     colours = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]  # tab20 is a ListedColormap
     fig, ax = plt.subplots(figsize=(10, 6))
     by_policy: dict[str, list[float]] = {}
     for i, policy in enumerate(policies):
-        latencies = sorted(r.latency_s for r in replay_policy(policy, chosen, rates))
+        results = replay_policy(policy, rounds, rates, calibration)
+        latencies = sorted(r.latency_s for r in results if r.round_id in wanted)
         by_policy[policy.name] = latencies
         n = len(latencies)
         finite = [v for v in latencies if not math.isinf(v)]
@@ -158,7 +162,7 @@ def write_plot(
     ax.set_xlabel("end-to-end latency (s, log scale)")
     ax.set_ylabel("fraction of requests answered")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"Replayed latency CDF ({subset}, n = {len(chosen)})")
+    ax.set_title(f"Replayed latency CDF ({subset}, n = {len(wanted)})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -168,7 +172,7 @@ def write_plot(
         raise BadInput(f"cannot write plot {path!r}: {e.strerror}") from None
     finally:
         plt.close(fig)
-    title = f"Replayed latency by policy ({subset}, n = {len(chosen)})"
+    title = f"Replayed latency by policy ({subset}, n = {len(wanted)})"
     write_box(box_path(path), by_policy, deadlines, title)
 
 
@@ -193,14 +197,23 @@ def _plot_selection(rounds: Sequence[Round], policies: Sequence[Policy]) -> list
     "--subset",
     type=click.Choice(SUBSETS),
     default=None,
-    help="Rounds to evaluate (default: all, calibration <= 18 and evaluation >= 19).",
+    help="Rounds to evaluate (default: all, calibration and evaluation).",
+)
+@click.option(
+    "--calibration-rounds",
+    "calibration",
+    type=click.IntRange(min=0),
+    default=CALIBRATION_LAST_ROUND,
+    show_default=True,
+    help="Rounds with round_id <= N calibrate: an adaptive policy learns them whole, then "
+    "runs the later rounds in order knowing only what its own races observed.",
 )
 @click.option(
     "--policy",
     "policy_names",
     multiple=True,
     help="Policy name, repeatable: single:P, hedge:P->H@Ds, cutover:P->H@qQs+sSs, "
-    "cascade:P->H->F@qQs+sSs+eEs (default: the full sweep).",
+    "cascade:P->H->F@qQs+sSs+eEs, adaptive:P->H[,H...][@dNs+bR] (default: the full sweep).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of rows.")
 @click.option(
@@ -225,6 +238,7 @@ def _plot_selection(rounds: Sequence[Round], policies: Sequence[Policy]) -> list
 def command(
     traces: str,
     subset: str | None,
+    calibration: int,
     policy_names: tuple[str, ...],
     as_json: bool,
     plot_path: str | None,
@@ -244,12 +258,12 @@ def command(
             policies = [p for _, p in default_policies(rounds)]
         families = {p.name: _family(p) for p in policies}
         subsets = [subset] if subset else list(SUBSETS)
-        rows = sweep(rounds, policies, subsets, deadline_list, rates)
+        rows = sweep(rounds, policies, subsets, deadline_list, rates, calibration)
     except ConfigError as e:
         raise BadInput(str(e)) from None
     if plot_path:
         plotted = policies if policy_names else _plot_selection(rounds, policies)
-        write_plot(plot_path, rounds, plotted, rates, subset or "all", deadline_list)
+        write_plot(plot_path, rounds, plotted, rates, subset or "all", deadline_list, calibration)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     else:

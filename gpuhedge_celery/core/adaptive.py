@@ -179,20 +179,22 @@ class AdaptivePolicy(Policy):
         elif attempt.role == HEDGE and plan.backup is not None and plan.backup_s is not None:
             ctl.set_timer("backup", ctl.elapsed() + plan.backup_s)
 
-    def _launch(self, ctl: RaceControl, role: str) -> None:
+    def _launch(self, ctl: RaceControl, role: str) -> bool:
+        """Launch the plan's hedge or backup once, if the budget has a token; False if not."""
         plan = self._plan(ctl)
         provider = plan.hedge if role == HEDGE else plan.backup
         key = f"{role}_requested"
         if provider is None or ctl.state.get(key):
-            return
+            return False
         ctl.state[key] = True
         if not self._learner().take_token():
             ctl.flag(BUDGET_EMPTY)
-            return
+            return False
         if role == HEDGE:
             ctl.clear_timer("cutover")
             ctl.clear_timer("safety")
         ctl.launch(provider, role)
+        return True
 
     def on_timer(self, ctl: RaceControl, key: str) -> None:
         if key == "cutover" and not ctl.state.get("hedge_requested"):
@@ -216,10 +218,10 @@ class AdaptivePolicy(Policy):
             return
         ctl.state["cutover_poll"] = None
         if state is JobState.QUEUED and error is None and not ctl.state.get("hedge_requested"):
-            if self._plan(ctl).cancel_queued:
+            # the hedge first: without a budget token the queued primary is all there is
+            if self._launch(ctl, HEDGE) and self._plan(ctl).cancel_queued:
                 ctl.flag("cut_over")
                 ctl.cancel(attempt.id, "cutover: still queued")
-            self._launch(ctl, HEDGE)
 
     def on_failed(self, ctl: RaceControl, attempt: AttemptView) -> None:
         if attempt.role == PRIMARY:

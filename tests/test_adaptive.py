@@ -1,0 +1,307 @@
+"""The adaptive policy: its name, the engine's rules, an estimate that follows the engine, a
+budget that holds, and a replay that never uses what a race could not have observed."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from gpuhedge_celery.core.adaptive import BUDGET_EMPTY, AdaptivePolicy, new_learner, observe
+from gpuhedge_celery.core.adaptive_fit import Plan, Point, Scene, estimate
+from gpuhedge_celery.core.adaptive_learn import Learner
+from gpuhedge_celery.core.outcome import PUBLISHED_RATES
+from gpuhedge_celery.core.policies import parse_policy, policy_from_dict
+from gpuhedge_celery.core.race import Race
+from gpuhedge_celery.core.replay import Round, load_rounds, replay_adaptive
+from gpuhedge_celery.core.scripted import Arm, run_race
+from gpuhedge_celery.errors import ConfigError
+from gpuhedge_celery.providers.sim_traces import synth_rounds
+
+MOSS = Path(__file__).parent / "data" / "moss_rounds.jsonl"
+NAME = "adaptive:runpod->cerebrium,modal"
+
+
+# ---------------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        (NAME, "adaptive:runpod->cerebrium,modal@d60s"),
+        ("adaptive:runpod->cerebrium@d45s", "adaptive:runpod->cerebrium@d45s"),
+        ("adaptive:a->b,c@b0.2", "adaptive:a->b,c@d60s+b0.2"),
+        ("adaptive:a->b@b0.5+d30.5s", "adaptive:a->b@d30.5s+b0.5"),
+    ],
+)
+def test_names_parse_and_round_trip(text: str, canonical: str) -> None:
+    policy = parse_policy(text)
+    assert isinstance(policy, AdaptivePolicy)
+    assert policy.name == canonical
+    assert parse_policy(policy.name) == policy
+    assert policy_from_dict(policy.to_dict()) == policy
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "adaptive:runpod",
+        "adaptive:runpod->runpod",
+        "adaptive:a->b,b",
+        "adaptive:a->b@x5",
+        "adaptive:a->b@d0s",
+        "adaptive:a->b@b11",
+        "adaptive:a->b@d5",
+    ],
+)
+def test_bad_names_are_one_line_errors(text: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_policy(text)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------- the engine's rules
+
+
+def _own(name: str = NAME, rates: dict | None = None) -> tuple[AdaptivePolicy, Learner]:
+    policy = parse_policy(name)
+    assert isinstance(policy, AdaptivePolicy)
+    learner = new_learner(policy, rates)
+    return AdaptivePolicy(**policy.params()).use(learner), learner
+
+
+def _feed(learner: Learner, rnd: Round, race: Race, calibration: int) -> None:
+    seq = int(race.state["seq"])
+    if rnd.round_id <= calibration:
+        learner.feed_paired(
+            seq, {p: (a.wall_s, a.valid, a.queue_delay_s) for p, a in rnd.arms.items()}
+        )
+    else:
+        learner.feed(observe(seq, race.attempts, race.clock.now()))
+
+
+def test_every_race_keeps_the_engines_rules() -> None:
+    own, learner = _own()
+    live_seen = []
+
+    def check(race: Race) -> None:
+        live_seen.append(race.live_count)
+        assert race.live_count <= 2
+
+    for rnd in load_rounds(MOSS):
+        race = run_race(own, rnd.arms, after_event=check)
+        assert race.finished
+        for a in race.attempts:
+            assert not a.live
+            if a.id != race.winner and a.submitted_at is not None and a.result_at is None:
+                assert a.receipt is not None  # every loser still running was cancelled
+        _feed(learner, rnd, race, 18)
+    assert max(live_seen) == 2  # it did hedge beside a running job at least once
+
+
+def test_a_resumed_race_plays_the_plan_it_started_with() -> None:
+    own, learner = _own()
+    for rnd in load_rounds(MOSS)[:20]:
+        _feed(learner, rnd, run_race(own, rnd.arms), 18)
+    race = run_race(own, load_rounds(MOSS)[20].arms)
+    plan = race.state["plan"]
+    rebuilt = Race.from_dict(race.to_dict(), race.clock)
+    assert rebuilt.state["plan"] == plan
+    assert Plan.from_dict(plan).to_dict() == plan
+
+
+# ------------------------------------------------------------ the estimate follows the engine
+
+
+def _arms(primary: tuple[float, float], hedge: float, backup: float, valid: bool = True) -> dict:
+    wall, queue = primary
+    return {
+        "p": Arm("p", wall, queue_delay_s=queue),
+        "h": Arm("h", hedge, valid=valid),
+        "b": Arm("b", backup),
+    }
+
+
+@pytest.mark.parametrize(
+    ("primary", "hedge", "valid", "plan"),
+    [
+        ((100.0, 10.0), 19.0, True, Plan("h", None, 2.0, None, None)),  # cut over
+        ((100.0, 10.0), 19.0, True, Plan("h", None, 2.0, None, None, cancel_queued=False)),
+        ((12.0, 10.0), 19.0, True, Plan("h", None, 2.0, None, None, cancel_queued=False)),
+        ((6.0, 1.0), 19.0, True, Plan("h", None, 2.0, 8.5, None)),  # warm: runs alone
+        ((40.0, 1.0), 19.0, True, Plan("h", None, 2.0, 8.5, None)),  # safety hedge wins
+        ((100.0, 10.0), 19.0, False, Plan("h", "b", 2.0, None, 30.0)),  # hedge fails: backup
+        ((100.0, 10.0), 50.0, True, Plan("h", "b", 2.0, None, 10.0)),  # the backup joins
+        ((100.0, 10.0), 19.0, True, Plan()),  # no hedge
+    ],
+)
+def test_the_estimate_of_one_known_outcome_is_the_engines_latency_and_cost(
+    primary: tuple[float, float], hedge: float, valid: bool, plan: Plan
+) -> None:
+    arms = _arms(primary, hedge, 30.0, valid)
+    rates = {p: PUBLISHED_RATES["runpod"] for p in "phb"}
+    policy = AdaptivePolicy("p", ("h", "b"))
+    learner = Learner("p", ("h", "b"), 60.0, rates=rates, plan=plan, fitted_at=0)
+    race = run_race(policy.use(learner), arms)
+    engine_latency = race.latency()
+    active = 0.0
+    from gpuhedge_celery.core.outcome import attempt_cost
+
+    for a in race.attempts:
+        active += attempt_cost(a, rates[a.provider]).active_usd
+    scene = Scene(
+        "p",
+        [Point(primary[0], True, 1.0, primary[1], primary[1])],
+        [primary[1]],
+        {"h": [Point(hedge, valid, 1.0)], "b": [Point(30.0, True, 1.0)]},
+        rates,
+        60.0,
+    )
+    est = estimate(scene, plan)
+    assert est.p95_s == pytest.approx(
+        engine_latency if engine_latency is not None else float("inf")
+    )
+    assert est.active_usd == pytest.approx(active, rel=1e-6, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------- budget
+
+
+def _spec(rounds: int = 160) -> dict:
+    return {
+        "rounds": rounds,
+        "seed": 3,
+        "providers": {
+            "runpod": {
+                "slow_probability": 0.3,
+                "fast": {"queue_s": [1.1, 1.3], "run_s": [4.4, 5.4]},
+                "slow": {"queue_s": [9, 27], "run_s": [80, 95]},
+            },
+            "cerebrium": {
+                "queue_signal": False,
+                "slow_probability": 0.1,
+                "fast": {"queue_s": [0.3, 0.8], "run_s": [17.5, 19.7]},
+                "slow": {"queue_s": [76, 84], "run_s": [18, 20]},
+            },
+            "modal": {
+                "queue_signal": False,
+                "slow_probability": 0.12,
+                "fast": {"queue_s": [0.5, 2.0], "run_s": [26, 43]},
+                "slow": {"queue_s": [50, 65], "run_s": [30, 45]},
+            },
+        },
+    }
+
+
+def _rounds(spec: dict) -> list[Round]:
+    import json
+
+    from gpuhedge_celery.core.replay import parse_rounds
+
+    return parse_rounds([json.dumps(r) for r in synth_rounds(spec)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.05, 0.2])
+def test_a_hedge_budget_bounds_second_jobs(budget: float) -> None:
+    rounds = _rounds(_spec())
+    results = replay_adaptive(parse_policy(f"{NAME}@b{budget}"), rounds, calibration=40)  # type: ignore[arg-type]
+    hedged = sum(r.hedged for r in results)
+    assert hedged <= budget * len(results) + 10
+    unbounded = replay_adaptive(parse_policy(NAME), rounds, calibration=40)  # type: ignore[arg-type]
+    assert sum(r.hedged for r in unbounded) > budget * len(results) + 10  # the budget bit
+
+
+def test_without_a_token_the_primary_runs_alone_and_the_race_says_so() -> None:
+    policy = AdaptivePolicy("p", ("h",), budget=0.0)
+    learner = Learner("p", ("h",), 60.0, budget=0.0, rates=PUBLISHED_RATES, tokens=0.0)
+    learner.plan, learner.fitted_at = Plan("h", None, 2.0, None, None), 0
+    arms = {"p": Arm("p", 100.0, queue_delay_s=10.0), "h": Arm("h", 19.0)}
+    race = run_race(policy.use(learner), arms)
+    assert BUDGET_EMPTY in race.flags
+    assert [a.provider for a in race.attempts] == ["p"]
+    assert race.latency() == pytest.approx(100.0)  # not cut over: nothing would replace it
+    learner.tokens = 1.0
+    race = run_race(policy, arms)
+    assert BUDGET_EMPTY not in race.flags and race.latency() == pytest.approx(21.0)
+    assert learner.tokens == 0.0
+
+
+# ------------------------------------------------------------------------------- honesty
+
+
+def _decisions(rounds: list[Round], calibration: int) -> list[tuple[int, dict, float]]:
+    results = replay_adaptive(parse_policy(NAME), rounds, calibration=calibration)  # type: ignore[arg-type]
+    return [(r.round_id, r.race.state["plan"], r.latency_s) for r in results]
+
+
+def test_decisions_for_past_rounds_do_not_change_when_the_future_is_shuffled() -> None:
+    rounds = load_rounds(MOSS)
+    base = _decisions(rounds, 18)
+    for cut in (25, 40):
+        later = [r.arms for r in rounds if r.round_id > cut]
+        random.Random(cut).shuffle(later)
+        shuffled = [r for r in rounds if r.round_id <= cut] + [
+            Round(r.round_id, arms)
+            for r, arms in zip([r for r in rounds if r.round_id > cut], later, strict=True)
+        ]
+        assert _decisions(shuffled, 18)[:cut] == base[:cut]
+
+
+def test_a_provider_a_race_did_not_launch_is_not_observed() -> None:
+    rounds = load_rounds(MOSS)
+    results = replay_adaptive(parse_policy(NAME), rounds, calibration=18)  # type: ignore[arg-type]
+    changed = []
+    for rnd, res in zip(rounds, results, strict=True):
+        launched = {a.provider for a in res.race.attempts}
+        arms = dict(rnd.arms)
+        if rnd.round_id > 18:
+            for p in set(arms) - launched:  # what it never asked for may be anything at all
+                arms[p] = dataclasses.replace(arms[p], wall_s=0.5, valid=False)
+        changed.append(Round(rnd.round_id, arms))
+    again = replay_adaptive(parse_policy(NAME), changed, calibration=18)  # type: ignore[arg-type]
+    assert [(r.race.state["plan"], r.latency_s) for r in again] == [
+        (r.race.state["plan"], r.latency_s) for r in results
+    ]
+
+
+def test_a_cut_over_primary_is_known_only_to_have_queued_past_the_poll() -> None:
+    own, learner = _own("adaptive:p->h")
+    learner.plan, learner.fitted_at = Plan("h", None, 2.0, None, None), 0
+    arms = {"p": Arm("p", 100.0, queue_delay_s=10.0), "h": Arm("h", 19.0)}
+    race = run_race(own, arms)
+    seen = observe(1, race.attempts, race.clock.now())
+    primary = next(j for j in seen["jobs"] if j["provider"] == "p")
+    assert primary["outcome"] == "censored"
+    assert primary["at"] == pytest.approx(2.0)
+    assert primary["queue_lo"] == pytest.approx(2.0)
+    assert primary["queue_hi"] is None
+    hedge = next(j for j in seen["jobs"] if j["provider"] == "h")
+    assert (hedge["outcome"], hedge["at"]) == ("valid", pytest.approx(19.0))
+
+
+def test_the_learned_state_survives_a_round_trip_through_json() -> None:
+    import json
+
+    own, learner = _own()
+    for rnd in load_rounds(MOSS)[:30]:
+        _feed(learner, rnd, run_race(own, rnd.arms), 18)
+    again = Learner.from_dict(json.loads(json.dumps(learner.to_dict())), PUBLISHED_RATES)
+    assert again.to_dict() == learner.to_dict()
+    assert again.next_request() == learner.next_request()
+
+
+def test_on_the_recorded_rounds_it_beats_the_static_policy_chosen_on_calibration() -> None:
+    from gpuhedge_celery.core.replay import replay_policy, summarise_results
+
+    rounds = load_rounds(MOSS)
+    adaptive = summarise_results(
+        [r for r in replay_adaptive(parse_policy(NAME), rounds, calibration=18) if r.round_id > 18]
+    )  # type: ignore[arg-type]
+    # the static a search on rounds 1-18 picks hedges on Modal (docs/policies.md)
+    static = parse_policy("cutover:runpod->modal@q2.5s+s8.5s")
+    chosen = summarise_results([r for r in replay_policy(static, rounds) if r.round_id > 18])
+    assert adaptive.misses[60.0] == 0
+    assert adaptive.p95_s + 1000 * adaptive.active_usd < chosen.p95_s + 1000 * chosen.active_usd
