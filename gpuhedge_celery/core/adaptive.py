@@ -11,16 +11,17 @@ hedge; launch the hedge beside a running primary at the safety time; bring the b
 seconds after the hedge, or at once when the hedge fails. Launching a hedge spends a budget
 token; without one the primary runs alone and the race is flagged ``hedge_budget_empty``.
 
-The learner is not part of the policy's name or parameters: each process holds one per name
-(:func:`learner_for`), replaced by the replay (in memory) or the live glue (shared in Redis)
-through :func:`bind_learner`.
+The learner is not part of the policy's name or parameters: a replay hands the policy its own
+(:meth:`AdaptivePolicy.use`); otherwise each process holds one per name (:func:`learner_for`),
+in memory unless the live glue installed a factory sharing it through Redis
+(:func:`set_learner_factory`, ``race/adaptive.py``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ..errors import ConfigError
 from .adaptive_fit import Plan
@@ -43,11 +44,21 @@ from .policy_base import (
 DEFAULT_DEADLINE_S = 60.0
 BUDGET_EMPTY = "hedge_budget_empty"  # flag: a hedge was due but the budget had no token
 
-LearnerFactory = Callable[["AdaptivePolicy"], Learner]
-_LEARNERS: dict[str, Learner] = {}
+
+class PlanSource(Protocol):
+    """Where a race of the policy gets its plan and its hedge tokens: a :class:`Learner` in
+    memory, or one shared through Redis by a fleet (``race/adaptive.py``)."""
+
+    def next_request(self) -> tuple[int, Plan]: ...
+
+    def take_token(self) -> bool: ...
 
 
-def _memory_learner(policy: AdaptivePolicy) -> Learner:
+LearnerFactory = Callable[["AdaptivePolicy"], PlanSource]
+_LEARNERS: dict[str, PlanSource] = {}
+
+
+def _memory_learner(policy: AdaptivePolicy) -> PlanSource:
     return Learner(
         policy.primary, policy.hedges, policy.deadline_s, policy.budget, rates=PUBLISHED_RATES
     )
@@ -56,17 +67,12 @@ def _memory_learner(policy: AdaptivePolicy) -> Learner:
 _FACTORY: list[LearnerFactory] = [_memory_learner]
 
 
-def learner_for(policy: AdaptivePolicy) -> Learner:
+def learner_for(policy: AdaptivePolicy) -> PlanSource:
     """The learner this process uses for ``policy`` (made on first use)."""
     learner = _LEARNERS.get(policy.name)
     if learner is None:
         learner = _LEARNERS[policy.name] = _FACTORY[0](policy)
     return learner
-
-
-def bind_learner(policy: AdaptivePolicy, learner: Learner) -> None:
-    """Use ``learner`` for ``policy`` in this process from now on."""
-    _LEARNERS[policy.name] = learner
 
 
 def set_learner_factory(factory: LearnerFactory | None) -> None:
@@ -119,7 +125,7 @@ class AdaptivePolicy(Policy):
         self.learner = learner
         return self
 
-    def _learner(self) -> Learner:
+    def _learner(self) -> PlanSource:
         return self.learner if self.learner is not None else learner_for(self)
 
     def providers(self) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ providers independent. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -154,7 +155,7 @@ def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
             mass[i] = 0.0
         # nothing seen later: it stays a point at its lower bound (ended then, invalid)
     out = [
-        Point(s.at, s.outcome == "valid", m, round(s.queue_lo, 1), round(s.queue_hi, 1))
+        Point(s.at, s.outcome == "valid", m, _bound(s.queue_lo), _bound(s.queue_hi))
         for (s, _), m in zip(pairs, mass, strict=True)
         if m > 0
     ]
@@ -162,10 +163,16 @@ def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
     return _merge([Point(p.at, p.ok, p.weight / total, p.queue_lo, p.queue_hi) for p in out])
 
 
+def _bound(x: float) -> float:
+    """A queue bound to the tenth of a second below (``lo`` errs early, which a cutover poll's own
+    time already is): jobs whose bounds round alike are one point of the estimate."""
+    return x if math.isinf(x) else math.floor(x * 10) / 10
+
+
 def _merge(pts: list[Point]) -> list[Point]:
     """Points of the same outcome within 2 % of each other become one (the estimate's cost)."""
     merged: list[Point] = []
-    for p in sorted(pts, key=lambda q: (q.ok, q.at, q.queue_lo, q.queue_hi)):
+    for p in sorted(pts, key=lambda q: (q.ok, q.queue_lo, q.queue_hi, q.at)):
         last = merged[-1] if merged else None
         if (
             last is not None
@@ -185,16 +192,17 @@ def queued_share(p: Point, at: float, exact: Sequence[float]) -> float:
     """How likely a primary job of point ``p`` is still queued ``at`` seconds after its submit.
 
     Bounds from polls decide when they can; between them, the exactly known queue delays of
-    other jobs in that interval say how the time splits (uniform when there are none).
+    other jobs in that interval (``exact``, sorted) say how the time splits (uniform when there
+    are none).
     """
     if p.queue_lo >= at:
         return 1.0 if p.queue_lo > at or p.queue_hi > at else 0.0
     hi = min(p.queue_hi, p.at)
     if hi <= at:
         return 0.0
-    inside = [d for d in exact if p.queue_lo <= d <= hi]
-    if inside:
-        return sum(1 for d in inside if d > at) / len(inside)
+    first, last = bisect_left(exact, p.queue_lo), bisect_right(exact, hi)
+    if last > first:
+        return (last - bisect_right(exact, at, first, last)) / (last - first)
     if math.isinf(hi):
         return 0.5
     return (hi - at) / (hi - p.queue_lo)
@@ -283,8 +291,38 @@ def _legs(scene: Scene, plan: Plan) -> tuple[list[HedgeLeg], float]:
     return legs, usd
 
 
-def estimate(scene: Scene, plan: Plan) -> Estimate:
-    """The plan's expected p95, active USD, share over the deadline and share hedged."""
+def estimate(scene: Scene, plan: Plan, budget: float | None = None) -> Estimate:
+    """The plan's expected p95, active USD, share over the deadline and share hedged.
+
+    With a hedge ``budget`` (hedges per request) below the plan's share hedged, the bucket
+    refuses the rest: that part of the requests runs the primary alone.
+    """
+    full = _estimate(scene, plan, 1.0)
+    if budget is None or plan.hedge is None or full[3] <= budget:
+        return _summary(full, scene.deadline_s)
+    allowed = budget / full[3]
+    hedged_part = _estimate(scene, plan, allowed)
+    alone = _estimate(scene, Plan(), 1.0 - allowed)
+    both = (
+        hedged_part[0] + alone[0],
+        hedged_part[1] + alone[1],
+        hedged_part[2] + alone[2],
+        hedged_part[3] + alone[3],
+    )
+    return _summary(both, scene.deadline_s)
+
+
+Outcomes = tuple[list[tuple[float, float]], float, float, float]  # outcomes, usd, weight, hedged
+
+
+def _summary(found: Outcomes, deadline_s: float) -> Estimate:
+    outcomes, usd, total, hedged = found
+    miss = sum(w for x, w in outcomes if x > deadline_s) / total
+    return Estimate(_quantile(outcomes, 0.95), usd / total, miss, hedged / total)
+
+
+def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
+    """Every request's outcome under ``plan``, weighted, scaled by ``share`` of the requests."""
     rate_p = scene.rates[scene.primary].rate_per_s
     legs: list[HedgeLeg] = []
     leg_usd = rate_h = rate_b = 0.0
@@ -312,7 +350,7 @@ def estimate(scene: Scene, plan: Plan) -> Estimate:
             outcomes.append((first, gw))
 
     for p in scene.primary_points:
-        w = p.weight
+        w = p.weight * share
         if cut is not None and p.at > cut:
             q = queued_share(p, cut, scene.exact_queue)
             if q > 0 and not plan.cancel_queued:
@@ -341,9 +379,7 @@ def estimate(scene: Scene, plan: Plan) -> Estimate:
         hedged += w
         usd += w * leg_usd
         outcomes.extend((t + g.after, w * g.weight) for g in legs)
-    total = sum(w for _, w in outcomes)
-    miss = sum(w for x, w in outcomes if x > scene.deadline_s) / total
-    return Estimate(_quantile(outcomes, 0.95), usd / total, miss, hedged / total)
+    return outcomes, usd, sum(w for _, w in outcomes), hedged
 
 
 def grid(values: Iterable[float], lo: float, hi: float) -> list[float]:

@@ -16,7 +16,8 @@ Rules, each a line of the docs' learning rule:
 * a hedge provider the policy has not watched for long (its samples' weight below
   ``STALE_WEIGHT``) is tried once as the hedge, so a provider that recovered is noticed;
 * a hedge budget ``R`` is a token bucket: ``R`` tokens a request, at most ``CAPACITY``, one per
-  hedge launched; plans hedging more often than ``R`` are not chosen.
+  hedge launched; a plan that would hedge more often is scored as the bucket will run it (the
+  requests beyond ``R`` run the primary alone).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ class Learner:
         if self.fitted_at < 0 or self.seq - self.fitted_at >= REFIT_EVERY:
             self.fit()
         return self.seq, self._with_probe(self.plan)
+
+    def planned(self, seq: int) -> Plan:
+        """The plan of request ``seq`` numbered elsewhere (a fleet shares one counter), from
+        the last fit: whoever shares the learner decides when to fit."""
+        self.seq = max(self.seq, seq)
+        if self.fitted_at < 0:
+            self.fit()
+        return self._with_probe(self.plan)
 
     def take_token(self) -> bool:
         """Spend a hedge token; False (and nothing spent) when the bucket is empty."""
@@ -191,7 +200,7 @@ class Learner:
         scene = self._scene(usable)
         best: tuple[tuple[int, float, float], Plan, Estimate] | None = None
         for plan in self._candidates(scene, usable):
-            est = estimate(scene, plan)
+            est = estimate(scene, plan, self.budget)
             key = self._rank(est)
             if best is None or key < best[0]:
                 best = (key, plan, est)
@@ -206,19 +215,17 @@ class Learner:
         return any(s.queue_lo > 0 for s in self.samples.get(self.primary, ()))
 
     def _rank(self, est: Estimate) -> tuple[int, float, float]:
-        over_budget = self.budget is not None and est.hedge_share > self.budget
-        feasible = est.miss_share <= MISS_SHARE and not over_budget
-        if feasible:
+        if est.miss_share <= MISS_SHARE:
             return (0, est.objective, est.miss_share)
-        return (1 + int(over_budget), est.miss_share, est.objective)
+        return (1, est.miss_share, est.objective)
 
     def _scene(self, usable: Sequence[str]) -> Scene:
         primary = self._points(self.primary)
-        exact = [
+        exact = sorted(
             s.queue_lo
             for s in self.samples.get(self.primary, ())
             if s.queue_lo == s.queue_hi and s.queue_lo < INF
-        ]
+        )
         hedges = {h: self._points(h) for h in usable}
         return Scene(
             self.primary,
@@ -286,7 +293,7 @@ class Learner:
         return tried
 
     def _best(self, plans: Sequence[Plan], scene: Scene) -> Plan:
-        return min(plans, key=lambda p: self._rank(estimate(scene, p)))
+        return min(plans, key=lambda p: self._rank(estimate(scene, p, self.budget)))
 
     def _with_probe(self, plan: Plan) -> Plan:
         """The fitted plan, or once in a while one that watches what the plan never shows: a
@@ -313,6 +320,31 @@ class Learner:
         return True
 
     # ------------------------------------------------------------------ state
+    def summary(self) -> dict[str, Any]:
+        """What ``policy show`` and the metrics say: the plan, its estimate, the budget, and
+        what it was learned from."""
+        est = self.estimate
+        return {
+            "plan": self.plan.to_dict(),
+            "estimate": None
+            if est is None
+            else {
+                "p95_s": est.p95_s,
+                "active_usd": est.active_usd,
+                "miss_share": est.miss_share,
+                "hedge_share": est.hedge_share,
+                "objective": est.objective,
+            },
+            "seq": self.seq,
+            "fitted_at": self.fitted_at,
+            "tokens": self.tokens if self.budget is not None else None,
+            "races": self.races,
+            "paired": self.paired,
+            "samples": {p: len(kept) for p, kept in self.samples.items()},
+            "alarms": {p: until for p, until in self.alarm_until.items() if until > self.seq},
+            "cancel_s": {p: self.cancel_latency(p) for p in self.cancel_s},
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "primary": self.primary,

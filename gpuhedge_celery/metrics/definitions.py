@@ -137,6 +137,17 @@ REDIS_METRICS: tuple[MetricSpec, ...] = (
        "Settlements whose reported cost was above the attempt's reservation (its worst case), "
        "counted by the settling script since the ledger began; each settled at the reservation.",
        "provider"),
+    _g("gpuhedge_adaptive_plan_seconds",
+       "An adaptive policy's current plan: when it polls the primary to cut over, hedges "
+       "beside it, or brings the backup in (timer: cutover, safety, backup; absent: never).",
+       "policy", "timer"),
+    _g("gpuhedge_adaptive_provider",
+       "1 for the provider an adaptive policy's current plan uses as its hedge or backup.",
+       "policy", "role", "provider"),
+    _g("gpuhedge_adaptive_races_learned",
+       "Finished races the adaptive policy's current plan was learned from.", "policy"),
+    _g("gpuhedge_adaptive_hedge_tokens",
+       "Tokens left in an adaptive policy's hedge budget (only with a budget).", "policy"),
     _g("gpuhedge_timer_oldest_overdue_seconds",
        "How long the oldest unclaimed overdue timer has been due (0 when none is).",
        "namespace"),

@@ -25,6 +25,9 @@ These are facts of the whole deployment, not of one process, so no worker counts
   ``key_day`` (``name``: each key the config's ``budget.keys`` lists; a key the ledger holds
   but the config does not list is not exported, so the series stay bounded by the config).
   Headroom and cap only for scopes with a cap.
+* ``gpuhedge_adaptive_*{policy}``: each adaptive policy's plan as the coordinators last
+  published it (``gpuhedge-celery policy show``): its cutover, safety and backup times, its
+  hedge and backup providers, the races it learned from and its hedge tokens.
 
 When Redis does not answer, only ``gpuhedge_redis_up 0`` is exported.
 """
@@ -39,6 +42,7 @@ from typing import Any
 
 from ..core.budget import BudgetCaps, utc_day
 from ..core.lease_rules import FREE, HELD, STALE
+from ..store.adaptive import AdaptiveStore
 from ..store.budget import BudgetStore, budget_report
 from ..store.leases import LeaseStore
 from ..store.race_keys import live_races_key, timer_keys
@@ -101,6 +105,7 @@ class RedisGauges:
         self.budget = budget if budget is not None and budget.enabled else None
         self.providers = list(providers)
         self.ledger = BudgetStore(client, prefix) if self.budget is not None else None
+        self.adaptive = AdaptiveStore(client, prefix)
 
     def read(self) -> Reading:
         """Read every gauge (raises the store's error when Redis does not answer)."""
@@ -138,7 +143,25 @@ class RedisGauges:
                 oldest = (now_ms - float(first[0][1])) / 1000.0
             reading.add("gpuhedge_timer_oldest_overdue_seconds", oldest, ns)
         self._read_budget(reading)
+        self._read_adaptive(reading)
         return reading
+
+    def _read_adaptive(self, reading: Reading) -> None:
+        """Each adaptive policy's published plan and hedge budget (``policy show``)."""
+        for name in self.adaptive.policies():
+            counts = self.adaptive.counts(name)
+            learned = counts.get("plan") or {}
+            plan = learned.get("plan") or {}
+            for timer in ("cutover", "safety", "backup"):
+                value = plan.get(f"{timer}_s")
+                if value is not None and plan.get("hedge") is not None:
+                    reading.add("gpuhedge_adaptive_plan_seconds", float(value), name, timer)
+            for role in ("hedge", "backup"):
+                if plan.get(role) is not None:
+                    reading.add("gpuhedge_adaptive_provider", 1.0, name, role, plan[role])
+            reading.add("gpuhedge_adaptive_races_learned", float(learned.get("races", 0)), name)
+            if counts.get("tokens") is not None:
+                reading.add("gpuhedge_adaptive_hedge_tokens", counts["tokens"], name)
 
     def _read_budget(self, reading: Reading) -> None:
         """The budget rows of ``gpuhedge-celery budget`` for today, as gauges (when capped)."""

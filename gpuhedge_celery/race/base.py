@@ -59,7 +59,8 @@ class Effects(Protocol):
 class RaceParts:
     """What a :class:`~.driver.RaceDriver` is built from: the race and timer stores, the
     providers by name, the effects, and the optional parts (``webhooks`` None: the process's
-    settings; ``budget`` None: no caps)."""
+    settings; ``budget`` None: no caps; ``adaptive`` None: adaptive policies learn only in
+    this process)."""
 
     store: RaceStore
     timers: TimerStore
@@ -69,6 +70,7 @@ class RaceParts:
     clock: Clock = field(default_factory=WallClock)
     webhooks: WebhookSettings | None = None
     budget: Any = None  # a RaceBudget (race/budget.py imports modules that import this one)
+    adaptive: Any = None  # an AdaptiveStore: where finished races share what they observed
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class Driver(Protocol):
     clock: Clock
     webhooks: WebhookSettings
     budget: Any
+    adaptive: Any
     submitter: Any
     watcher: Any
     concluder: Any

@@ -77,6 +77,7 @@ class RaceDriver:
         # reserves before each submit and settles each ended attempt (race/budget.py)
         budget = parts.budget
         self.budget = budget if budget is not None and budget.enabled else None
+        self.adaptive = parts.adaptive  # finished races of adaptive policies share what they saw
         self.submitter = Submitter(self)
         self.watcher = Watcher(self)
         self.concluder = Concluder(self)

@@ -20,6 +20,7 @@ from ..store.race_keys import ResultWrite, SaveMark
 from ..store.race_receipts import Finish
 from ..store.races import RaceStore, WinnerClaim
 from ..store.round_trip import RoundTrip
+from .adaptive import share_observation
 from .base import Step, find_attempt
 from .receipt import (
     assemble_receipt,
@@ -227,6 +228,8 @@ class Outcome:
                 race_id, receipt, done.ttl_s, drop_jobs=done.drop_jobs, record=done.record
             )
         metrics.race_finished(race, receipt)
+        if self.driver.adaptive is not None:
+            share_observation(self.driver.adaptive, race, self.driver.clock.now())
         if race.winner is None:
             message = f"race {race_id}: {race.note}"
             self.driver.effects.failed(race_id, message, receipt, state.get("caller") or {})

@@ -183,6 +183,22 @@ class Keys:
         (``providers/ratelimit.py``; ``scope`` names the endpoint, e.g. ``runpod:<id>``)."""
         return self._k("ratelimit", f"{{{scope}}}", route)
 
+    # -- adaptive policies ------------------------------------------------------------------
+    def adaptive_seen(self, policy: str) -> str:
+        """Stream of JSON observations (``o``): what each finished race of an adaptive policy
+        saw of its jobs, read by every coordinator's learner (``store/adaptive.py``)."""
+        return self._k("adaptive", f"{{{policy}}}", "seen")
+
+    def adaptive_counts(self, policy: str) -> str:
+        """Hash ``seq`` (requests planned), ``tokens`` (the hedge budget's bucket), ``reset``
+        (a count bumped by ``policy reset``) and ``plan`` (JSON: the last plan a coordinator
+        fitted, what ``policy show`` and the metrics read) of an adaptive policy."""
+        return self._k("adaptive", f"{{{policy}}}", "counts")
+
+    def adaptive_policies(self) -> str:
+        """Set of the adaptive policy names that planned a request (for the metrics)."""
+        return self._k("adaptive", "policies")
+
     # -- provider accounts ------------------------------------------------------------------
     def balance_snapshots(self, provider: str) -> str:
         """Sorted set of JSON ``{at, usd, account}`` by epoch s: a provider's account balance

@@ -18,6 +18,8 @@ from typing import Any, cast
 
 from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
+from ..core.outcome import ProviderRate
+from ..core.policy_base import Policy
 from ..errors import BudgetExceeded, RaceFailed
 from ..names import TASK_HEDGED_INFER as TASK_HEDGED_INFER
 from ..names import TASK_RACE_CANCEL as TASK_RACE_CANCEL
@@ -25,6 +27,7 @@ from ..names import TASK_RACE_STEP as TASK_RACE_STEP
 from ..names import TASK_RACE_SUBMIT
 from ..providers.base import Provider
 from ..providers.redis_ledger import install_redis_ledger
+from ..race.adaptive import install as install_adaptive
 from ..race.attempts import SubmitHow
 from ..race.backstops import launch_backstop_id
 from ..race.base import RaceParts
@@ -32,7 +35,9 @@ from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
 from ..race.receipt import by_reference, result_key
 from ..race.settings import RaceSettings
+from ..race.spec import build_spec
 from ..race.watch_batch import WatchBatch
+from ..store.adaptive import AdaptiveStore
 from ..store.budget import BudgetStore
 from ..store.connection import client_for
 from ..store.race_keys import ResultWrite
@@ -371,11 +376,17 @@ class RaceRuntime:
         self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
         parts = RaceParts(self.store, self.timers, self.provider, self.effects, self.settings)
         parts.clock, parts.budget = self.clock, self.budget
+        parts.adaptive = AdaptiveStore(self.client, self.prefix)
+        install_adaptive(parts.adaptive, self._rates)
         self.driver = RaceDriver(parts)
         self.effects.driver = self.driver
         self.service: TimerService | None = None
         self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started
+
+    def _rates(self, policy: Policy) -> dict[str, ProviderRate]:
+        """A policy's provider rates per real second, as its races are priced (race/spec.py)."""
+        return build_spec(self.config, policy.name).provider_rates()
 
     def provider(self, name: str) -> Provider:
         """The provider called ``name`` in this process's config (built once)."""
