@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .outcome import ProviderRate
 
 INF = math.inf
-USD_WEIGHT = 1000.0  # seconds of p95 one dollar per request is worth
+USD_WEIGHT = 1000.0  # seconds of p95 one dollar per request is worth (provider time)
 MISS_SHARE = 0.05  # a plan may miss the deadline on at most this share of requests
 _MERGE = 0.02  # samples within 2 % of each other are one point of the estimate
 
@@ -114,9 +114,10 @@ class Estimate:
     miss_share: float
     hedge_share: float
 
-    @property
-    def objective(self) -> float:
-        return self.p95_s + USD_WEIGHT * self.active_usd
+    def objective(self, usd_weight: float = USD_WEIGHT) -> float:
+        """p95 plus ``usd_weight`` seconds per dollar (scaled by a fleet's ``time_scale``:
+        its p95 is in real seconds, its dollars in provider time)."""
+        return self.p95_s + usd_weight * self.active_usd
 
 
 def weights(n: int, half_life: float) -> list[tuple[float, float]]:
@@ -153,14 +154,22 @@ def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
             for j in later:
                 mass[j] += mass[i] * pairs[j][1][1] / total
             mass[i] = 0.0
-        # nothing seen later: it stays a point at its lower bound (ended then, invalid)
     out = [
-        Point(s.at, s.outcome == "valid", m, _bound(s.queue_lo), _bound(s.queue_hi))
+        Point(*_ended(s), m, _bound(s.queue_lo), _bound(s.queue_hi))
         for (s, _), m in zip(pairs, mass, strict=True)
         if m > 0
     ]
     total = sum(p.weight for p in out)
     return _merge([Point(p.at, p.ok, p.weight / total, p.queue_lo, p.queue_hi) for p in out])
+
+
+def _ended(s: Sample) -> tuple[float, bool]:
+    """When and how a sample ended; a censored one nothing was seen to outlast is taken as
+    valid at twice its bound: optimism about the unknown, so the plan tries the provider and
+    learns (a pessimistic guess would never launch it again)."""
+    if s.outcome == "censored":
+        return 2 * s.at, True
+    return s.at, s.outcome == "valid"
 
 
 def _bound(x: float) -> float:
@@ -383,11 +392,22 @@ def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
 
 
 def grid(values: Iterable[float], lo: float, hi: float) -> list[float]:
-    """Distinct candidate times within [lo, hi], rounded to 0.1 s."""
-    return sorted({round(v, 1) for v in values if lo <= v <= hi})
+    """Distinct candidate times within [lo, hi], to two significant digits."""
+    return sorted({float(f"{v:.2g}") for v in values if lo <= v <= hi})
 
 
-def quantiles(values: Sequence[float], qs: Sequence[float] = (0.5, 0.75, 0.9, 0.95)) -> list[float]:
-    """Nearest-rank quantiles of ``values`` (none when there are none)."""
-    data = sorted(values)
-    return [data[min(len(data) - 1, int(q * len(data)))] for q in qs] if data else []
+def quantiles(
+    pts: Sequence[Point], qs: Sequence[float] = (0.25, 0.5, 0.75, 0.9, 0.95)
+) -> list[float]:
+    """Weighted quantiles of the valid points' times (none when no point is valid)."""
+    valid = sorted((p.at, p.weight) for p in pts if p.ok)
+    total = sum(w for _, w in valid)
+    out = []
+    for q in qs:
+        run = 0.0
+        for at, w in valid:
+            run += w
+            if run >= q * total - 1e-12:
+                out.append(at)
+                break
+    return out

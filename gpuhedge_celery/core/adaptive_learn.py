@@ -29,6 +29,7 @@ from typing import Any
 from .adaptive_fit import (
     INF,
     MISS_SHARE,
+    USD_WEIGHT,
     Estimate,
     Plan,
     Point,
@@ -51,10 +52,13 @@ ALARM_WINDOW, ALARM_FAILS, ALARM_COOLDOWN = 3, 2, 25
 STALE_AGE = 60  # requests without a finished job after which a provider is probed again
 PROBE_GAP = 50  # requests between two probes of one provider
 PRIMARY_PROBE = 10  # every this many requests a cutover keeps the queued primary beside the hedge
+# Candidate times, in seconds for a 60 s deadline and scaled with the policy's own (a sim fleet
+# on compressed time serves a deadline of a second or two); the samples add their own.
 CUTOVER_GRID = (1.0, 2.0, 3.0, 5.0, 10.0)
-SAFETY_GRID = (2.0, 8.5, 20.0, 30.0)
+SAFETY_GRID = (1.0, 2.0, 8.5, 20.0, 30.0)
 BACKUP_GRID = (10.0, 30.0)
-DEFAULT_PLAN_TIMES = (2.5, 8.5)  # cutover and safety before anything is learned
+DEFAULT_PLAN_TIMES = (2.5, 8.5)  # cutover and safety before the primary is known
+GRID_DEADLINE_S = 60.0
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Learner:
     deadline_s: float
     budget: float | None = None  # hedges per request over the long run
     rates: Mapping[str, ProviderRate] = field(default_factory=dict)
+    usd_weight: float = USD_WEIGHT  # p95 seconds one dollar per request is worth
     seq: int = 0  # requests planned so far
     tokens: float = CAPACITY
     samples: dict[str, list[Sample]] = field(default_factory=dict)
@@ -193,9 +198,14 @@ class Learner:
         usable = [h for h in self.hedges if not self.in_alarm(h)]
         unknown = [h for h in usable if len(self.samples.get(h, ())) < MIN_SAMPLES]
         if len(self.samples.get(self.primary, ())) < MIN_SAMPLES or unknown:
-            hedge = unknown[self.seq % len(unknown)] if unknown else (usable[0] if usable else None)
-            cut, safety = DEFAULT_PLAN_TIMES
-            self.plan, self.estimate = Plan(hedge, None, cut, safety, None), None
+            if unknown:
+                # a hedge never seen runs beside the primary from the start: the only way to
+                # learn it (a few requests' worth, MIN_SAMPLES each)
+                hedge = unknown[self.seq % len(unknown)]
+                self.plan, self.estimate = Plan(hedge, None, None, 0.0, None), None
+                return
+            cut, safety = self._scaled(DEFAULT_PLAN_TIMES)
+            self.plan, self.estimate = Plan(usable[0] if usable else None, None, cut, safety), None
             return
         scene = self._scene(usable)
         best: tuple[tuple[int, float, float], Plan, Estimate] | None = None
@@ -208,7 +218,7 @@ class Learner:
         plan = best[1]
         if plan.cutover_s is None and (scene.exact_queue or self._queue_seen()):
             # no cutover: still read the primary's state once, so the next fit knows it
-            plan = _replace(plan, poll_s=DEFAULT_PLAN_TIMES[0])
+            plan = _replace(plan, poll_s=self._scaled(DEFAULT_PLAN_TIMES)[0])
         self.plan, self.estimate = plan, best[2]
 
     def _queue_seen(self) -> bool:
@@ -216,8 +226,8 @@ class Learner:
 
     def _rank(self, est: Estimate) -> tuple[int, float, float]:
         if est.miss_share <= MISS_SHARE:
-            return (0, est.objective, est.miss_share)
-        return (1, est.miss_share, est.objective)
+            return (0, est.objective(self.usd_weight), est.miss_share)
+        return (1, est.miss_share, est.objective(self.usd_weight))
 
     def _scene(self, usable: Sequence[str]) -> Scene:
         primary = self._points(self.primary)
@@ -248,17 +258,31 @@ class Learner:
         cuts: list[float | None] = [None]
         if queue_signal:
             # just past the queue times seen, where a cutover stops catching warm jobs
-            near = quantiles(scene.exact_queue, (0.5, 0.7, 0.9))
-            cuts += grid([*CUTOVER_GRID, *(d * 1.1 + 0.1 for d in near)], 0.1, scene.deadline_s / 2)
-        valid_primary = quantiles([p.at for p in scene.primary_points if p.ok])
+            exact = scene.exact_queue
+            near = [exact[int(q * (len(exact) - 1))] for q in (0.5, 0.7, 0.9)] if exact else []
+            cuts += grid(
+                [*self._scaled(CUTOVER_GRID), *(d * 1.1 + 0.1 for d in near)],
+                self._scaled((0.1,))[0],
+                scene.deadline_s / 2,
+            )
+        valid_primary = quantiles(scene.primary_points)
         safeties: list[float | None] = [None]
         safeties += grid(
-            [*SAFETY_GRID, *(t * 1.1 + 0.5 for t in valid_primary)], 1.0, scene.deadline_s
+            [
+                *self._scaled(SAFETY_GRID),
+                *(t * 1.1 + self._scaled((0.5,))[0] for t in valid_primary),
+            ],
+            self._scaled((1.0,))[0],
+            scene.deadline_s,
         )
         for hedge in usable:
-            valid = quantiles([p.at for p in scene.hedges[hedge] if p.ok])
+            valid = quantiles(scene.hedges[hedge])
             backups: list[float | None] = [None]
-            backups += grid([*BACKUP_GRID, *(t * 1.05 + 0.5 for t in valid)], 1.0, scene.deadline_s)
+            backups += grid(
+                [*self._scaled(BACKUP_GRID), *(t * 1.05 + self._scaled((0.5,))[0] for t in valid)],
+                self._scaled((1.0,))[0],
+                scene.deadline_s,
+            )
             for backup in [None, *(b for b in usable if b != hedge)]:
                 plans += self._descend(scene, hedge, backup, cuts, safeties, backups)
         return plans
@@ -273,8 +297,8 @@ class Learner:
         backups: Sequence[float | None],
     ) -> list[Plan]:
         """The best plan for one hedge and backup, one time at a time (two passes)."""
-        cut0 = DEFAULT_PLAN_TIMES[0] if len(cuts) > 1 else None
-        plan = Plan(hedge, backup, cut0, DEFAULT_PLAN_TIMES[1], None)
+        cut, safety = self._scaled(DEFAULT_PLAN_TIMES)
+        plan = Plan(hedge, backup, cut if len(cuts) > 1 else None, safety, None)
         tried = [plan]
         for _ in range(2):
             if backup is not None:
@@ -291,6 +315,9 @@ class Learner:
             )
             tried.append(plan)
         return tried
+
+    def _scaled(self, times: Sequence[float]) -> list[float]:
+        return [t * self.deadline_s / GRID_DEADLINE_S for t in times]
 
     def _best(self, plans: Sequence[Plan], scene: Scene) -> Plan:
         return min(plans, key=lambda p: self._rank(estimate(scene, p, self.budget)))
@@ -333,7 +360,7 @@ class Learner:
                 "active_usd": est.active_usd,
                 "miss_share": est.miss_share,
                 "hedge_share": est.hedge_share,
-                "objective": est.objective,
+                "objective": est.objective(self.usd_weight),
             },
             "seq": self.seq,
             "fitted_at": self.fitted_at,

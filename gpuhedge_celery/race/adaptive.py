@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.adaptive import AdaptivePolicy, observe, set_learner_factory
-from ..core.adaptive_fit import Plan
+from ..core.adaptive_fit import USD_WEIGHT, Plan
 from ..core.adaptive_learn import Learner
 from ..core.outcome import ProviderRate
 from ..core.race import Race
@@ -41,11 +41,13 @@ class SharedLearner:
         store: AdaptiveStore,
         policy: AdaptivePolicy,
         rates: Mapping[str, ProviderRate],
+        time_scale: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.store = store
         self.policy = policy
         self.rates = rates
+        self.time_scale = time_scale
         self.clock = clock
         self.learner = self._fresh()
         self.after = "0-0"  # the last stream entry fed
@@ -55,7 +57,10 @@ class SharedLearner:
 
     def _fresh(self) -> Learner:
         p = self.policy
-        return Learner(p.primary, p.hedges, p.deadline_s, p.budget, rates=self.rates)
+        weight = USD_WEIGHT * self.time_scale  # its p95 is real seconds, its dollars provider time
+        return Learner(
+            p.primary, p.hedges, p.deadline_s, p.budget, rates=self.rates, usd_weight=weight
+        )
 
     def next_request(self) -> tuple[int, Plan]:
         with self._lock:
@@ -103,7 +108,11 @@ def share_observation(store: AdaptiveStore, race: Race, now: float) -> None:
     store.append_seen(policy.name, seen)
 
 
-def install(store: AdaptiveStore, rates_for: Callable[[AdaptivePolicy], dict[str, Any]]) -> None:
+def install(
+    store: AdaptiveStore,
+    rates_for: Callable[[AdaptivePolicy], dict[str, Any]],
+    time_scale: float = 1.0,
+) -> None:
     """Make this process's adaptive policies learn through ``store`` (``rates_for``: each
-    policy's provider rates per real second)."""
-    set_learner_factory(lambda policy: SharedLearner(store, policy, rates_for(policy)))
+    policy's provider rates per real second; ``time_scale``: the config's)."""
+    set_learner_factory(lambda policy: SharedLearner(store, policy, rates_for(policy), time_scale))

@@ -377,7 +377,7 @@ class RaceRuntime:
         parts = RaceParts(self.store, self.timers, self.provider, self.effects, self.settings)
         parts.clock, parts.budget = self.clock, self.budget
         parts.adaptive = AdaptiveStore(self.client, self.prefix)
-        install_adaptive(parts.adaptive, self._rates)
+        install_adaptive(parts.adaptive, self._rates, self.config.time_scale)
         self.driver = RaceDriver(parts)
         self.effects.driver = self.driver
         self.service: TimerService | None = None
