@@ -305,3 +305,34 @@ def test_on_the_recorded_rounds_it_beats_the_static_policy_chosen_on_calibration
     chosen = summarise_results([r for r in replay_policy(static, rounds) if r.round_id > 18])
     assert adaptive.misses[60.0] == 0
     assert adaptive.p95_s + 1000 * adaptive.active_usd < chosen.p95_s + 1000 * chosen.active_usd
+
+
+def test_a_slow_cancel_route_makes_a_cutover_cost_what_the_primary_runs_meanwhile() -> None:
+    rates = {"p": PUBLISHED_RATES["runpod"], "h": PUBLISHED_RATES["cerebrium"]}
+    cold = Point(100.0, True, 0.3, 3.0, 3.0)  # queued 3 s, then 97 s of work
+    warm = Point(6.0, True, 0.7, 1.0, 1.0)
+    plan = Plan("h", None, 2.0, None, None)
+
+    def cost(cancel_s: float) -> float:
+        scene = Scene("p", [cold, warm], [1.0, 3.0], {"h": [Point(19.0, True, 1.0)]}, rates, 60.0)
+        scene = dataclasses.replace(scene, cancel_s=cancel_s)
+        return estimate(scene, plan).active_usd
+
+    # the cancel lands at 2 + 5 s: the cold primary ran from its start at 3 s until then
+    assert cost(5.0) - cost(0.0) == pytest.approx(0.3 * 4.0 * rates["p"].rate_per_s)
+
+
+def test_the_learner_reads_cancel_latency_and_raises_an_alarm_on_failures() -> None:
+    learner = Learner("p", ("h", "b"), 60.0, rates=PUBLISHED_RATES)
+    for seq, at in enumerate((0.5, 4.0, 4.0), 1):
+        learner.seq = seq
+        job = {"provider": "p", "role": "primary", "outcome": "censored", "at": 2.0, "cancel_s": at}
+        learner.feed({"seq": seq, "jobs": [job]})
+    assert learner.cancel_latency("p") == 4.0  # the weighted median
+    assert not learner.in_alarm("h")
+    for seq, outcome in ((4, "invalid"), (5, "valid"), (6, "invalid")):
+        learner.seq = seq
+        learner.feed({"seq": seq, "jobs": [{"provider": "h", "outcome": outcome, "at": 19.0}]})
+    assert learner.in_alarm("h")  # two of its last three failed
+    learner.seq += 30
+    assert not learner.in_alarm("h")  # a cool-down, not a ban
