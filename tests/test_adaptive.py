@@ -336,3 +336,97 @@ def test_the_learner_reads_cancel_latency_and_raises_an_alarm_on_failures() -> N
     assert learner.in_alarm("h")  # two of its last three failed
     learner.seq += 30
     assert not learner.in_alarm("h")  # a cool-down, not a ban
+
+
+def test_a_backup_cannot_join_beside_a_live_primary_in_the_estimate_either() -> None:
+    rates = {p: PUBLISHED_RATES["runpod"] for p in "phb"}
+    plan = Plan("h", "b", None, 2.0, 1.0)  # the backup would join 1 s after the hedge
+    arms = {"p": Arm("p", 100.0), "h": Arm("h", 50.0), "b": Arm("b", 1.0)}
+    learner = Learner("p", ("h", "b"), 120.0, rates=rates, plan=plan, fitted_at=0)
+    race = run_race(AdaptivePolicy("p", ("h", "b"), 120.0).use(learner), arms)
+    scene = Scene(
+        "p",
+        [Point(100.0, True, 1.0)],
+        [],
+        {"h": [Point(50.0, True, 1.0)], "b": [Point(1.0, True, 1.0)]},
+        rates,
+        120.0,
+    )
+    assert race.latency() == pytest.approx(52.0)
+    assert estimate(scene, plan).p95_s == pytest.approx(52.0)
+
+
+def test_a_failed_submit_is_a_failure_its_learner_sees() -> None:
+    own, learner = _own("adaptive:p->h,b", {p: PUBLISHED_RATES["modal"] for p in "phb"})
+    arms = {
+        "p": Arm("p", 30.0),
+        "h": Arm("h", 0.0, valid=False, submitted=False),
+        "b": Arm("b", 5.0),
+    }
+    for _ in range(12):
+        race = run_race(own, arms)
+        learner.feed(observe(race.state["seq"], race.attempts, race.clock.now()))
+    hedge = [j for j in observe(0, race.attempts, 0.0)["jobs"] if j["provider"] == "h"]
+    assert all(j["outcome"] == "invalid" for j in hedge)
+    assert learner.plan.hedge == "b"  # h failed every submit: the plan left it
+
+
+def test_a_hedge_that_never_answers_stops_looking_fast() -> None:
+    from gpuhedge_celery.core.adaptive_fit import Sample, points
+
+    few = points([Sample(i, 10.0, "censored") for i in range(3)], 20.0)
+    assert [(p.at, p.ok) for p in few] == [(20.0, True)]  # three unknowns: worth a try
+    many = points([Sample(i, 10.0, "censored") for i in range(8)], 20.0)
+    assert [(pytest.approx(p.at), p.ok) for p in many] == [
+        (10.0, False)
+    ]  # never seen to end: never answers
+
+
+def test_a_hedge_refused_a_token_is_tried_again_when_the_primary_fails() -> None:
+    learner = Learner("p", ("h",), 60.0, budget=0.0, rates=PUBLISHED_RATES, tokens=0.0)
+    learner.plan, learner.fitted_at = Plan("h", None, None, 2.0, None), 0
+    arms = {"p": Arm("p", 20.0, valid=False), "h": Arm("h", 5.0)}
+
+    def refill(race: Race) -> None:
+        if BUDGET_EMPTY in race.flags:
+            learner.tokens = 1.0
+
+    race = run_race(AdaptivePolicy("p", ("h",), budget=0.0).use(learner), arms, after_event=refill)
+    assert race.winner is not None and race.latency() == pytest.approx(25.0)
+
+
+def test_a_result_after_our_cancel_is_the_cancels_not_a_failure() -> None:
+    from gpuhedge_celery.core.attempts import Attempt, Phase
+
+    a = Attempt("a2", "h", "hedge", 2.0, Phase.ENDED, submitted_at=2.0, valid=False)
+    a.result_state, a.result_at, a.cancel_sent_at = "FAILED", 5.2, 5.0
+    b = Attempt("a3", "h", "hedge", 2.0, Phase.ENDED, submitted_at=2.0, valid=False)
+    b.result_state, b.result_at = "CANCELLED", 4.0  # stopped by the provider, not by us
+    jobs = observe(1, [a, b], 6.0)["jobs"]
+    assert (jobs[0]["outcome"], jobs[0]["at"]) == ("censored", pytest.approx(3.0))
+    assert (jobs[1]["outcome"], jobs[1]["at"]) == ("invalid", pytest.approx(2.0))
+
+
+def test_a_token_is_spent_once_per_race_and_role() -> None:
+    learner = Learner("p", ("h",), 60.0, budget=0.5, rates=PUBLISHED_RATES, tokens=1.0)
+    assert learner.take_token("r1:hedge") and learner.take_token("r1:hedge")
+    assert learner.tokens == 0.0
+    assert not learner.take_token("r2:hedge")
+
+
+def test_a_live_primarys_distinct_poll_bounds_leave_the_estimate_a_bounded_size() -> None:
+    import random as rnd
+
+    from gpuhedge_celery.core.adaptive_fit import MAX_POINTS, Sample
+
+    r = rnd.Random(5)
+    learner = Learner("p", ("h",), 60.0, rates={p: PUBLISHED_RATES["modal"] for p in "ph"})
+    # a live fleet's watch polls see each job start at its own moment: every sample differs
+    learner.samples["p"] = [
+        Sample(i, r.uniform(5, 120), "valid", 0.0, r.uniform(0.5, 4.5)) for i in range(256)
+    ]
+    learner.samples["h"] = [Sample(i, r.uniform(18, 25), "valid") for i in range(256)]
+    learner.seq = 256
+    assert len(learner._points("p")) <= MAX_POINTS
+    learner.fit()
+    assert learner.plan.hedge == "h"

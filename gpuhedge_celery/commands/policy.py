@@ -25,6 +25,10 @@ def _store() -> Any:
     return AdaptiveStore(cli_redis_client(), settings.prefix)
 
 
+def _redis_url() -> str:
+    return str(click.get_current_context().find_root().obj.settings.redis_url)
+
+
 def _adaptive(name: str) -> AdaptivePolicy:
     try:
         policy = parse_policy(name)
@@ -88,14 +92,18 @@ def _text(name: str, shown: dict[str, Any]) -> str:
 def show(name: str, as_json: bool) -> None:
     """What the adaptive policy NAME learned: its current plan (hedge, cutover, safety and
     backup times), what it expects of it, its hedge budget and how many races taught it."""
+    from ..store.connection import translate_errors
+
     policy = _adaptive(name)
     store = _store()
-    counts = store.counts(policy.name)
+    with translate_errors(_redis_url()):
+        counts = store.counts(policy.name)
+        seen = store.seen_count(policy.name)
     shown = {
         "policy": policy.name,
         "requests": int(counts.get("seq", 0)),
         "tokens": counts.get("tokens"),
-        "seen": store.seen_count(policy.name),
+        "seen": seen,
         "learned": counts.get("plan"),
     }
     if as_json:
@@ -111,7 +119,10 @@ def reset(name: str, yes: bool) -> None:
     """Forget what the adaptive policy NAME learned: every coordinator starts it again from
     nothing (and its hedge budget full)."""
     policy = _adaptive(name)
+    from ..store.connection import translate_errors
+
     if not yes:
         click.confirm(f"forget what {policy.name} learned?", abort=True)
-    _store().reset(policy.name)
+    with translate_errors(_redis_url()):
+        _store().reset(policy.name)
     click.echo(f"reset {policy.name}")

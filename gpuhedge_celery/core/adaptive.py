@@ -51,7 +51,10 @@ class PlanSource(Protocol):
 
     def next_request(self) -> tuple[int, Plan]: ...
 
-    def take_token(self) -> bool: ...
+    def take_token(self, key: str = "") -> bool:
+        """Spend a hedge token for ``key`` (race and role); a key that has one already keeps
+        it (True) without spending another."""
+        ...
 
 
 LearnerFactory = Callable[["AdaptivePolicy"], PlanSource]
@@ -186,16 +189,18 @@ class AdaptivePolicy(Policy):
             ctl.set_timer("backup", ctl.elapsed() + plan.backup_s)
 
     def _launch(self, ctl: RaceControl, role: str) -> bool:
-        """Launch the plan's hedge or backup once, if the budget has a token; False if not."""
+        """Launch the plan's hedge or backup once, if the budget has a token; False if not
+        (a later moment, such as the primary failing, may try again)."""
         plan = self._plan(ctl)
         provider = plan.hedge if role == HEDGE else plan.backup
         key = f"{role}_requested"
-        if provider is None or ctl.state.get(key):
+        if provider is None or ctl.state.get(key) or ctl.has_winner:
             return False
-        ctl.state[key] = True
-        if not self._learner().take_token():
+        # keyed by race and role: a step applied again after a conflict spends no second token
+        if not self._learner().take_token(f"{getattr(ctl, 'race_id', '')}:{role}"):
             ctl.flag(BUDGET_EMPTY)
             return False
+        ctl.state[key] = True
         if role == HEDGE:
             ctl.clear_timer("cutover")
             ctl.clear_timer("safety")
@@ -243,13 +248,21 @@ def observe(seq: int, attempts: list[Attempt], ended_at: float) -> dict[str, Any
     """What a finished race saw of each job it sent, for :meth:`Learner.feed`.
 
     Only what the race itself observed: a result and when it came, poll answers (bounds on the
-    queue time), and for a job stopped before its result, that it ran at least that long.
+    queue time), and for a job stopped before its result, that it ran at least that long. A
+    submit that failed is a failure of its provider at once; an attempt never sent (the budget
+    refused it) says nothing about anyone.
     """
     jobs = []
     for a in attempts:
-        if a.submitted_at is None:
+        if a.unsent:
             continue
         job: dict[str, Any] = {"provider": a.provider, "role": a.role}
+        if a.submitted_at is None:
+            end = a.result_at if a.result_at is not None else ended_at
+            job.update(outcome="invalid", at=max(0.0, end - a.launched_at), queue_lo=0.0)
+            job["queue_hi"] = None
+            jobs.append(job)
+            continue
         lo, hi = 0.0, None
         cancel_sent = cancel_ack = None
         for t, label in a.timeline:
@@ -262,8 +275,9 @@ def observe(seq: int, attempts: list[Attempt], ended_at: float) -> dict[str, Any
                 cancel_sent = float(t)
             elif label in ("cancel_acknowledged", "cancel_refused") and cancel_sent is not None:
                 cancel_ack = float(t)
-        if a.result_at is not None and a.result_state != JobState.CANCELLED.value:
-            good = bool(a.valid) and a.result_state == JobState.COMPLETED.value
+        good = bool(a.valid) and a.result_state == JobState.COMPLETED.value
+        if a.result_at is not None and (good or a.cancel_sent_at is None):
+            # a valid result counts even after our cancel; anything else after it is the cancel's
             job["outcome"] = "valid" if good else "invalid"
             job["at"] = a.result_at - a.submitted_at
             if good:

@@ -21,6 +21,7 @@ providers independent. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +33,8 @@ INF = math.inf
 USD_WEIGHT = 1000.0  # seconds of p95 one dollar per request is worth (provider time)
 MISS_SHARE = 0.05  # a plan may miss the deadline on at most this share of requests
 _MERGE = 0.02  # samples within 2 % of each other are one point of the estimate
+MAX_POINTS = 64  # points per provider at most (the estimate walks each)
+OPTIMISM = 3  # jobs never seen to end that still count as "valid soon" (see _ended)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def weights(n: int, half_life: float) -> list[tuple[float, float]]:
     ]
 
 
-def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
+def points(samples: Sequence[Sample], half_life: float, resolution: float = 0.1) -> list[Point]:
     """The weighted outcome distribution of one provider, censored samples redistributed.
 
     A censored job's weight goes to the jobs seen to end later in proportion to their long
@@ -154,28 +157,70 @@ def points(samples: Sequence[Sample], half_life: float) -> list[Point]:
             for j in later:
                 mass[j] += mass[i] * pairs[j][1][1] / total
             mass[i] = 0.0
+    leftover = sum(
+        1 for (s, _), m in zip(pairs, mass, strict=True) if m > 0 and s.outcome == "censored"
+    )
+    hopeful = leftover <= OPTIMISM  # past that, jobs never seen to end count as never answering
     out = [
-        Point(*_ended(s), m, _bound(s.queue_lo), _bound(s.queue_hi))
+        Point(
+            *_ended(s, hopeful), m, _bound(s.queue_lo, resolution), _bound(s.queue_hi, resolution)
+        )
         for (s, _), m in zip(pairs, mass, strict=True)
         if m > 0
     ]
     total = sum(p.weight for p in out)
-    return _merge([Point(p.at, p.ok, p.weight / total, p.queue_lo, p.queue_hi) for p in out])
+    merged = _merge([Point(p.at, p.ok, p.weight / total, p.queue_lo, p.queue_hi) for p in out])
+    return merged if len(merged) <= MAX_POINTS else _compress(merged)
 
 
-def _ended(s: Sample) -> tuple[float, bool]:
-    """When and how a sample ended; a censored one nothing was seen to outlast is taken as
-    valid at twice its bound: optimism about the unknown, so the plan tries the provider and
-    learns (a pessimistic guess would never launch it again)."""
+def _ended(s: Sample, hopeful: bool) -> tuple[float, bool]:
+    """When and how a sample ended. A censored one that nothing was seen to outlast is valid at
+    twice its bound while a provider has at most ``OPTIMISM`` of them: optimism about the
+    unknown, so the plan tries the provider and learns. Past that it never answered."""
     if s.outcome == "censored":
-        return 2 * s.at, True
+        return (2 * s.at, True) if hopeful else (s.at, False)
     return s.at, s.outcome == "valid"
 
 
-def _bound(x: float) -> float:
-    """A queue bound to the tenth of a second below (``lo`` errs early, which a cutover poll's own
+def decimal_step(x: float) -> float:
+    """The power of ten at or below ``x`` (so decimal times stay exact on the grid)."""
+    return 10.0 ** math.floor(math.log10(x))
+
+
+def _bound(x: float, resolution: float) -> float:
+    """A queue bound to the ``resolution`` below (``lo`` errs early, which a cutover poll's own
     time already is): jobs whose bounds round alike are one point of the estimate."""
-    return x if math.isinf(x) else math.floor(x * 10) / 10
+    return x if math.isinf(x) else round(math.floor(x / resolution + 1e-9) * resolution, 12)
+
+
+def _compress(pts: list[Point]) -> list[Point]:
+    """At most ``MAX_POINTS`` points: neighbours by queue time, then by end, become one (a live
+    primary's poll answers give nearly every job its own bounds; the fit's cost follows)."""
+    out: list[Point] = []
+    for ok in (True, False):
+        group = sorted((p for p in pts if p.ok == ok), key=lambda q: (q.queue_lo, q.at))
+        if not group:
+            continue
+        size = math.ceil(len(group) / max(1, MAX_POINTS * len(group) // len(pts)))
+        for i in range(0, len(group), size):
+            chunk = group[i : i + size]
+            w = sum(p.weight for p in chunk)
+            his = [p.queue_hi for p in chunk]
+            hi = (
+                INF
+                if any(math.isinf(h) for h in his)
+                else sum(p.queue_hi * p.weight for p in chunk) / w
+            )
+            out.append(
+                Point(
+                    sum(p.at * p.weight for p in chunk) / w,
+                    ok,
+                    w,
+                    sum(p.queue_lo * p.weight for p in chunk) / w,
+                    hi,
+                )
+            )
+    return out
 
 
 def _merge(pts: list[Point]) -> list[Point]:
@@ -288,14 +333,18 @@ def _legs(scene: Scene, plan: Plan) -> tuple[list[HedgeLeg], float]:
     rate_h = scene.rates[plan.hedge].rate_per_s
     rate_b = scene.rates[plan.backup].rate_per_s if plan.backup is not None else 0.0
     merged: dict[float, list[float]] = {}
+    step = decimal_step(scene.deadline_s * 1e-4)  # a thousandth of a second at a 60 s deadline
     usd = 0.0
     for g in hedge_legs(scene.hedges[plan.hedge], backup, plan.backup_s):
         usd += g.weight * (g.hedge_s * rate_h + g.backup_s * rate_b)
-        slot = merged.setdefault(round(g.after, 2), [0.0, 0.0, 0.0])
+        at = g.after if math.isinf(g.after) else round(g.after / step)
+        slot = merged.setdefault(at, [0.0, 0.0, 0.0])
         slot[0] += g.weight
         slot[1] += g.weight * g.hedge_s
         slot[2] += g.weight * g.backup_s
-    legs = [HedgeLeg(at, h / w, b / w, w) for at, (w, h, b) in merged.items() if w > 0]
+    legs = [
+        HedgeLeg(round(at * step, 12), h / w, b / w, w) for at, (w, h, b) in merged.items() if w > 0
+    ]
     scene.cache[key] = (legs, usd)
     return legs, usd
 
@@ -345,11 +394,14 @@ def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
     cut = plan.cutover_s if plan.hedge is not None else None
     safety = plan.safety_s if plan.hedge is not None else None
 
+    # beside a live primary the backup cannot join (two live jobs): the hedge's legs alone
+    side = _legs(scene, dataclasses.replace(plan, backup=None, backup_s=None))[0] if legs else []
+
     def beside(t: float, p: Point, w: float) -> None:
         # the hedge joins the primary at t; the first valid result wins
         nonlocal usd, hedged
         hedged += w
-        for g in legs:
+        for g in side:
             first = min(p.at if p.ok else INF, t + g.after)
             gw = w * g.weight
             hedge_ran = min(g.hedge_s, first - t) if not math.isinf(first) else g.hedge_s

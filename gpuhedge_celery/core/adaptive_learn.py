@@ -35,6 +35,7 @@ from .adaptive_fit import (
     Point,
     Sample,
     Scene,
+    decimal_step,
     estimate,
     grid,
     quantiles,
@@ -44,6 +45,7 @@ from .adaptive_fit import points as to_points
 from .outcome import ProviderRate
 
 CAPACITY = 10.0  # hedge tokens the bucket holds at most (and starts with)
+TOOK_KEPT = 1024  # race/role keys remembered as having spent a token
 HALF_LIFE = 20.0  # newer samples of the same provider after which a sample weighs half
 KEEP = 256  # samples kept per provider (the primary's rare long jobs must stay in view)
 MIN_SAMPLES = 3  # below this, a provider is explored before it is judged
@@ -83,6 +85,7 @@ class Learner:
     races: int = 0  # finished races fed
     paired: int = 0  # calibration rounds fed
     probed_at: dict[str, int] = field(default_factory=dict)
+    took: dict[str, None] = field(default_factory=dict)  # keys that spent a token, oldest first
 
     # ------------------------------------------------------------------ per request
     def next_request(self) -> tuple[int, Plan]:
@@ -102,13 +105,20 @@ class Learner:
             self.fit()
         return self._with_probe(self.plan)
 
-    def take_token(self) -> bool:
-        """Spend a hedge token; False (and nothing spent) when the bucket is empty."""
+    def take_token(self, key: str = "") -> bool:
+        """Spend a hedge token; False (and nothing spent) when the bucket is empty. A key
+        that took one already (the same race and role, its step applied again) keeps it."""
         if self.budget is None:
+            return True
+        if key and key in self.took:
             return True
         if self.tokens < 1.0:
             return False
         self.tokens -= 1.0
+        if key:
+            self.took[key] = None
+            while len(self.took) > TOOK_KEPT:
+                del self.took[next(iter(self.took))]
         return True
 
     # ------------------------------------------------------------------ learning
@@ -248,7 +258,9 @@ class Learner:
         )
 
     def _points(self, provider: str) -> list[Point]:
-        return to_points(self.samples.get(provider, []), HALF_LIFE)
+        # queue bounds to a tenth of a second at a 60 s deadline, finer on compressed time
+        step = decimal_step(self.deadline_s / 600)
+        return to_points(self.samples.get(provider, []), HALF_LIFE, step)
 
     def _candidates(self, scene: Scene, usable: Sequence[str]) -> list[Plan]:
         plans = [Plan()]
@@ -392,6 +404,7 @@ class Learner:
             "races": self.races,
             "paired": self.paired,
             "probed_at": dict(self.probed_at),
+            "usd_weight": self.usd_weight,
         }
 
     @classmethod
@@ -423,6 +436,7 @@ class Learner:
             races=int(data.get("races", 0)),
             paired=int(data.get("paired", 0)),
             probed_at={p: int(v) for p, v in data.get("probed_at", {}).items()},
+            usd_weight=float(data.get("usd_weight", USD_WEIGHT)),
         )
 
 

@@ -53,6 +53,7 @@ class SharedLearner:
         self.after = "0-0"  # the last stream entry fed
         self.reset_seen: float | None = None
         self.synced_at = -float("inf")
+        self._syncing = False
         self._lock = threading.Lock()  # race steps of one process plan from many threads
 
     def _fresh(self) -> Learner:
@@ -63,49 +64,78 @@ class SharedLearner:
         )
 
     def next_request(self) -> tuple[int, Plan]:
+        if self.clock() - self.synced_at >= SYNC_S and not self._syncing:
+            # the read and the fit run beside the races: a fit may take a while
+            self._syncing, self.synced_at = True, self.clock()
+            threading.Thread(
+                target=self._sync_quietly, name="gpuhedge-adaptive", daemon=True
+            ).start()
+        seq, tokens = self.store.next_request(self.policy.name, self.policy.budget)
         with self._lock:
-            if self.clock() - self.synced_at >= SYNC_S:
-                self.sync()
-            seq, tokens = self.store.next_request(self.policy.name, self.policy.budget)
             if tokens is not None:
                 self.learner.tokens = tokens
             return seq, self.learner.planned(seq)
 
-    def take_token(self) -> bool:
+    def take_token(self, key: str = "") -> bool:
         if self.policy.budget is None:
             return True
-        return self.store.take_token(self.policy.name)
+        return self.store.take_token(self.policy.name, key)
+
+    def _sync_quietly(self) -> None:
+        try:
+            self.sync()
+        except Exception:  # the next request tries again; races keep the last plan meanwhile
+            log.warning(
+                "adaptive %s: reading what the fleet saw failed", self.policy.name, exc_info=True
+            )
+        finally:
+            self._syncing = False
 
     def sync(self) -> None:
-        """Feed what the fleet's races observed since the last read; refit and publish when
-        anything came (a ``policy reset`` starts the learner again)."""
-        self.synced_at = self.clock()
+        """Feed what the fleet's races observed since the last read into a copy of the
+        learner, refit and publish when anything came, then swap the copy in (a ``policy
+        reset`` starts it again from nothing)."""
         name = self.policy.name
         reset = self.store.counts(name).get("reset", 0.0)
+        with self._lock:
+            working = Learner.from_dict(self.learner.to_dict(), self.rates)
+            after = self.after
         if self.reset_seen is not None and reset != self.reset_seen:
-            self.learner, self.after = self._fresh(), "0-0"
+            working, after = self._fresh(), "0-0"
         self.reset_seen = reset
         fed = 0
-        for entry_id, observed in self.store.seen_since(name, self.after):
-            self.after = entry_id
+        for entry_id, observed in self.store.seen_since(name, after):
+            after = entry_id
             try:
-                self.learner.feed(observed)
+                working.feed(observed)
                 fed += 1
             except (KeyError, TypeError, ValueError):
                 log.warning("adaptive %s: an observation it cannot read was skipped", name)
-        if fed or self.learner.fitted_at < 0:
-            self.learner.fit()
-            self.store.publish(name, self.learner.summary())
+        if fed or working.fitted_at < 0:
+            working.fit()
+            self.store.publish(name, working.summary())
+        with self._lock:
+            working.seq = max(working.seq, self.learner.seq)
+            self.learner, self.after = working, after
 
 
 def share_observation(store: AdaptiveStore, race: Race, now: float) -> None:
-    """Append what a finished race of an adaptive policy observed to its policy's stream."""
+    """Append what a finished race of an adaptive policy observed to its policy's stream; a
+    failure is logged (the race's own end must not wait on its policy's learning)."""
     policy = race.policy
     if not isinstance(policy, AdaptivePolicy) or "seq" not in race.state:
         return
     started = race.started_at if race.started_at is not None else now
     seen = observe(int(race.state["seq"]), race.attempts, max(0.0, now - started))
-    store.append_seen(policy.name, seen)
+    try:
+        store.append_seen(policy.name, seen)
+    except Exception:
+        log.warning(
+            "race %s: its observation for %s was not shared",
+            race.race_id,
+            policy.name,
+            exc_info=True,
+        )
 
 
 def install(

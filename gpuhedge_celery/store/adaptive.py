@@ -9,6 +9,7 @@ bucket are one hash, changed by two small scripts, so a budget holds across the 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,7 +18,10 @@ from .keys import Keys
 from .scripts import lua_script
 
 SEEN_MAXLEN = 4096  # observations kept per policy (a learner weighs a few hundred at most)
+TOOK_TTL_MS = 3_600_000  # a race's token marker outlives any step it could be applied again in
 FIELD = "o"
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveStore:
@@ -37,10 +41,13 @@ class AdaptiveStore:
         text = tokens.decode() if isinstance(tokens, bytes) else str(tokens)
         return int(seq), (float(text) if text else None)
 
-    def take_token(self, policy: str) -> bool:
-        """Spend one hedge token; False when the bucket is empty (nothing spent)."""
+    def take_token(self, policy: str, key: str = "") -> bool:
+        """Spend one hedge token; False when the bucket is empty (nothing spent). ``key``
+        (race and role) spends at most one: asked again, it answers True at no cost."""
         script = lua_script(self.client, "adaptive_take")
-        return bool(script(keys=[self.keys.adaptive_counts(policy)], args=[repr(CAPACITY)]))
+        took = self.keys.adaptive_took(policy, key) if key else ""
+        counts = self.keys.adaptive_counts(policy)
+        return bool(script(keys=[counts, took], args=[repr(CAPACITY), TOOK_TTL_MS]))
 
     def append_seen(self, policy: str, observed: Mapping[str, Any]) -> None:
         """Append one finished race's observation to the policy's stream."""
@@ -59,7 +66,12 @@ class AdaptiveStore:
             for entry_id, fields in entries:
                 after = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 raw = fields.get(FIELD.encode(), fields.get(FIELD))
-                yield after, json.loads(raw)
+                try:
+                    yield after, json.loads(raw)
+                except (TypeError, ValueError):
+                    log.warning(
+                        "adaptive %s: entry %s is not an observation; skipped", policy, after
+                    )
             if len(entries) < count:
                 return
 

@@ -195,6 +195,11 @@ class Keys:
         fitted, what ``policy show`` and the metrics read) of an adaptive policy."""
         return self._k("adaptive", f"{{{policy}}}", "counts")
 
+    def adaptive_took(self, policy: str, key: str) -> str:
+        """String set once a race and role (``key``) spent one of the policy's hedge tokens,
+        so a step applied again spends no second one (kept an hour)."""
+        return self._k("adaptive", f"{{{policy}}}", "took", key)
+
     def adaptive_policies(self) -> str:
         """Set of the adaptive policy names that planned a request (for the metrics)."""
         return self._k("adaptive", "policies")
