@@ -194,7 +194,12 @@ class AdaptivePolicy(Policy):
         plan = self._plan(ctl)
         provider = plan.hedge if role == HEDGE else plan.backup
         key = f"{role}_requested"
-        if provider is None or ctl.state.get(key) or ctl.has_winner:
+        if (
+            provider is None
+            or ctl.state.get(key)
+            or ctl.has_winner
+            or getattr(ctl, "gave_up", False)
+        ):
             return False
         # keyed by race and role: a step applied again after a conflict spends no second token
         if not self._learner().take_token(f"{getattr(ctl, 'race_id', '')}:{role}"):
