@@ -237,6 +237,7 @@ def _decisions(rounds: list[Round], calibration: int) -> list[tuple[int, dict, f
     return [(r.round_id, r.race.state["plan"], r.latency_s) for r in results]
 
 
+@pytest.mark.slow
 def test_decisions_for_past_rounds_do_not_change_when_the_future_is_shuffled() -> None:
     rounds = load_rounds(MOSS)
     base = _decisions(rounds, 18)
@@ -250,6 +251,7 @@ def test_decisions_for_past_rounds_do_not_change_when_the_future_is_shuffled() -
         assert _decisions(shuffled, 18)[:cut] == base[:cut]
 
 
+@pytest.mark.slow
 def test_a_provider_a_race_did_not_launch_is_not_observed() -> None:
     rounds = load_rounds(MOSS)
     results = replay_adaptive(parse_policy(NAME), rounds, calibration=18)  # type: ignore[arg-type]

@@ -147,6 +147,7 @@ def test_calibration_choice_is_the_lowest_j_on_the_calibration_rounds(bench, rou
         assert deployed["calibration_J"] <= _summary(rounds, name, "calibration")[0]
 
 
+@pytest.mark.slow
 def test_adaptive_figures_are_its_own_replay_on_the_evaluation_rounds(bench, rounds):
     for row in bench["results"]:
         j, s = _summary(rounds, row["policy"], "evaluation")
@@ -156,6 +157,7 @@ def test_adaptive_figures_are_its_own_replay_on_the_evaluation_rounds(bench, rou
         assert fig["billed_usd"] == round(s.billed_usd, 6)
 
 
+@pytest.mark.slow
 def test_text_table_names_every_policy(spec_path):
     result = invoke("--spec", f"{spec_path}:20", "--policy", "adaptive:runpod->cerebrium")
     assert result.exit_code == 0, result.output
