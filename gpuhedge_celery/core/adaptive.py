@@ -155,7 +155,7 @@ class AdaptivePolicy(Policy):
         if not m:
             raise bad_name("adaptive", body, "PRIMARY->HEDGE[,HEDGE...][@dNs+bR]")
         deadline, budget = DEFAULT_DEADLINE_S, None
-        for option in (m.group(3) or "").split("+") if m.group(3) else ():
+        for option in m.group(3).split("+") if m.group(3) else ():
             d = re.fullmatch(r"d(\d+(?:\.\d+)?)s", option)
             b = re.fullmatch(r"b(\d+(?:\.\d+)?)", option)
             if d:

@@ -22,6 +22,7 @@ Rules, each a line of the docs' learning rule:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,7 +229,7 @@ class Learner:
         plan = best[1]
         if plan.cutover_s is None and (scene.exact_queue or self._queue_seen()):
             # no cutover: still read the primary's state once, so the next fit knows it
-            plan = _replace(plan, poll_s=self._scaled(DEFAULT_PLAN_TIMES)[0])
+            plan = dataclasses.replace(plan, poll_s=self._scaled(DEFAULT_PLAN_TIMES)[0])
         self.plan, self.estimate = plan, best[2]
 
     def _queue_seen(self) -> bool:
@@ -314,11 +315,11 @@ class Learner:
         tried = [plan]
         for _ in range(2):
             if backup is not None:
-                plan = self._best([_replace(plan, backup_s=b) for b in backups], scene)
+                plan = self._best([dataclasses.replace(plan, backup_s=b) for b in backups], scene)
                 tried.append(plan)
             plan = self._best(
                 [
-                    _replace(plan, cutover_s=c, safety_s=s)
+                    dataclasses.replace(plan, cutover_s=c, safety_s=s)
                     for c in cuts
                     for s in safeties
                     if c is None or s is None or s >= c
@@ -344,10 +345,10 @@ class Learner:
                 continue
             if self._due(hedge, self.last_seen(hedge)):
                 backup = plan.backup if plan.backup != hedge else plan.hedge
-                return _replace(plan, hedge=hedge, backup=backup)
+                return dataclasses.replace(plan, hedge=hedge, backup=backup)
         if plan.cutover_s is not None and plan.cancel_queued and self.seq % PRIMARY_PROBE == 0:
             # cheap: a queued job costs nothing, and it is cancelled when the hedge wins
-            return _replace(plan, cancel_queued=False)
+            return dataclasses.replace(plan, cancel_queued=False)
         return plan
 
     def _due(self, provider: str, last: int) -> bool:
@@ -442,9 +443,3 @@ class Learner:
 
 def _finite(x: float) -> float | None:
     return None if x == INF else x
-
-
-def _replace(plan: Plan, **changes: Any) -> Plan:
-    data = plan.to_dict()
-    data.update(changes)
-    return Plan.from_dict(data)
