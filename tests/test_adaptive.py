@@ -432,3 +432,25 @@ def test_a_live_primarys_distinct_poll_bounds_leave_the_estimate_a_bounded_size(
     assert len(learner._points("p")) <= MAX_POINTS
     learner.fit()
     assert learner.plan.hedge == "h"
+
+
+def test_the_kind_is_known_wherever_a_policy_name_is_parsed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "providers:\n"
+        "  p: {role: primary, adapter: sim, billed_rate_per_s: 0.0003}\n"
+        "  h: {role: hedge, adapter: sim, billed_rate_per_s: 0.0007}\n"
+        "policy: {name: adaptive, params: {hedges: [h], budget: 0.2}}\n"
+    )
+    code = (
+        "import sys; from gpuhedge_celery.core.policies import parse_policy;"
+        "from gpuhedge_celery.config import load_config;"
+        "print(parse_policy('adaptive:a->b').name, load_config(sys.argv[1]).make_policy().name)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(config)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["adaptive:a->b@d60s", "adaptive:p->h@d60s+b0.2"]

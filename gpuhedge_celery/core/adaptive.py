@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import ConfigError
 from .adaptive_fit import Plan
 from .adaptive_learn import Learner
 from .attempts import Attempt
 from .jobs import JobState
-from .outcome import PUBLISHED_RATES, ProviderRate
 from .policy_base import (
     FALLBACK,
     HEDGE,
@@ -40,6 +39,9 @@ from .policy_base import (
     bad_name,
     register_policy,
 )
+
+if TYPE_CHECKING:
+    from .outcome import ProviderRate
 
 DEFAULT_DEADLINE_S = 60.0
 BUDGET_EMPTY = "hedge_budget_empty"  # flag: a hedge was due but the budget had no token
@@ -62,9 +64,7 @@ _LEARNERS: dict[str, PlanSource] = {}
 
 
 def _memory_learner(policy: AdaptivePolicy) -> PlanSource:
-    return Learner(
-        policy.primary, policy.hedges, policy.deadline_s, policy.budget, rates=PUBLISHED_RATES
-    )
+    return new_learner(policy)
 
 
 _FACTORY: list[LearnerFactory] = [_memory_learner]
@@ -86,6 +86,8 @@ def set_learner_factory(factory: LearnerFactory | None) -> None:
 
 def new_learner(policy: AdaptivePolicy, rates: Mapping[str, ProviderRate] | None = None) -> Learner:
     """A learner that knows nothing yet, pricing with ``rates`` (default: published)."""
+    from .outcome import PUBLISHED_RATES  # outcome imports the engine, which imports policies
+
     return Learner(
         policy.primary,
         policy.hedges,

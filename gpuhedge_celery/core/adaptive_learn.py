@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .adaptive_fit import (
     INF,
@@ -43,7 +43,9 @@ from .adaptive_fit import (
     weights,
 )
 from .adaptive_fit import points as to_points
-from .outcome import ProviderRate
+
+if TYPE_CHECKING:  # outcome imports the engine, which imports the policies
+    from .outcome import ProviderRate
 
 CAPACITY = 10.0  # hedge tokens the bucket holds at most (and starts with)
 TOOK_KEPT = 1024  # race/role keys remembered as having spent a token

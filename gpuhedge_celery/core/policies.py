@@ -325,3 +325,10 @@ class CascadePolicy(StateAwarePolicy):
 
     def on_idle(self, ctl: RaceControl) -> None:
         self._escalate(ctl)
+
+
+# The adaptive kind lives in its own module (its learner is larger than every built-in above);
+# importing it here registers it wherever a policy name can be parsed.
+from .adaptive import AdaptivePolicy  # noqa: E402
+
+__all__ += ["AdaptivePolicy"]
