@@ -12,9 +12,9 @@ import pytest
 from gpuhedge_celery.core.adaptive import BUDGET_EMPTY, AdaptivePolicy, new_learner, observe
 from gpuhedge_celery.core.adaptive_fit import Plan, Point, Scene, estimate
 from gpuhedge_celery.core.adaptive_learn import Learner
-from gpuhedge_celery.core.outcome import PUBLISHED_RATES
 from gpuhedge_celery.core.policies import parse_policy, policy_from_dict
 from gpuhedge_celery.core.race import Race
+from gpuhedge_celery.core.rates import PUBLISHED_RATES
 from gpuhedge_celery.core.replay import Round, load_rounds, replay_adaptive
 from gpuhedge_celery.core.scripted import Arm, run_race
 from gpuhedge_celery.errors import ConfigError

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from gpuhedge_celery.core.attempts import Attempt, Phase
-from gpuhedge_celery.core.outcome import ProviderRate, attempt_cost
+from gpuhedge_celery.core.outcome import attempt_cost
+from gpuhedge_celery.core.rates import ProviderRate
 from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
 from gpuhedge_celery.core.settlement import ESTIMATED, RECONCILED, UNPROVEN, settle_attempt
 

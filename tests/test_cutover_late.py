@@ -11,7 +11,7 @@ import pytest
 
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.core.jobs import JobState
-from gpuhedge_celery.core.outcome import ProviderRate, race_outcome
+from gpuhedge_celery.core.outcome import race_outcome
 from gpuhedge_celery.core.policies import parse_policy
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.race_events import (
@@ -21,6 +21,7 @@ from gpuhedge_celery.core.race_events import (
     StatusObserved,
     TimerDue,
 )
+from gpuhedge_celery.core.rates import ProviderRate
 from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
 
 RATES = {"p": ProviderRate(0.001), "h": ProviderRate(0.002)}

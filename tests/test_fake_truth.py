@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gpuhedge_celery.bench.money_truth import compare, receipt_attempt_cost, truth_cost
-from gpuhedge_celery.core.outcome import ProviderRate
+from gpuhedge_celery.core.rates import ProviderRate
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.runpod_fake import KEY, FakeRunpod

@@ -65,6 +65,6 @@ def test_loser_stays_live_until_its_measured_terminal_time(record):
 
 
 def _rate():
-    from gpuhedge_celery.core.outcome import ProviderRate
+    from gpuhedge_celery.core.rates import ProviderRate
 
     return ProviderRate(0.000306, 60.0)

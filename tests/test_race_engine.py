@@ -242,7 +242,8 @@ def test_max_live_one_serialises_attempts():
 
 
 def test_adapter_confirmed_receipt_settles_the_cancel_and_outcome_is_json():
-    from gpuhedge_celery.core.outcome import ProviderRate, rates_from_mapping
+    from gpuhedge_celery.core.outcome import rates_from_mapping
+    from gpuhedge_celery.core.rates import ProviderRate
 
     clock = VirtualClock()
     race = Race(parse_policy("hedge:a->b@0s"), clock, race_id="r9")

@@ -337,7 +337,7 @@ def test_cutover_receipt_says_queued_job_cost_nothing():
     assert primary.receipt.was_running is False
     assert primary.receipt.scope.value == "queued_job"
     assert primary.receipt.confirmed_terminal and not primary.receipt.leaked
-    from gpuhedge_celery.core.outcome import ProviderRate
+    from gpuhedge_celery.core.rates import ProviderRate
 
     outcome = race_outcome(race, {"p": ProviderRate(1.0, 60), "h": ProviderRate(1.0)})
     assert outcome.active_usd == pytest.approx(19.0)  # only the hedge ran

@@ -11,8 +11,8 @@ import pathlib
 
 import pytest
 
-from gpuhedge_celery.core.outcome import PUBLISHED_RATES, ProviderRate
 from gpuhedge_celery.core.policies import parse_policy
+from gpuhedge_celery.core.rates import PUBLISHED_RATES, ProviderRate
 from gpuhedge_celery.core.replay import (
     default_policies,
     load_rounds,

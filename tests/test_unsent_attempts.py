@@ -11,7 +11,7 @@ import pytest
 
 from gpuhedge_celery.core.attempts import hedged
 from gpuhedge_celery.core.clock import VirtualClock
-from gpuhedge_celery.core.outcome import ProviderRate, race_outcome
+from gpuhedge_celery.core.outcome import race_outcome
 from gpuhedge_celery.core.policies import parse_policy
 from gpuhedge_celery.core.race import BUDGET_REFUSED, Race
 from gpuhedge_celery.core.race_events import (
@@ -22,6 +22,7 @@ from gpuhedge_celery.core.race_events import (
     TimerDue,
     event_from_dict,
 )
+from gpuhedge_celery.core.rates import ProviderRate
 from gpuhedge_celery.core.receipts import Evidence
 from gpuhedge_celery.core.records import build_record
 from gpuhedge_celery.core.replay import Round, replay_round

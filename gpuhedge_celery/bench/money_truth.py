@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core.outcome import ProviderRate
+from ..core.rates import ProviderRate
 
 REL_TOL = 0.05  # two figures agree within 5 % ...
 ABS_TOL_USD = 1e-6  # ... or within a micro-dollar (rounding of records and nano-dollars)

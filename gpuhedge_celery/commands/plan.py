@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from ..core.budget import worst_case_usd
-from ..core.outcome import ProviderRate
+from ..core.rates import ProviderRate
 from ..core.stats import nearest_rank
 from ..errors import ConfigError
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from ..core.outcome import PUBLISHED_RATES, ProviderRate
 from ..core.policies import Policy, parse_policy
+from ..core.rates import PUBLISHED_RATES, ProviderRate
 from ..core.replay import (
     CALIBRATION_LAST_ROUND,
     SUBSETS,

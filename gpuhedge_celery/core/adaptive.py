@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..errors import ConfigError
 from .adaptive_fit import Plan
@@ -39,9 +39,7 @@ from .policy_base import (
     bad_name,
     register_policy,
 )
-
-if TYPE_CHECKING:
-    from .outcome import ProviderRate
+from .rates import PUBLISHED_RATES, ProviderRate
 
 DEFAULT_DEADLINE_S = 60.0
 BUDGET_EMPTY = "hedge_budget_empty"  # flag: a hedge was due but the budget had no token
@@ -86,8 +84,6 @@ def set_learner_factory(factory: LearnerFactory | None) -> None:
 
 def new_learner(policy: AdaptivePolicy, rates: Mapping[str, ProviderRate] | None = None) -> Learner:
     """A learner that knows nothing yet, pricing with ``rates`` (default: published)."""
-    from .outcome import PUBLISHED_RATES  # outcome imports the engine, which imports policies
-
     return Learner(
         policy.primary,
         policy.hedges,

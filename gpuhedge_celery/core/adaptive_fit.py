@@ -26,11 +26,8 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # outcome imports the engine, which imports the policies
-    from .outcome import ProviderRate
-
+from .rates import ProviderRate
 
 INF = math.inf
 USD_WEIGHT = 1000.0  # seconds of p95 one dollar per request is worth (provider time)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .adaptive_fit import (
     INF,
@@ -43,9 +43,7 @@ from .adaptive_fit import (
     weights,
 )
 from .adaptive_fit import points as to_points
-
-if TYPE_CHECKING:  # outcome imports the engine, which imports the policies
-    from .outcome import ProviderRate
+from .rates import ProviderRate
 
 CAPACITY = 10.0  # hedge tokens the bucket holds at most (and starts with)
 TOOK_KEPT = 1024  # race/role keys remembered as having spent a token

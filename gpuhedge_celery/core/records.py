@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .outcome import ProviderRate, attempt_cost
+from .outcome import attempt_cost
 from .race import Race
+from .rates import ProviderRate
 
 RECORD_VERSION = 1
 RECORD_KIND = "race"

@@ -24,9 +24,10 @@ from ..errors import ConfigError
 from .adaptive import AdaptivePolicy, new_learner, observe
 from .attempts import hedged
 from .jobs import JobState
-from .outcome import PUBLISHED_RATES, ProviderRate, attempt_cost
+from .outcome import attempt_cost
 from .policies import Policy, parse_policy
 from .race import Race
+from .rates import PUBLISHED_RATES, ProviderRate
 from .scripted import Arm, run_race
 from .stats import INF, Summary, summarise
 

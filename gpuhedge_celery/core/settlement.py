@@ -24,7 +24,8 @@ from typing import Any
 
 from .attempts import Attempt, Phase
 from .jobs import JobState
-from .outcome import REPORTED, ProviderRate, attempt_cost, reported_active_usd, unaccepted
+from .outcome import REPORTED, attempt_cost, reported_active_usd, unaccepted
+from .rates import ProviderRate
 
 RECONCILED, ESTIMATED, UNPROVEN = "reconciled", "estimated", "unproven"
 NOT_SUBMITTED = "not_submitted"

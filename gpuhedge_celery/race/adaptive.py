@@ -20,8 +20,8 @@ from typing import Any
 from ..core.adaptive import AdaptivePolicy, observe, set_learner_factory
 from ..core.adaptive_fit import USD_WEIGHT, Plan
 from ..core.adaptive_learn import Learner
-from ..core.outcome import ProviderRate
 from ..core.race import Race
+from ..core.rates import ProviderRate
 from ..store.adaptive import AdaptiveStore
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,9 @@ from ..core.budget import (
     worst_case_usd,
 )
 from ..core.clock import Clock, WallClock
-from ..core.outcome import ProviderRate, unaccepted
+from ..core.outcome import unaccepted
 from ..core.race import Race
+from ..core.rates import ProviderRate
 from ..core.settlement import RECONCILED, UNPROVEN, ready_to_settle, settle_attempt
 from ..store.budget import MAX_NANO, BudgetStore, PendingReservation
 from .attempts import UNKNOWN_SUBMIT

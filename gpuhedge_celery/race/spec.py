@@ -29,8 +29,8 @@ from typing import Any
 
 from ..config import ROLE_ARGS, GpuHedgeConfig
 from ..core.experiment import ARM_RE
-from ..core.outcome import ProviderRate
 from ..core.policies import Policy, policy_from_dict, registered_policies
+from ..core.rates import ProviderRate
 from ..core.validators import available_validators, options_problem
 from ..errors import ConfigError
 from ..store import codec

@@ -18,8 +18,8 @@ from typing import Any, cast
 
 from .. import settings as process_settings
 from ..config import GpuHedgeConfig, load_config
-from ..core.outcome import ProviderRate
 from ..core.policy_base import Policy
+from ..core.rates import ProviderRate
 from ..errors import BudgetExceeded, RaceFailed
 from ..names import TASK_HEDGED_INFER as TASK_HEDGED_INFER
 from ..names import TASK_RACE_CANCEL as TASK_RACE_CANCEL
