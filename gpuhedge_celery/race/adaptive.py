@@ -64,9 +64,11 @@ class SharedLearner:
         )
 
     def next_request(self) -> tuple[int, Plan]:
-        if self.clock() - self.synced_at >= SYNC_S and not self._syncing:
-            # the read and the fit run beside the races: a fit may take a while
-            self._syncing, self.synced_at = True, self.clock()
+        with self._lock:  # one read of the stream at a time, however many races start
+            due = not self._syncing and self.clock() - self.synced_at >= SYNC_S
+            if due:
+                self._syncing, self.synced_at = True, self.clock()
+        if due:  # the read and the fit run beside the races: a fit may take a while
             threading.Thread(
                 target=self._sync_quietly, name="gpuhedge-adaptive", daemon=True
             ).start()
