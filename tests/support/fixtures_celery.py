@@ -211,6 +211,22 @@ class CeleryCluster:
         for worker in self.workers:
             worker.stop()
         self.client.close()
+        forget_results(getattr(self, "app", None))
+
+
+def forget_results(app) -> None:
+    """Drop ``app``'s result subscriptions: an AsyncResult collected after its Redis is gone
+    would otherwise retry the unsubscribe for 20 s inside whichever later test the GC runs in."""
+    if app is None:
+        return
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is None:
+        return
+    consumer.subscribed_to.clear()
+    try:
+        consumer.stop()
+    except Exception:  # its Redis may already be gone; nothing is left to tell it
+        pass
 
 
 BROKERS = ("redis", "rabbitmq")
