@@ -7,8 +7,8 @@
 #   with ruff, type-checks with mypy, then runs pytest (printing the 25 slowest tests). Extra args
 #   go to pytest (one module: tests/test_readme.py).
 # --fast (first argument): the tests that need no server and start no process (pytest --fast,
-#   tests/support/tiers.py) after the same install, lint and type check; none of the apt, Redis,
-#   RabbitMQ or Prometheus set-up, which only the other tests need.
+#   tests/support/tiers.py) on two pytest-xdist processes after the same install, lint and type
+#   check; none of the apt, Redis, RabbitMQ or Prometheus set-up, which only the other tests need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAST=0
@@ -22,7 +22,8 @@ if [ "$FAST" -eq 1 ]; then
   python3 -m ruff check .
   python3 -m ruff format --check .
   python3 -m mypy
-  exec python3 -m pytest -q --fast --durations=10 "$@"
+  # two processes: most of a fast test is CPU or a deliberate wait, so two cores overlap them
+  exec python3 -m pytest -q --fast -n 2 --durations=10 "$@"
 fi
 
 # Debian packages the tests run, installed quietly and only where missing.

@@ -131,6 +131,7 @@ def test_the_fast_tier_installs_the_package_and_sets_up_no_server(tmp_path):
     assert calls[0].startswith("python3 -m pip install") and "-e .[test]" in calls[0]
     assert "python3 -m mypy" in calls and "python3 -m ruff check ." in calls
     assert calls[-1].startswith("python3 -m pytest -q --fast") and calls[-1].endswith(" -x")
+    assert " -n 2 " in calls[-1]  # two xdist processes keep the tier under a minute on 2 cores
     assert not [c for c in calls if c.startswith(("ensure-", "apt-get", "sudo"))], calls
 
 
