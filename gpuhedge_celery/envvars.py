@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .redis_url import with_sentinel_options
 
 N = TypeVar("N", int, float)
 D = TypeVar("D")
@@ -261,17 +262,32 @@ def probe_sites(env: Mapping[str, str]) -> bool:
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "gpuhedge"
 REDIS_URL_VAR, PREFIX_VAR = "GPUHEDGE_REDIS_URL", "GPUHEDGE_PREFIX"
+SENTINEL_MASTER_VAR = "GPUHEDGE_REDIS_SENTINEL_MASTER"
+SENTINEL_PASSWORD_VAR = "GPUHEDGE_REDIS_SENTINEL_PASSWORD"
+WAIT_REPLICAS_VAR, WAIT_TIMEOUT_VAR = (
+    "GPUHEDGE_REDIS_WAIT_REPLICAS",
+    "GPUHEDGE_REDIS_WAIT_TIMEOUT_MS",
+)
 
 
 def core_values(env: Mapping[str, str], overrides: Mapping[str, str | None]) -> dict[str, Any]:
     """The shared section (:class:`~gpuhedge_celery.shared_settings.Settings`); ``overrides``
     (the CLI's options) win over the environment where not None."""
-    values = {
+    values: dict[str, Any] = {
         "redis_url": env.get(REDIS_URL_VAR) or DEFAULT_REDIS_URL,
         "prefix": env.get(PREFIX_VAR) or DEFAULT_PREFIX,
         "config_path": env.get("GPUHEDGE_CONFIG") or None,
+        "wait_replicas": int(_number(env, WAIT_REPLICAS_VAR, 0, integer=True, strict=False)),
+        "wait_timeout_ms": int(_number(env, WAIT_TIMEOUT_VAR, 1000, integer=True)),
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
+    # a Sentinel URL carries its master's name and the Sentinels' password from here on, so
+    # every client built from the URL alone (store, listener, Celery) finds the same primary
+    values["redis_url"] = with_sentinel_options(
+        values["redis_url"],
+        (env.get(SENTINEL_MASTER_VAR) or "").strip() or None,
+        env.get(SENTINEL_PASSWORD_VAR) or None,
+    )
     return values
 
 

@@ -19,27 +19,20 @@ from urllib.parse import urlsplit
 from . import envvars
 from .envvars import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from .errors import ConfigError
+from .redis_url import PLAIN_SCHEMES, is_sentinel, parse_sentinel_url, redact_url
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
-def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (for logs, errors and repr)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:***@{host}{port}"
-    return parts._replace(netloc=netloc).geturl()
-
-
 def validate_redis_url(url: str, *, source: str = envvars.REDIS_URL_VAR) -> str:
+    if is_sentinel(url):
+        parse_sentinel_url(url, key=source)
+        return url
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
+    if parts.scheme not in PLAIN_SCHEMES:
         raise ConfigError(
-            f"expected a redis://, rediss:// or unix:// URL, got {redact_url(url)!r}", key=source
+            f"expected a redis://, rediss://, unix:// or sentinel:// URL, got {redact_url(url)!r}",
+            key=source,
         )
     return url
 
@@ -51,6 +44,10 @@ class Settings:
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
     config_path: str | None = None
+    # replicas that must hold a race's winner and a budget reservation before either counts
+    # (Redis WAIT); 0 trusts the primary alone, as a single Redis must
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,170 @@
+"""Redis URLs: a plain server (``redis://``, ``rediss://``, ``unix://``) or a Sentinel group.
+
+A Sentinel group is written the way kombu and Celery write it, Sentinels separated by ``;``,
+with the master's name (and, when the Sentinels have their own, their password) in the query::
+
+    sentinel://:PASSWORD@h1:26379;sentinel://h2:26379;sentinel://h3:26379/0?master=mymaster
+
+The userinfo is the data nodes' (primary and replicas) user and password, as in kombu; the path
+is the database. ``?ssl=true`` speaks TLS to the Sentinels and the data nodes. The query is ours:
+:func:`celery_url` strips it before Celery or kombu see the URL, and hands the master's name and
+the Sentinels' password over as transport options (:func:`celery_transport_options`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from .errors import ConfigError
+
+SENTINEL = "sentinel"
+PLAIN_SCHEMES = ("redis", "rediss", "unix")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed ``sentinel://`` URL (see the module doc)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+
+
+def is_sentinel(url: str) -> bool:
+    return url.split(":", 1)[0].lower() == SENTINEL
+
+
+def _parts(url: str) -> list[str]:
+    return [part for part in url.split(";") if part.strip()]
+
+
+def _query(url: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for part in _parts(url):
+        found.update(parse_qsl(urlsplit(part.strip()).query))
+    return found
+
+
+def parse_sentinel_url(url: str, *, key: str = "GPUHEDGE_REDIS_URL") -> SentinelUrl:
+    """``url`` parsed; a :class:`ConfigError` naming ``key`` and what is wrong otherwise."""
+    sentinels: list[tuple[str, int]] = []
+    username = password = None
+    db = 0
+    for part in _parts(url):
+        pieces = urlsplit(part.strip())
+        if pieces.scheme.lower() != SENTINEL:
+            raise ConfigError(
+                f"every Sentinel in a sentinel:// URL is written sentinel://host:port, got "
+                f"{redact_url(part)!r}",
+                key=key,
+            )
+        try:
+            port = pieces.port or 26379
+        except ValueError:
+            raise ConfigError(f"bad port in {redact_url(part)!r}", key=key) from None
+        if not pieces.hostname:
+            raise ConfigError(f"no Sentinel host in {redact_url(part)!r}", key=key)
+        sentinels.append((pieces.hostname, port))
+        if pieces.password is not None and password is None:
+            username = unquote(pieces.username) if pieces.username else None
+            password = unquote(pieces.password)
+        path = pieces.path.strip("/")
+        if path:
+            if not path.isdigit():
+                raise ConfigError(f"the database must be a number, got {path!r}", key=key)
+            db = int(path)
+    if not sentinels:
+        raise ConfigError("a sentinel:// URL names no Sentinel", key=key)
+    query = _query(url)
+    master = query.get("master", "").strip()
+    if not master:
+        raise ConfigError(
+            "a sentinel:// URL needs the master's name: add ?master=NAME or set "
+            "GPUHEDGE_REDIS_SENTINEL_MASTER",
+            key=key,
+        )
+    return SentinelUrl(
+        sentinels=tuple(sentinels),
+        master=master,
+        db=db,
+        username=username,
+        password=password,
+        sentinel_password=query.get("sentinel_password") or None,
+        ssl=query.get("ssl", "").lower() in _TRUE,
+    )
+
+
+def with_sentinel_options(url: str, master: str | None, sentinel_password: str | None) -> str:
+    """``url`` with the master's name and the Sentinels' password from the environment added
+    to its query where the URL does not already say them; any other URL unchanged."""
+    if not is_sentinel(url):
+        return url
+    query = _query(url)
+    extra = {}
+    if master and not query.get("master"):
+        extra["master"] = master
+    if sentinel_password and not query.get("sentinel_password"):
+        extra["sentinel_password"] = sentinel_password
+    if not extra:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}{urlencode(extra)}"
+
+
+def celery_url(url: str) -> str:
+    """``url`` as Celery and kombu read it: a Sentinel URL without our query (they would pass
+    unknown parameters on to redis-py); any other URL unchanged."""
+    if not is_sentinel(url):
+        return url
+    return ";".join(urlsplit(p.strip())._replace(query="").geturl() for p in _parts(url))
+
+
+def celery_transport_options(url: str) -> dict[str, object]:
+    """The transport options Celery's results and kombu's broker need for ``url``: the master's
+    name and the Sentinels' own connection settings; empty for any other URL."""
+    if not is_sentinel(url):
+        return {}
+    spec = parse_sentinel_url(url)
+    sentinel_kwargs: dict[str, object] = {}
+    if spec.sentinel_password:
+        sentinel_kwargs["password"] = spec.sentinel_password
+    if spec.ssl:
+        sentinel_kwargs["ssl"] = True
+    options: dict[str, object] = {"master_name": spec.master}
+    if sentinel_kwargs:
+        options["sentinel_kwargs"] = sentinel_kwargs
+    return options
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every password (each Sentinel's userinfo, the Sentinels' own in the query)
+    replaced by ``***``, for logs, errors and repr."""
+    return ";".join(_redact_one(part) for part in url.split(";"))
+
+
+def _redact_one(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        parts = parts._replace(netloc=f"{user}:***@{host}{port}")
+    if "sentinel_password=" in parts.query:
+        query = [(k, "***" if k == "sentinel_password" else v) for k, v in parse_qsl(parts.query)]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    return parts.geturl()
+
+
+def location(url: str) -> str:
+    """Where ``url`` points, without credentials: the Sentinels and the master's name for a
+    Sentinel URL (its primary moves), else the redacted URL."""
+    if not is_sentinel(url):
+        return redact_url(url)
+    spec = parse_sentinel_url(url)
+    hosts = ",".join(f"{host}:{port}" for host, port in spec.sentinels)
+    return f"sentinel://{hosts}/{spec.db} (master {quote(spec.master)})"
