@@ -55,11 +55,12 @@ def root_config(path: str | None = None) -> GpuHedgeConfig:
 def cli_redis_client():
     """A redis-py client for CLI commands: one quick connection attempt, so a dead Redis fails
     fast with a one-line error (exit code 3) instead of retrying."""
-    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis.from_url(
+    from .store.connection import redis_from_url
+
+    return redis_from_url(
         root_settings().redis_url,
         decode_responses=True,
         socket_connect_timeout=3,

@@ -357,6 +357,12 @@ def glue_values(env: Mapping[str, str]) -> dict[str, Any]:
     pool_ttl = _number(env, "GPUHEDGE_POOL_TTL_MS", None, integer=True)
     acquire = _number(env, "GPUHEDGE_ACQUIRE_TIMEOUT_S", None)
     broker_url = (env.get(BROKER_URL_VAR) or "").strip() or None
+    if broker_url is not None:  # a broker of its own behind Sentinel: the same two variables
+        broker_url = with_sentinel_options(
+            broker_url,
+            (env.get(SENTINEL_MASTER_VAR) or "").strip() or None,
+            env.get(SENTINEL_PASSWORD_VAR) or None,
+        )
     health = (env.get("GPUHEDGE_HEALTH") or "auto").strip().lower()
     if health not in ("auto", "on", "off"):
         raise ConfigError(f"expected auto, on or off, got {health!r}", key="GPUHEDGE_HEALTH")

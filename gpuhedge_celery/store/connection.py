@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+import redis.sentinel
 
 from ..errors import StoreUnavailable
-from ..shared_settings import redact_url
+from ..redis_url import is_sentinel, parse_sentinel_url, redact_url
 
 _clients: dict[tuple[int, str, bool], redis.Redis] = {}
 
@@ -26,9 +27,36 @@ def client_for(url: str, *, decode_responses: bool = True, **kwargs: Any) -> red
     if client is None:
         kwargs.setdefault("socket_connect_timeout", 5)
         kwargs.setdefault("health_check_interval", 30)
-        client = redis.Redis.from_url(url, decode_responses=decode_responses, **kwargs)
+        client = redis_from_url(url, decode_responses=decode_responses, **kwargs)
         _clients[key] = client
     return client
+
+
+def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """A new redis-py client for ``url``: ``redis.Redis.from_url`` for one server; for a
+    ``sentinel://`` URL a client of the group's primary, which asks the Sentinels where the
+    primary is on every (re)connect and so follows a failover (the one place clients are built
+    from a URL)."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **kwargs)
+    spec = parse_sentinel_url(url)
+    common = {k: kwargs[k] for k in _SENTINEL_SHARED if k in kwargs}
+    sentinel_kwargs: dict[str, Any] = dict(common)
+    if spec.sentinel_password:
+        sentinel_kwargs["password"] = spec.sentinel_password
+    if spec.ssl:
+        sentinel_kwargs["ssl"] = True
+        kwargs["ssl"] = True
+    group = redis.sentinel.Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs)
+    if spec.username:
+        kwargs.setdefault("username", spec.username)
+    if spec.password is not None:
+        kwargs.setdefault("password", spec.password)
+    return group.master_for(spec.master, db=spec.db, **kwargs)
+
+
+# what a Sentinel connection shares with the data nodes' (never the data nodes' credentials)
+_SENTINEL_SHARED = ("socket_connect_timeout", "socket_timeout", "retry")
 
 
 def client_location(client: Any) -> str:
@@ -36,6 +64,12 @@ def client_location(client: Any) -> str:
     error about a TLS Redis does not name a plain ``redis://`` one."""
     pool = client.connection_pool
     kw = pool.connection_kwargs
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+        hosts = ",".join(
+            "{host}:{port}".format(**s.connection_pool.connection_kwargs)
+            for s in pool.sentinel_manager.sentinels
+        )
+        return f"sentinel://{hosts}/{kw.get('db', 0)} (master {pool.service_name})"
     if kw.get("path"):
         return f"unix://{kw['path']}?db={kw.get('db', 0)}"
     tls = isinstance(pool.connection_class, type) and issubclass(

@@ -287,7 +287,16 @@ class KeyspaceListener:
 
     def _reconnected(self) -> None:
         self.reconnects += 1
+        self._renotify()
         self.wake_all()
+
+    def _renotify(self) -> None:
+        """Switch key events on again: the server now answering may be a replica promoted by
+        Sentinel, or a restarted Redis, that never had them."""
+        try:
+            self.notifications = enable_notifications(self.client)
+        except StoreUnavailable:  # gone again: the next reconnect tries once more
+            pass
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -299,6 +308,7 @@ class KeyspaceListener:
                 self._resubscribed += 1
                 if self._resubscribed % len(self.channels) == 0:
                     self.reconnects += 1
+                    self._renotify()
                 self.wake_all()
             return
         if kind != "message":

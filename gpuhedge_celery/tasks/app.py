@@ -45,6 +45,7 @@ from ..names import (
     gpu_queue,
 )
 from ..names import TASK_GPU_RUN as TASK_GPU_RUN
+from ..redis_url import celery_transport_options, celery_url
 from .config import GlueConfig
 from .message_signing import Signing
 from .message_signing import enable as enable_signing
@@ -88,7 +89,9 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
             # by default), and no message of any dead worker comes back until then.
             "unacked_mutex_expire": int(min(300.0, max(5.0, config.visibility_timeout_s))),
         }
-    results: dict[str, object] = {}
+    # behind Sentinel, Celery and kombu take the master's name as a transport option
+    transport.update(celery_transport_options(config.broker))
+    results: dict[str, object] = dict(celery_transport_options(url))
     if config.broker_prefix:
         if config.broker_kind == "redis":
             transport["global_keyprefix"] = config.broker_prefix
@@ -100,8 +103,8 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         queues = [Queue(name) for name in config.coord_queues]
         pool, concurrency = "threads", config.coord_concurrency
     conf: dict[str, object] = {
-        "broker_url": config.broker,
-        "result_backend": url,
+        "broker_url": celery_url(config.broker),
+        "result_backend": celery_url(url),
         "broker_transport_options": transport,
         "result_backend_transport_options": results,
         "broker_connection_retry_on_startup": True,

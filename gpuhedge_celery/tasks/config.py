@@ -18,12 +18,14 @@ from .. import envvars
 from ..errors import ConfigError
 from ..gpus import default_host, parse_labels
 from ..names import COORD_QUEUES
+from ..redis_url import is_sentinel, parse_sentinel_url
 from ..runners import runner_from_spec
 from ..shared_settings import Settings, redact_url
 
 BROKER_SCHEMES = {
     "redis": "redis",
     "rediss": "redis",
+    "sentinel": "redis",
     "amqp": "amqp",
     "amqps": "amqp",
     "pyamqp": "amqp",
@@ -156,9 +158,12 @@ class GlueConfig:
         scheme, sep, _ = (broker_url or "").partition("://")
         if broker_url is not None and (not sep or scheme.lower() not in BROKER_SCHEMES):
             raise ConfigError(
-                f"expected an amqp://, amqps:// or redis:// URL, got {redact_url(broker_url)!r}",
+                "expected an amqp://, amqps://, redis:// or sentinel:// URL, got "
+                f"{redact_url(broker_url)!r}",
                 key=envvars.BROKER_URL_VAR,
             )
+        if broker_url is not None and is_sentinel(broker_url):
+            parse_sentinel_url(broker_url, key=envvars.BROKER_URL_VAR)
         values.update(
             settings=settings,
             broker_prefix=envvars.broker_prefix(env, settings.prefix),
