@@ -65,10 +65,7 @@ def client_location(client: Any) -> str:
     pool = client.connection_pool
     kw = pool.connection_kwargs
     if isinstance(pool, redis.sentinel.SentinelConnectionPool):
-        hosts = ",".join(
-            "{host}:{port}".format(**s.connection_pool.connection_kwargs)
-            for s in pool.sentinel_manager.sentinels
-        )
+        hosts = ",".join(f"{host}:{port}" for host, port in _sentinels(pool))
         return f"sentinel://{hosts}/{kw.get('db', 0)} (master {pool.service_name})"
     if kw.get("path"):
         return f"unix://{kw['path']}?db={kw.get('db', 0)}"
@@ -150,13 +147,25 @@ def same_database(a: Any, b: Any) -> bool:
     socket, and db number): a script run through one may then write keys the other reads."""
 
     def where(client: Any) -> tuple[Any, ...] | None:
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        pool = getattr(client, "connection_pool", None)
+        kwargs = getattr(pool, "connection_kwargs", None)
         if not isinstance(kwargs, dict):
             return None
+        if isinstance(pool, redis.sentinel.SentinelConnectionPool):  # the group's primary
+            return pool.service_name, _sentinels(pool), int(kwargs.get("db") or 0)
         place = kwargs.get("path") or kwargs.get("host")
-        if not place:  # a pool that does not say where it connects (Sentinel): not known
+        if not place:  # a pool that does not say where it connects: not known
             return None
         return place, int(kwargs.get("port") or 6379), int(kwargs.get("db") or 0)
 
     found = where(a)
     return found is not None and found == where(b)
+
+
+def _sentinels(pool: redis.sentinel.SentinelConnectionPool) -> tuple[tuple[str, int], ...]:
+    """The Sentinels ``pool`` asks for its primary, as sorted (host, port) pairs."""
+    found = []
+    for sentinel in pool.sentinel_manager.sentinels:
+        kwargs = sentinel.connection_pool.connection_kwargs
+        found.append((str(kwargs.get("host")), int(kwargs.get("port") or 26379)))
+    return tuple(sorted(found))
