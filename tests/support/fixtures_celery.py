@@ -109,9 +109,9 @@ class CeleryCluster:
             self.env["GPUHEDGE_BROKER_URL"] = broker_url
         self.config = GlueConfig.from_env(self.env)
         self.app = create_app(self.config)
-        import redis
+        from gpuhedge_celery.store.connection import redis_from_url
 
-        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.client = redis_from_url(redis_url, decode_responses=True)  # a Sentinel URL too
         self.store = LeaseStore(self.client, prefix)
         self.workers: list[CeleryWorker] = []
         self._count = 0

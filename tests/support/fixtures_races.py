@@ -103,10 +103,9 @@ class RaceCluster:
     """Real workers plus helpers to run races and read what they left in Redis."""
 
     def __init__(self, cluster: Any, config_path: Path):
-        import redis
-
         from gpuhedge_celery.config import load_config
         from gpuhedge_celery.providers.simledger import RedisLedger
+        from gpuhedge_celery.store.connection import redis_from_url
         from gpuhedge_celery.store.races import RaceStore
 
         self.cluster = cluster
@@ -114,7 +113,7 @@ class RaceCluster:
         self.prefix = cluster.prefix
         self.redis_url = cluster.redis_url
         self.config_path = config_path
-        self.client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+        self.client = redis_from_url(cluster.redis_url, decode_responses=True)
         self.store = RaceStore(self.client, self.prefix)
         self.ledger = RedisLedger(self.client, self.prefix)
         self.config = load_config(config_path)
