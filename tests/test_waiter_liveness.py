@@ -144,13 +144,13 @@ def test_paused_head_waiter_is_passed_over_and_dropped_after_its_heartbeat_lapse
     try:
         released = time.monotonic()
         lease_store.release(held)
-        kind, holder, _gpu, _token, got = waiters[1].get(timeout=10)
+        kind, holder, _gpu, l0_token, got = waiters[1].get(timeout=10)
         assert (kind, holder) == ("acquired", "l0")
         assert PASS_OVER_S - 0.005 <= got - released <= HANDOFF_BOUND_S  # passed over
         assert lease_store.queue(POOL) == ["paused", "l1"]  # it kept its place meanwhile
         kind, holder, *_, freed = waiters[1].get(timeout=10)
         assert (kind, holder) == ("released", "l0")
-        kind, holder, *_, got = waiters[1].get(timeout=10)
+        kind, holder, _gpu, l1_token, got = waiters[1].get(timeout=10)
         assert (kind, holder) == ("acquired", "l1")
         assert 0 <= got - freed <= HANDOFF_BOUND_S, got - freed  # no pass-over wait
         assert lease_store.queue(POOL) == []  # silent for longer than PROCESS_TTL_MS: dropped
@@ -159,7 +159,7 @@ def test_paused_head_waiter_is_passed_over_and_dropped_after_its_heartbeat_lapse
     # Resumed, it re-joins at the back and still gets the GPU after l1.
     assert wait_until(lambda: lease_store.queue(POOL) == ["paused"], 5), lease_store.queue(POOL)
     rows = collect(victim[1], ["paused"])
-    assert rows["paused"]["token"] == held.token + 3
+    assert held.token < l0_token < l1_token < rows["paused"]["token"] == lease_store.last_token(gpu)
     for proc, _, _ in (victim, waiters):
         proc.join(10)
 

@@ -1,12 +1,14 @@
 """Every Lua script of the package, registered once per client, and the lease return codes.
 
-Each ``lua/*.lua`` file starts with a comment block listing its KEYS, ARGV and return codes.
+Each ``lua/*.lua`` file starts with a comment block listing its KEYS, ARGV and return codes;
+``lua/_token.lua`` is no script but the fencing-token rule, put before each script that uses it.
 :func:`lua_script` is the one registration path (lease, race and timer stores all use it);
 :func:`raise_for_code` is the one place where the lease scripts' codes become typed exceptions.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable, Iterable
 from functools import cache
@@ -21,7 +23,7 @@ from ..errors import LeaseLost, StaleToken
 OK = 1
 BUSY = 0
 GONE = -1  # no lease: it expired or was freed
-NOT_HOLDER = -2  # the lease carries another token
+NOT_HOLDER = -2  # the lease carries another token (or this token with another holder)
 STALE = -3  # a newer token was already accepted
 UNKNOWN_GPU = -4
 OUT_OF_POOL = -6  # the GPU takes no new lease (drained, unhealthy, model not loaded)
@@ -39,9 +41,20 @@ SCRIPT_NAMES = (
 )
 
 
+# Scripts that name one of these get lua/_token.lua (the fencing-token rule) put before them.
+_TOKEN_FUNCTIONS = re.compile(r"\b(?:next_token|token_text)\(")
+
+
+def _read_lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua").joinpath(f"{name}.lua").read_text("utf-8")
+
+
 @cache
 def _lua_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua").joinpath(f"{name}.lua").read_text("utf-8")
+    source = _read_lua(name)
+    if _TOKEN_FUNCTIONS.search(source):
+        return _read_lua("_token") + source
+    return source
 
 
 _scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()

@@ -30,7 +30,7 @@ if current ~= token then
   return {-2, current}
 end
 if token > accepted then
-  redis.call('SET', KEYS[2], token)
+  redis.call('SET', KEYS[2], token_text(token))  -- _token.lua, prepended
 end
 if #KEYS >= 4 then
   return {1, redis.call('SET', KEYS[4], ARGV[2], 'GET') or ''}

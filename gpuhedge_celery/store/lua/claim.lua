@@ -1,4 +1,5 @@
--- claim: take a free GPU's lease and issue the next fencing token in one step.
+-- claim: take a free GPU's lease and issue the next fencing token in one step (next_token:
+-- _token.lua, prepended).
 -- KEYS[1] lease key        KEYS[2] fence counter
 -- KEYS[3] GPU hash         KEYS[4] pool TTL hash
 -- KEYS[5] the GPU's out-of-pool hash (reason -> detail; present while the GPU takes no lease:
@@ -23,6 +24,6 @@ local ttl = tonumber(ARGV[2])
 if ttl <= 0 then
   ttl = tonumber(redis.call('HGET', KEYS[4], pool) or ARGV[4])
 end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], token .. '|' .. ARGV[3] .. '|' .. ARGV[1], 'NX', 'PX', ttl)
+local token = next_token(KEYS[2])
+redis.call('SET', KEYS[1], token_text(token) .. '|' .. ARGV[3] .. '|' .. ARGV[1], 'NX', 'PX', ttl)
 return {1, token, ttl, pool}

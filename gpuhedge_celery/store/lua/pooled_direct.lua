@@ -45,11 +45,12 @@ for i = 1, (#KEYS - 5) / 5 do
       and redis.call('HGET', KEYS[base + 5], 'pool') == ARGV[4] then
     local gpu = ARGV[5 + i]
     local ttl = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or ARGV[5])
-    local token = redis.call('INCR', KEYS[base + 2])
-    redis.call('SET', KEYS[base + 1], token .. '|' .. now .. '|' .. ARGV[1], 'NX', 'PX', ttl)
+    local token = next_token(KEYS[base + 2], now)  -- _token.lua, prepended
+    local text = token_text(token)
+    redis.call('SET', KEYS[base + 1], text .. '|' .. now .. '|' .. ARGV[1], 'NX', 'PX', ttl)
     redis.call('HDEL', KEYS[5], gpu)
     redis.call('HSET', KEYS[1], 'data', ARGV[2], 'state', 'handed', 'delivery', 'direct',
-      'attempt', '0', 'gpu', gpu, 'token', token)
+      'attempt', '0', 'gpu', gpu, 'token', text)
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     redis.call('ZADD', KEYS[2], now, ARGV[1])
     return {1, gpu, token, ttl, now}

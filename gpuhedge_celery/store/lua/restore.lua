@@ -19,7 +19,7 @@ if token < tonumber(redis.call('GET', KEYS[3]) or '0') then
 end
 -- Never let the counter fall behind a token in use, or a later claim could reuse it.
 if tonumber(redis.call('GET', KEYS[2]) or '0') < token then
-  redis.call('SET', KEYS[2], token)
+  redis.call('SET', KEYS[2], token_text(token))  -- _token.lua, prepended
 end
-redis.call('SET', KEYS[1], token .. '|' .. ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[1], token_text(token) .. '|' .. ARGV[4] .. '|' .. ARGV[1], 'PX', ARGV[3])
 return 1

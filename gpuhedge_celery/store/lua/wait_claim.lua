@@ -153,8 +153,9 @@ end
 
 for i = 1, n do
   if free[i] and accepts(ARGV[5], ids[i]) then
-    local token = redis.call('INCR', KEYS[4 + 3 * i])
-    redis.call('SET', KEYS[3 + 3 * i], token .. '|' .. ARGV[2] .. '|' .. holder, 'NX', 'PX', ARGV[3])
+    local token = next_token(KEYS[4 + 3 * i], now)  -- _token.lua, prepended
+    redis.call('SET', KEYS[3 + 3 * i], token_text(token) .. '|' .. ARGV[2] .. '|' .. holder,
+      'NX', 'PX', ARGV[3])
     redis.call('ZREM', KEYS[1], holder)
     redis.call('HDEL', KEYS[2], holder)
     if seen[i] or since[i] then
