@@ -109,7 +109,8 @@ class StaleToken(LeaseError):
         self.gpu_id = gpu_id
         self.token = token
         self.current = current
-        text = f"GPU {gpu_id!r} refused fencing token {token}: token {current} is newer"
+        why = f"token {current} is newer" if current != token else "it ran other work already"
+        text = f"GPU {gpu_id!r} refused fencing token {token}: {why}"
         super().__init__(text)
         self._keep(text, gpu_id, token, current)
 

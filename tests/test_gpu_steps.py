@@ -35,10 +35,14 @@ def test_a_job_starts_only_unstopped_and_under_its_current_token(store, redis_cl
     assert redis_client.get(running.key) == running.value
     assert store.accepted_token("h:0") == lease.token
     assert begin(store, lease, running) == (STARTED, False)  # repeated after a lost reply
-    # a delivery after this one died running the job, same job, same token: it crashed
+    # another delivery under the same token in this process: its mark refuses it
     again = RunningRecord(store, lease, "job-1")
     again.value = running.value.rsplit("|", 1)[0] + "|1"  # written at another moment
-    assert begin(store, lease, again) == (STARTED, True)
+    with pytest.raises(StaleToken, match="ran other work"):
+        begin(store, lease, again)
+    # a delivery in the worker's next process after this one died running the job: it crashed
+    next_process = LeaseStore(redis_client, store.prefix)
+    assert begin(next_process, lease, again) == (STARTED, True)
     assert finish(store, lease, "job-1") is True
     assert store.current("h:0") is None and redis_client.get(running.key) is None
 
@@ -55,10 +59,10 @@ def test_a_refused_fence_writes_no_running_record(store, redis_client):
     assert redis_client.get(stale.key) == running_new.value  # the running job's, untouched
     assert finish(store, new, "job-new") is True
     with pytest.raises(LeaseLost):  # no lease at all
-        begin(store, new, RunningRecord(store, new, "job-new"))
+        begin(store, new, running_new)
     other = store.try_claim("h:0", "job-other")
     with pytest.raises(LeaseLost):  # the lease carries another token
-        begin(store, new, RunningRecord(store, new, "job-new"))
+        begin(store, new, running_new)
     assert finish(store, new, "job-new") is False  # not ours to release
     assert store.current("h:0").token == other.token
 

@@ -1,4 +1,5 @@
-"""Pure lease rules: state classification and TTL suggestions, as tables (no server)."""
+"""Pure lease rules: state classification, TTL suggestions and the GPU worker's own fence mark,
+as tables (no server)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,36 @@ from gpuhedge_celery.core.lease_rules import (
     FREE,
     HELD,
     STALE,
+    FenceMark,
     classify,
     percentile,
     suggest_ttl,
     validate_ttl_ms,
 )
 from gpuhedge_celery.store.listener import merged_flags
+
+
+@pytest.mark.parametrize(
+    "token, delivery, refused",
+    [
+        (6, "other", False),  # newer: any delivery
+        (5, "d1", False),  # the same delivery again (its reply was lost)
+        (5, "d2", True),  # the same number for other work (a failover re-issued it)
+        (4, "d1", True),  # older than the mark, even for the same delivery
+    ],
+)
+def test_fence_mark_refuses_older_tokens_and_repeats_only_for_the_same_delivery(
+    token, delivery, refused
+):
+    assert FenceMark(5, "d1").refuses(token, delivery) is refused
+    assert FenceMark().refuses(token, delivery) is False  # no mark yet: Redis decides alone
+
+
+def test_fence_mark_never_goes_down():
+    mark = FenceMark().after(5, "d1")
+    assert mark == FenceMark(5, "d1")
+    assert mark.after(4, "d0") == mark and mark.after(5, "d2") == mark
+    assert mark.after(9, "d3") == FenceMark(9, "d3")
 
 
 @pytest.mark.parametrize(

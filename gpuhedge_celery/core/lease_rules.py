@@ -263,3 +263,24 @@ def parse_lease_value(value: str) -> tuple[int, int, str]:
     """Split a lease value ``token|since_ms|holder`` (the holder may itself contain ``|``)."""
     token, since, holder = value.split("|", 2)
     return int(token), int(since), holder
+
+
+@dataclass(frozen=True)
+class FenceMark:
+    """A GPU worker's own high-water mark: the highest token it accepted, and for which delivery.
+
+    It backs up the ``accepted`` key in Redis, which a failover may lose: a token below the mark,
+    or equal to it for another delivery (a failover can issue a number again), is refused, while
+    the same delivery repeating its check after a lost reply is not.
+    """
+
+    token: int = 0
+    delivery: str = ""
+
+    def refuses(self, token: int, delivery: str) -> bool:
+        """Whether work carrying ``token`` for ``delivery`` must not run under this mark."""
+        return token < self.token or (token == self.token and delivery != self.delivery)
+
+    def after(self, token: int, delivery: str) -> FenceMark:
+        """The mark once ``token`` was accepted for ``delivery`` (it never goes down)."""
+        return FenceMark(token, delivery) if token > self.token else self

@@ -1,9 +1,12 @@
 """The GPU lease table in Redis: registry, claims with fencing tokens, renew, release, reconcile.
 
 A lease is the string key ``<prefix>:lease:<gpu>`` = ``token|since_ms|holder`` with a PX TTL,
-created by one Lua script that also INCRs the GPU's fencing counter, so tokens strictly increase
-per GPU. Release and renew compare the token inside Lua; a holder whose lease is gone or was
-taken over gets :class:`~gpuhedge_celery.errors.LeaseLost`, never a silent success.
+created by one Lua script that also issues the GPU's next fencing token, the larger of its INCR'd
+counter and Redis's clock in ms x 1000 (``lua/_token.lua``), so tokens strictly increase per GPU,
+across a failover that lost the counter's last writes too. Release and renew compare the token
+and the holder inside Lua; a holder whose lease is gone or was taken over gets
+:class:`~gpuhedge_celery.errors.LeaseLost`, never a silent success. The worker-side fence check
+also keeps this process's own mark per GPU (:class:`~gpuhedge_celery.core.lease_rules.FenceMark`).
 
 Deviations from / additions to the agreed API (for the Celery-glue engineer):
 
@@ -25,6 +28,7 @@ Deviations from / additions to the agreed API (for the Celery-glue engineer):
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from ..core.lease_rules import (
     DEFAULT_POOL_TTL_MS,
+    FenceMark,
     GpuInfo,
     Lease,
     LeaseRow,
@@ -41,7 +46,7 @@ from ..core.lease_rules import (
     parse_out,
     validate_ttl_ms,
 )
-from ..errors import ConfigError, EmptyPool, UnknownPool
+from ..errors import ConfigError, EmptyPool, StaleToken, UnknownPool
 from .connection import client_for, client_location, translate_errors
 from .keeper import LeaseKeeper
 from .keys import Keys
@@ -101,6 +106,10 @@ class LeaseStore:
         self.keys = Keys(prefix)
         self.scripts = scripts_for(client)
         self.where = client_location(client)  # never holds the password
+        # The highest token this process accepted per GPU: what Redis's accepted key says,
+        # kept here too because a failover can lose that key.
+        self._marks: dict[str, FenceMark] = {}
+        self._marks_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LeaseStore:
@@ -252,14 +261,18 @@ class LeaseStore:
         """Extend ``lease`` (to ``ttl_ms`` or its own TTL); LeaseLost if it is no longer held."""
         ttl = lease.ttl_ms if ttl_ms is None else _ttl(ttl_ms, "ttl_ms")
         with self.guard():
-            code = self.scripts.renew(keys=[self.keys.lease(lease.gpu_id)], args=[lease.token, ttl])
+            code = self.scripts.renew(
+                keys=[self.keys.lease(lease.gpu_id)], args=[lease.token, ttl, lease.holder]
+            )
         raise_for_code(int(code), lease.gpu_id, lease.token)
         return replace(lease, ttl_ms=ttl)
 
     def release(self, lease: Lease) -> None:
         """Free ``lease``'s GPU; LeaseLost if the lease expired or another holder has it."""
         with self.guard():
-            code = self.scripts.release(keys=[self.keys.lease(lease.gpu_id)], args=[lease.token])
+            code = self.scripts.release(
+                keys=[self.keys.lease(lease.gpu_id)], args=[lease.token, lease.holder]
+            )
         raise_for_code(int(code), lease.gpu_id, lease.token)
 
     def current(self, gpu_id: str) -> Lease | None:
@@ -274,14 +287,37 @@ class LeaseStore:
         token, since, holder = parse_lease_value(_text(value))
         return Lease(gpu_id, pool, token, holder, ttl, since)
 
-    def check_fence(self, gpu_id: str, token: int) -> None:
-        """Worker-side gate: StaleToken if a newer token was accepted, LeaseLost if not current."""
+    def check_fence(self, gpu_id: str, token: int, delivery: str = "") -> None:
+        """Worker-side gate: StaleToken if a newer token was accepted (in Redis, or by this
+        process: :meth:`check_mark`), LeaseLost if not current. ``delivery`` names the work, so
+        the same work may check again."""
+        token = int(token)
+        self.check_mark(gpu_id, token, delivery)
         k = self.keys
         with self.guard():
             code, current = self.scripts.check_fence(
-                keys=[k.lease(gpu_id), k.accepted(gpu_id)], args=[int(token)]
+                keys=[k.lease(gpu_id), k.accepted(gpu_id)], args=[token]
             )
-        raise_for_code(int(code), gpu_id, int(token), int(current))
+        raise_for_code(int(code), gpu_id, token, int(current))
+        self.record_mark(gpu_id, token, delivery)
+
+    def check_mark(self, gpu_id: str, token: int, delivery: str = "") -> None:
+        """StaleToken if this process accepted a newer token for the GPU, or this one for
+        another delivery (before any Redis step: the refused work never starts)."""
+        with self._marks_lock:
+            mark = self._marks.get(gpu_id, FenceMark())
+        if mark.refuses(token, delivery):
+            raise StaleToken(gpu_id, token, mark.token)
+
+    def record_mark(self, gpu_id: str, token: int, delivery: str = "") -> None:
+        """Remember that this process accepted ``token`` for ``delivery`` on the GPU."""
+        with self._marks_lock:
+            self._marks[gpu_id] = self._marks.get(gpu_id, FenceMark()).after(token, delivery)
+
+    def mark(self, gpu_id: str) -> int:
+        """The highest token this process accepted for the GPU (0 if none)."""
+        with self._marks_lock:
+            return self._marks.get(gpu_id, FenceMark()).token
 
     def accepted_token(self, gpu_id: str) -> int:
         """The highest token the GPU's worker has accepted through check_fence (0 if none)."""

@@ -55,7 +55,10 @@ class RunningRecord:
 def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str, bool]:
     """The job's start: (:data:`STOPPED`, False) when someone asked the request to stop, else
     (:data:`STARTED`, whether a crashed delivery of this job left its running record);
-    :class:`~gpuhedge_celery.errors.StaleToken` / ``LeaseLost`` when the fence refuses it."""
+    :class:`~gpuhedge_celery.errors.StaleToken` / ``LeaseLost`` when the fence refuses it: in
+    Redis, or this process's own mark (a token below it, or equal for another delivery)."""
+    token = int(lease.token)
+    store.check_mark(lease.gpu_id, token, running.value)
     k = store.keys
     keys = [
         k.lease(lease.gpu_id),
@@ -64,12 +67,13 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
         running.key,
     ]
     with store.guard():
-        code, detail = store.scripts.check_fence(keys=keys, args=[int(lease.token), running.value])
+        code, detail = store.scripts.check_fence(keys=keys, args=[token, running.value])
     code = int(code)
     if code == 0:
         return STOPPED, False
     if code != 1:
-        raise_for_code(code, lease.gpu_id, int(lease.token), int(detail))
+        raise_for_code(code, lease.gpu_id, token, int(detail))
+    store.record_mark(lease.gpu_id, token, running.value)
     return STARTED, running.crashed_before(as_text(detail))
 
 
@@ -99,7 +103,7 @@ def finish(store: LeaseStore, lease: Lease, task_id: str) -> bool:
         with store.guard():
             code = lua_script(store.client, "gpu_finish")(
                 keys=[k.running(lease.gpu_id), k.lease(lease.gpu_id)],
-                args=[f"{task_id}|", str(lease.token)],
+                args=[f"{task_id}|", str(lease.token), lease.holder],
             )
         raise_for_code(int(code), lease.gpu_id, lease.token)
 
