@@ -110,6 +110,11 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     _h("gpuhedge_cancel_token_wait_seconds",
        "How long a loser's cancel waited for the fleet's rate-limit token before it was sent.",
        (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0), "provider"),
+    # -- Redis replicas (GPUHEDGE_REDIS_WAIT_REPLICAS) -----------------------------------------
+    _c("gpuhedge_replica_wait_short",
+       "WAITs after a winner claim or a budget reservation that fewer replicas than asked "
+       "acknowledged, by what was written and whether it was sent again or left to a retry.",
+       "what", "outcome"),
 )
 
 REDIS_METRICS: tuple[MetricSpec, ...] = (

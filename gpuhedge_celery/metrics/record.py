@@ -274,6 +274,16 @@ def cancel_token_wait(provider: str, seconds: float) -> None:
         m.child("cancel_token_wait_seconds", provider).observe(max(0.0, seconds))
 
 
+# ---------------------------------------------------------------------- Redis replicas
+def replica_wait_short(what: str, outcome: str) -> None:
+    """A ``WAIT`` after a ``winner`` claim or a ``reservation`` came back with fewer replicas
+    than asked: the write is sent again (``retried``) or its step left to a retry
+    (``gave_up``)."""
+    m = _m()
+    if m:
+        m.child("replica_wait_short", what, outcome).inc()
+
+
 def http_error_kind(status: int) -> str:
     """The error kind of an HTTP error status (429 is the provider's rate limit)."""
     return "rate_limited" if status == 429 else "http"

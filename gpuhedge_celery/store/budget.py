@@ -3,7 +3,9 @@
 * :meth:`BudgetStore.prepare` builds one attempt's reservation (``budget_reserve.lua``): its
   worst case checked against every cap that applies and charged to every scope, or refused,
   and a ledger entry either way, in one atomic script. It is queued on a pipeline the caller
-  already sends (the submit claim's), so reserving costs no extra round trip.
+  already sends (the submit claim's), so reserving costs no extra round trip. With replicas
+  to wait for (:mod:`.replicas`), a ``WAIT`` follows it and a granted reservation counts only
+  once they hold it (:meth:`BudgetStore.acknowledged`, before its job is submitted).
 * :meth:`BudgetStore.queue_settle` / :meth:`settle` settle reservations to their cost
   (``budget_settle.lua``); a reservation settles once, so one that rides in a race save
   settles only if that save wins.
@@ -25,6 +27,7 @@ from typing import Any
 from ..core.budget import BudgetCaps, refusal_text, to_nano, to_usd
 from ..errors import StoreError
 from .race_keys import SaveMark, budget_keys, reservation_id
+from .replicas import ReplicaAcks
 from .round_trip import RoundTrip
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -51,7 +54,9 @@ class Reservation:
 class PendingReservation:
     """A reservation queued on a pipeline; :meth:`take` reads its reply.
 
-    ``cap_name(slot)`` names the cap of a slot (only asked when one refused).
+    ``cap_name(slot)`` names the cap of a slot (only asked when one refused). With replicas to
+    wait for, ``acked`` is the reply of the ``WAIT`` that followed it (:attr:`held`) and
+    ``saved`` the mark of the race save it rode with, if any (to send it again the same way).
     """
 
     store: BudgetStore
@@ -60,6 +65,8 @@ class PendingReservation:
     args: list[Any]
     cap_name: Callable[[int], str]
     result: Reservation | None = None
+    acked: Any = None
+    saved: SaveMark | None = None
 
     def queue(self, pipe: Any) -> None:
         queue_script(pipe, self.store.reserve_script, self.keys, self.args)
@@ -73,12 +80,34 @@ class PendingReservation:
 
     def ride(self, trip: RoundTrip, saved: SaveMark | None = None) -> None:
         """Ride in ``trip``: reserve with its round trip (``saved``: only if the race save it
-        rides with wins), the reply read into :attr:`result`."""
-        queue = self.queue if saved is None else (lambda pipe: self.queue_on_save(pipe, saved))
-        trip.ride(queue, (self.store.reserve_script,), self._took)
+        rides with wins), the reply read into :attr:`result`; with replicas to wait for, a
+        ``WAIT`` after it, its reply read into :attr:`acked`."""
+        self.saved = saved
+        trip.ride(self.queue_held, (self.store.reserve_script,), self.took)
 
-    def _took(self, replies: list[Any]) -> None:
+    def queue_held(self, pipe: Any) -> None:
+        """The reservation as it rides (on its save or alone), then ``WAIT`` where replicas
+        must hold it; read the replies with :meth:`took`."""
+        if self.saved is None:
+            self.queue(pipe)
+        else:
+            self.queue_on_save(pipe, self.saved)
+        if self.store.acks.on:
+            self.store.acks.queue(pipe)
+
+    def took(self, replies: list[Any]) -> None:
         self.take(replies)
+        if self.store.acks.on:
+            self.acked = replies[1]
+
+    @property
+    def held(self) -> bool:
+        """Whether it may be spent on: replicas hold it, or none need to, or nothing was
+        granted (nothing to spend)."""
+        acks, found = self.store.acks, self.result
+        if not acks.on or found is None or not found.granted:
+            return True
+        return acks.held(self.acked)
 
     def take(self, replies: Sequence[Any]) -> Reservation:
         code, value, used, slot = (int(x) for x in replies[0])
@@ -102,9 +131,18 @@ class PendingReservation:
 class BudgetStore:
     """The budget ledger under ``prefix`` (keys from :func:`budget_keys`)."""
 
-    def __init__(self, client: Any, prefix: str = "gpuhedge", *, keep_s: float = KEEP_S):
+    def __init__(
+        self,
+        client: Any,
+        prefix: str = "gpuhedge",
+        *,
+        keep_s: float = KEEP_S,
+        acks: ReplicaAcks | None = None,
+    ):
         self.client = client
         self.prefix = prefix
+        # replicas that must hold a granted reservation before its job is submitted (0: none)
+        self.acks = acks or ReplicaAcks()
         self.keys = budget_keys(prefix)
         self.keep_ms = int(keep_s * 1000)
         self.reserve_script = lua_script(client, "budget_reserve")
@@ -148,10 +186,34 @@ class BudgetStore:
         return PendingReservation(self, rid, keys, args, cap_name)
 
     def reserve(self, pending: PendingReservation) -> Reservation:
-        """Run a prepared reservation on its own (one round trip)."""
+        """Run a prepared reservation on its own (one round trip); with replicas to wait for,
+        a granted one only once they hold it (:meth:`acknowledged`)."""
+        if self.acks.on:
+            return self.acknowledged(pending)
         with store_errors("reserving a budget"):
             replies = run_pipeline(self.client, pending.queue, [self.reserve_script])
         return pending.take(replies)
+
+    def acknowledged(self, pending: PendingReservation) -> Reservation:
+        """The reservation once the replicas :attr:`acks` asks for hold it: as answered if
+        they do already (:attr:`PendingReservation.held`), else sent (again: answered as a
+        repeat, or refused now if it was lost and no longer fits) with ``WAIT`` after it
+        until they do. Raises :class:`~.replicas.NotAcknowledged` when they never do: nothing
+        may be spent on it yet."""
+        if pending.result is not None and pending.held:
+            return pending.result
+        what = f"budget reservation {pending.reservation_id}"
+
+        def send() -> tuple[Reservation, Any]:
+            with store_errors("reserving a budget"):
+                replies = run_pipeline(self.client, pending.queue_held, [self.reserve_script])
+            pending.took(replies)
+            found = pending.result
+            assert found is not None
+            return found, pending.acked if found.granted else None  # a refusal spends nothing
+
+        short = pending.acked if pending.result is not None else None
+        return self.acks.until_held(what, "reservation", send, short=short)
 
     # -- settling ----------------------------------------------------------------------------
 

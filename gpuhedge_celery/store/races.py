@@ -7,7 +7,8 @@ race engine's serialised state machine on top:
   script refuses it if anyone saved since, so two coordinators (or a redelivered task) can never
   both advance a race from the same version;
 * **the winner** is claimed with set-if-absent: exactly one attempt ever wins, and the same
-  attempt claiming again (a duplicate delivery) is told it won;
+  attempt claiming again (a duplicate delivery) is told it won; with replicas to wait for
+  (:mod:`.replicas`), a claim counts only once they acknowledge it;
 * **live provider jobs** are registered per race, for the janitor (:mod:`.race_jobs`);
 * **heartbeats and ownership** (:mod:`.race_liveness`): every race has a heartbeat in one
   cross-race ZSET, and an ownership lease with a fencing token that a janitor takes before
@@ -38,6 +39,7 @@ from .race_keys import ResultWrite, SaveMark, finished_races_key, live_races_key
 from .race_liveness import RaceLiveness
 from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
+from .replicas import NotAcknowledged, ReplicaAcks
 from .round_trip import RoundTrip
 from .scripts import lua_script, queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -117,6 +119,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         keeping: Keeping | None = None,
         *,
         clock: Clock | None = None,
+        acks: ReplicaAcks | None = None,
     ):
         keeping = keeping or Keeping()
         receipt_ttl_s, state_ttl_s = keeping.receipt_ttl_s, keeping.state_ttl_s
@@ -128,6 +131,8 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self.receipt_ttl_s = receipt_ttl_s
         self.state_ttl_s = state_ttl_s
         self.clock = clock or WallClock()
+        # replicas that must hold a winner claim before its result is published (0: none)
+        self.acks = acks or ReplicaAcks()
         self.live_key = live_races_key(prefix)
         self.records = RecordStream(client, prefix, records_maxlen)  # finished races' records
         self.finished_key = finished_races_key(prefix)
@@ -413,15 +418,70 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     # -- the winner --------------------------------------------------------------------------
 
     def claim_winner(self, race_id: str, attempt_id: str) -> WinnerClaim:
-        """Make ``attempt_id`` the race's one winner unless another attempt already is."""
+        """Make ``attempt_id`` the race's one winner unless another attempt already is.
+
+        With replicas to wait for (:attr:`acks`), a claim this attempt holds is returned only
+        once they acknowledge it (:class:`~.replicas.NotAcknowledged` otherwise)."""
         if not isinstance(attempt_id, str) or not attempt_id:
             raise ValueError(f"invalid attempt id {attempt_id!r}: expected a non-empty string")
         keys = race_keys(self.prefix, race_id)
+        args = [attempt_id, ms(self.state_ttl_s)]
+        if self.acks.on:
+            return self._held_claim(race_id, attempt_id, [keys.winner], args)
         with store_errors(f"claiming the winner of race {race_id!r}"):
-            won, winner, first = self._claim_winner(
-                keys=[keys.winner], args=[attempt_id, ms(self.state_ttl_s)]
-            )
+            won, winner, first = self._claim_winner(keys=[keys.winner], args=args)
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
+
+    def confirm_winner(
+        self, race_id: str, attempt_id: str, saved: SaveMark, ridden: WinnerClaim, acked: Any
+    ) -> WinnerClaim:
+        """A claim that rode in the save marked ``saved`` and won (``ridden``), but whose
+        ``WAIT`` (its reply ``acked``) fewer replicas acknowledged than :attr:`acks` asks: sent
+        again (the same claim: it still claims only if that save is in Redis) until they do.
+        Raises :class:`~.replicas.NotAcknowledged` when they never do, and when the save
+        itself is gone (lost in a failover: the step is decided again from Redis)."""
+        keys = race_keys(self.prefix, race_id)
+        claim = self._held_claim(
+            race_id,
+            attempt_id,
+            [keys.winner, saved.state_key],
+            [attempt_id, ms(self.state_ttl_s), saved.mark],
+            short=acked,
+        )
+        return WinnerClaim(claim.won, claim.winner, claim.won and (claim.first or ridden.first))
+
+    def _held_claim(
+        self, race_id: str, attempt_id: str, keys: list[str], args: list[Any], *, short: Any = None
+    ) -> WinnerClaim:
+        """The claim (``keys``, ``args``: the script's) with ``WAIT`` after it in one
+        pipeline, sent until replicas hold it or another attempt holds the win."""
+        what = f"race {race_id}: the win of {attempt_id}"
+        first = False
+
+        def send() -> tuple[WinnerClaim, Any]:
+            nonlocal first
+
+            def build(pipe: Any) -> None:
+                queue_script(pipe, self._claim_winner, keys, args)
+                self.acks.queue(pipe)
+
+            with store_errors(f"claiming the winner of race {race_id!r}"):
+                reply, acked = run_pipeline(self.client, build, [self._claim_winner])
+            claim = self.winner_claim(reply)
+            if claim is None:  # the save that declared it is not in Redis (a failover)
+                raise NotAcknowledged(
+                    f"{what}: the save that declared it is no longer in Redis; decided again"
+                )
+            first = first or claim.first
+            held = WinnerClaim(claim.won, claim.winner, claim.won and first)
+            # another attempt's win is not ours to publish: nothing to wait for
+            return held, acked if claim.won else None
+
+        try:
+            return self.acks.until_held(what, "winner", send, short=short)
+        except NotAcknowledged:
+            self.copies.forget(race_id)  # the state saved with it may be lost too: read it
+            raise
 
     def queue_claim_winner(
         self,
@@ -437,9 +497,19 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
         ``result``: the caller's result, written by the claim only if it makes the winner
         (first), so neither a losing save nor a resend of this one writes it. The result key
-        is in another hash slot than the race's: a single Redis primary (as for the finish)."""
+        is in another hash slot than the race's: a single Redis primary (as for the finish).
+
+        With replicas to wait for (:attr:`acks`) no result rides (it is published once they
+        hold the claim) and a ``WAIT`` follows the claim: two replies, the second its count
+        (:meth:`RiddenClaim <gpuhedge_celery.race.outcome.RiddenClaim>` reads both)."""
         keys = race_keys(self.prefix, race_id)
         args = [attempt_id, ms(self.state_ttl_s), saved.mark]
+        if self.acks.on:
+            if result is not None:  # it would reach the caller before the replicas hold it
+                raise ValueError("no result rides with a claim that replicas must acknowledge")
+            queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
+            self.acks.queue(pipe)
+            return
         if result is None:
             queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
             return
