@@ -18,6 +18,7 @@ from ..errors import ProviderError
 from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.outage import through_outage
+from ..store.replicas import NotAcknowledged
 from ..store.round_trip import RoundTrip
 from ..webhooks.token import context as webhook_context
 from .backstops import BackstopDrop, launch_backstop_id
@@ -139,9 +140,10 @@ class Submitter:
                 return
             known, claimed = claim
         if known is None:  # the claim is ours (just made, or riding in the create): submit
-            handle = self._submit_claimed(
-                race_id, a, record.state, cast(ClaimedSubmit, claimed), drop
-            )
+            claimed = cast(ClaimedSubmit, claimed)
+            if not self._reservation_held(race_id, a, claimed, drop):
+                return
+            handle = self._submit_claimed(race_id, a, record.state, claimed, drop)
             if handle is None:
                 return
         elif known.get("submitting"):
@@ -217,6 +219,28 @@ class Submitter:
             self._refused(race_id, a, refusal, drop)
             return None
         return known, ClaimedSubmit(intent, request, budget)
+
+    def _reservation_held(
+        self, race_id: str, a: Attempt, claim: ClaimedSubmit, drop: BackstopDrop
+    ) -> bool:
+        """Whether the job may be submitted on the budget's reservation: replicas hold it, or
+        none need to (the store's ``acks``). Not yet held, it is sent again until they do
+        (``BudgetStore.acknowledged``); refused then (lost in a failover and no longer
+        fitting), the attempt is refused. Never held, our submit intent is taken back
+        (nothing was submitted, so the next try claims afresh) and ``NotAcknowledged`` is
+        raised: the launch is retried (the launch backstop, a task retry), never made."""
+        pending = claim.budget
+        if pending is None or pending.held:
+            return True
+        try:
+            found = pending.store.acknowledged(pending)
+        except NotAcknowledged:
+            self.driver.store.remove_job(race_id, a.id)
+            raise
+        if not found.granted:
+            self._refused(race_id, a, found, drop)
+            return False
+        return True
 
     def _submit_claimed(
         self,

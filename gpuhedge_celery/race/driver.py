@@ -42,6 +42,7 @@ from ..core.race_events import (
 from ..errors import StoreError
 from ..metrics import record as metrics
 from ..store.races import RaceRecord, VersionConflict
+from ..store.replicas import NotAcknowledged
 from ..store.round_trip import RoundTrip
 from ..store.timers import Timer
 from .attempts import SubmitHow, Submitter
@@ -363,6 +364,7 @@ class RaceDriver:
         next. What rode in the save (arms, claim, finish) is not done again."""
         race_id, race, state = step.race_id, step.race, step.state
         follow: list[Event] = []
+        unheld: NotAcknowledged | None = None
         self.outcome.announce_sent(race_id, race, step.phases)  # before a win it may have brought
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
@@ -383,7 +385,10 @@ class RaceDriver:
                     timer_id=state["timer_ids"][action.key],
                 )
             elif isinstance(action, DeclareWinner):
-                metrics.race_won(race, self.outcome.declare(race_id, race, state, step.claim))
+                try:
+                    metrics.race_won(race, self.outcome.declare(race_id, race, state, step.claim))
+                except NotAcknowledged as e:  # nothing published: the rest still runs, then
+                    unheld = e  # the step fails, so its retry (or a resume) declares again
             elif isinstance(action, GiveUp):
                 self.outcome.give_up(race_id, race, state)
             elif isinstance(action, RaceFinished):
@@ -393,6 +398,8 @@ class RaceDriver:
         # first changes nothing: the race ignores a timer it no longer wants.
         self.timers.defer_cancels(step.gone)
         self.outcome.lifecycle(step)
+        if unheld is not None:
+            raise unheld
         return follow
 
     @property

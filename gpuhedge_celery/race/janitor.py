@@ -44,6 +44,7 @@ from ..core.receipts import CancelReceipt
 from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
+from ..store.replicas import NotAcknowledged
 from ..store.timers import TimerStore, as_text, store_errors
 from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
@@ -223,6 +224,9 @@ class Janitor:
                 return RaceCleanup(race_id, "skipped: a timer of the race is still waiting")
         handles = {k: v for k, v in jobs.items() if not v.get("submitting")}
         receipts = self._cancel_jobs(race, jobs)
+        if not had_receipt and not self._winner_held(race_id, race):
+            # ended, the race would never be looked at again: left for a later pass
+            return RaceCleanup(race_id, "skipped: its winner is not held by the replicas yet")
         return self._end(
             race_id, receipts, handles, was_finished=race.finished, tell=not had_receipt
         )
@@ -323,6 +327,18 @@ class Janitor:
         elif tell:  # its claimer may have died before marking the result
             self._mark_winner(race_id, race, caller)
         return cleanup
+
+    def _winner_held(self, race_id: str, race: Race) -> bool:
+        """Whether the race's winner, if any, may be handed to its caller: always, unless the
+        store waits for replicas to hold a claim (``acks``) and they do not hold this one."""
+        won = race.winner_attempt
+        if won is None or not self.store.acks.on or self.store.winner(race_id) != won.id:
+            return True  # nothing of ours to publish (_mark_winner checks the claim again)
+        try:
+            self.store.claim_winner(race_id, won.id)  # the same claim, and WAIT
+        except NotAcknowledged:
+            return False
+        return True
 
     def _mark_winner(self, race_id: str, race: Race, caller: dict[str, Any]) -> None:
         """Mark the claimed winner's result (again: the effects skip a result already marked)."""

@@ -4,6 +4,8 @@ lifecycle events that mark each moment for the metrics and Flower.
 
 The driver's step calls these once the save of the step that decided them has won; the winner
 claim and the finish ride in that save (:meth:`Outcome.ride_claim`, :meth:`Outcome.ride_finish`).
+With replicas to wait for (the store's ``acks``), the caller's result is published only once
+they hold the claim (:meth:`Outcome.declare`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..metrics import record as metrics
 from ..store.race_keys import ResultWrite, SaveMark
 from ..store.race_receipts import Finish
 from ..store.races import RaceStore, WinnerClaim
+from ..store.replicas import ReplicaAcks
 from ..store.round_trip import RoundTrip
 from .adaptive import share_observation
 from .base import Step, find_attempt
@@ -41,13 +44,24 @@ _STATUS_EVENTS = {JobState.QUEUED: "queued", JobState.IN_PROGRESS: "running"}
 
 class RiddenClaim:
     """The winner claim that rode in a step's save: its reply, read once the save won, and
-    the caller's result when that rode with it (written by the claim that made the winner)."""
+    the caller's result when that rode with it (written by the claim that made the winner).
+    With replicas to wait for, ``WAIT``'s reply follows the claim's: ``held`` says whether
+    enough replicas acknowledged it (``saved``: the save's mark, to send the claim again)."""
 
     claim: WinnerClaim | None = None
     result: dict[str, Any] | None = None
+    saved: SaveMark | None = None
+    acks: ReplicaAcks | None = None
+    acked: Any = None  # the WAIT's reply
 
     def take(self, replies: list[Any]) -> None:
         self.claim = RaceStore.winner_claim(replies[0])
+        if self.acks is not None:
+            self.acked = replies[1]
+
+    @property
+    def held(self) -> bool:
+        return self.acks is None or self.acks.held(self.acked)
 
 
 class Outcome:
@@ -107,13 +121,17 @@ class Outcome:
     def ride_claim(self, trip: RoundTrip, step: Step, saved: SaveMark) -> RiddenClaim:
         """The winner claim of a step that declares one, riding in its save (``saved``: its
         mark), to claim only if the save wins: no round trip of its own. The caller's result
-        rides with it where the effects can say how it is stored."""
+        rides with it where the effects can say how it is stored, unless replicas must
+        acknowledge the claim first: then ``WAIT`` rides after it instead."""
         race, race_id = step.race, step.race_id
         riding = RiddenClaim()
         winner = race.winner
         assert winner is not None
-        result = self._result_write(race_id, race, riding)
         store = self.driver.store
+        if store.acks.on:
+            riding.saved, riding.acks, result = saved, store.acks, None
+        else:
+            result = self._result_write(race_id, race, riding)
         trip.ride(
             lambda pipe: store.queue_claim_winner(pipe, race_id, winner, saved, result),
             [store.claim_winner_script],
@@ -151,12 +169,19 @@ class Outcome:
     ) -> dict[str, Any] | None:
         """Claim the winner (unless ``riding``: the claim made in the step's save) and hand
         the caller its result; returns that result (None when another attempt holds the
-        claim)."""
+        claim). With replicas to wait for, only once they hold the claim: a claim they do not
+        acknowledge raises the store's outage error (``NotAcknowledged``) before anything is
+        published, and the step's retry (a redelivered timer, a task retry) declares again."""
         won = race.winner_attempt
         assert won is not None
         claim = riding.claim if riding is not None else None
         if claim is None:
             claim = self.driver.store.claim_winner(race_id, won.id)
+        elif claim.won and riding is not None and not riding.held:  # its WAIT came back short
+            assert riding.saved is not None
+            claim = self.driver.store.confirm_winner(
+                race_id, won.id, riding.saved, claim, riding.acked
+            )
         if not claim.won:  # cannot happen while the state's version check holds; never hide it
             log.error(
                 "race %s: engine chose %s but %s holds the win", race_id, won.id, claim.winner

@@ -43,6 +43,7 @@ from ..store.connection import client_for
 from ..store.race_keys import ResultWrite
 from ..store.races import Keeping, RaceStore
 from ..store.redis_clock import RedisClock
+from ..store.replicas import ReplicaAcks
 from ..store.timer_service import TimerService
 from ..store.timers import TimerStore
 
@@ -367,13 +368,17 @@ class RaceRuntime:
         self.config: GpuHedgeConfig = load_config(settings.config_path)
         install_redis_ledger(self.client, self.prefix)
         keeping = Keeping(self.settings.receipt_ttl_s, records_maxlen=self.settings.records_maxlen)
-        self.store = RaceStore(self.client, self.prefix, keeping, clock=self.clock)
+        # Replicas that must hold a winner claim or a reservation before it counts (Redis WAIT)
+        acks = ReplicaAcks(settings.wait_replicas, settings.wait_timeout_ms)
+        self.store = RaceStore(self.client, self.prefix, keeping, clock=self.clock, acks=acks)
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
         self.effects = CeleryEffects(self.settings, self.prefix, self.client)
         # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
-        self.budget = RaceBudget(BudgetStore(self.client, self.prefix), self.config.budget)
+        self.budget = RaceBudget(
+            BudgetStore(self.client, self.prefix, acks=acks), self.config.budget
+        )
         parts = RaceParts(self.store, self.timers, self.provider, self.effects, self.settings)
         parts.clock, parts.budget = self.clock, self.budget
         parts.adaptive = AdaptiveStore(self.client, self.prefix)
