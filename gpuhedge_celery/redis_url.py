@@ -3,12 +3,15 @@
 A Sentinel group is written the way kombu and Celery write it, Sentinels separated by ``;``,
 with the master's name (and, when the Sentinels have their own, their password) in the query::
 
-    sentinel://:PASSWORD@h1:26379;sentinel://h2:26379;sentinel://h3:26379/0?master=mymaster
+    sentinel://:PASSWORD@h1:26379/0;sentinel://h2:26379;sentinel://h3:26379?master=mymaster
 
-The userinfo is the data nodes' (primary and replicas) user and password, as in kombu; the path
-is the database. ``?ssl=true`` speaks TLS to the Sentinels and the data nodes. The query is ours:
-:func:`celery_url` strips it before Celery or kombu see the URL, and hands the master's name and
-the Sentinels' password over as transport options (:func:`celery_transport_options`).
+As in kombu and Celery, the first Sentinel carries the data nodes' (primary and replicas) user
+and password and the database; a later one that says another database or password is refused
+rather than read differently by the store and by Celery. ``?ssl=true`` speaks TLS to the
+Sentinels and the data nodes (``ssl_ca_certs=PATH`` for a private CA). The query is ours:
+:func:`celery_url` strips it before Celery or kombu see the URL, and hands the master's name,
+the Sentinels' password and TLS over as their options (:func:`celery_transport_options`,
+:func:`celery_ssl_options`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SentinelUrl:
     password: str | None = None
     sentinel_password: str | None = None
     ssl: bool = False
+    ssl_ca_certs: str | None = None
 
 
 def is_sentinel(url: str) -> bool:
@@ -54,8 +58,7 @@ def _query(url: str) -> dict[str, str]:
 def parse_sentinel_url(url: str, *, key: str = "GPUHEDGE_REDIS_URL") -> SentinelUrl:
     """``url`` parsed; a :class:`ConfigError` naming ``key`` and what is wrong otherwise."""
     sentinels: list[tuple[str, int]] = []
-    username = password = None
-    db = 0
+    first: tuple[str | None, str | None, int] | None = None  # user, password, db
     for part in _parts(url):
         pieces = urlsplit(part.strip())
         if pieces.scheme.lower() != SENTINEL:
@@ -71,15 +74,23 @@ def parse_sentinel_url(url: str, *, key: str = "GPUHEDGE_REDIS_URL") -> Sentinel
         if not pieces.hostname:
             raise ConfigError(f"no Sentinel host in {redact_url(part)!r}", key=key)
         sentinels.append((pieces.hostname, port))
-        if pieces.password is not None and password is None:
-            username = unquote(pieces.username) if pieces.username else None
-            password = unquote(pieces.password)
         path = pieces.path.strip("/")
-        if path:
-            if not path.isdigit():
-                raise ConfigError(f"the database must be a number, got {path!r}", key=key)
-            db = int(path)
-    if not sentinels:
+        if path and not path.isdigit():
+            raise ConfigError(f"the database must be a number, got {path!r}", key=key)
+        user = unquote(pieces.username) if pieces.username else None
+        password = unquote(pieces.password) if pieces.password is not None else None
+        db = int(path) if path else None
+        if first is None:
+            first = (user, password, db or 0)
+        elif (password is not None and (user, password) != first[:2]) or (
+            db is not None and db != first[2]
+        ):
+            raise ConfigError(
+                "the data nodes' password and the database go on the first Sentinel of a "
+                "sentinel:// URL (where Celery and kombu read them); a later one says otherwise",
+                key=key,
+            )
+    if first is None:
         raise ConfigError("a sentinel:// URL names no Sentinel", key=key)
     query = _query(url)
     master = query.get("master", "").strip()
@@ -92,11 +103,12 @@ def parse_sentinel_url(url: str, *, key: str = "GPUHEDGE_REDIS_URL") -> Sentinel
     return SentinelUrl(
         sentinels=tuple(sentinels),
         master=master,
-        db=db,
-        username=username,
-        password=password,
+        db=first[2],
+        username=first[0],
+        password=first[1],
         sentinel_password=query.get("sentinel_password") or None,
         ssl=query.get("ssl", "").lower() in _TRUE,
+        ssl_ca_certs=query.get("ssl_ca_certs") or None,
     )
 
 
@@ -135,9 +147,25 @@ def celery_transport_options(url: str) -> dict[str, object]:
         sentinel_kwargs["password"] = spec.sentinel_password
     if spec.ssl:
         sentinel_kwargs["ssl"] = True
+    if spec.ssl_ca_certs:
+        sentinel_kwargs["ssl_ca_certs"] = spec.ssl_ca_certs
     options: dict[str, object] = {"master_name": spec.master}
     if sentinel_kwargs:
         options["sentinel_kwargs"] = sentinel_kwargs
+    return options
+
+
+def celery_ssl_options(url: str) -> dict[str, object] | None:
+    """Celery's ``broker_use_ssl`` / ``redis_backend_use_ssl`` for a Sentinel URL with
+    ``ssl=true`` (the data nodes then speak TLS too, certificates checked); None otherwise."""
+    if not is_sentinel(url):
+        return None
+    spec = parse_sentinel_url(url)
+    if not spec.ssl:
+        return None
+    options: dict[str, object] = {"ssl_cert_reqs": "required"}
+    if spec.ssl_ca_certs:
+        options["ssl_ca_certs"] = spec.ssl_ca_certs
     return options
 
 
@@ -152,11 +180,15 @@ def _redact_one(url: str) -> str:
     if parts.password is not None:
         user = parts.username or ""
         host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
+        try:
+            port = f":{parts.port}" if parts.port else ""
+        except ValueError:  # a bad port: shown as written, the password still hidden
+            port = ":" + parts.netloc.rpartition(":")[2]
         parts = parts._replace(netloc=f"{user}:***@{host}{port}")
-    if "sentinel_password=" in parts.query:
-        query = [(k, "***" if k == "sentinel_password" else v) for k, v in parse_qsl(parts.query)]
-        parts = parts._replace(query=urlencode(query, safe="*"))
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any("password" in k.lower() for k, _ in query):
+        hidden = [(k, "***" if "password" in k.lower() else v) for k, v in query]
+        parts = parts._replace(query=urlencode(hidden, safe="*"))
     return parts.geturl()
 
 

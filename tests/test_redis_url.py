@@ -6,6 +6,7 @@ import pytest
 
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.redis_url import (
+    celery_ssl_options,
     celery_transport_options,
     celery_url,
     location,
@@ -16,7 +17,7 @@ from gpuhedge_celery.shared_settings import Settings
 from gpuhedge_celery.tasks.app import celery_conf
 from gpuhedge_celery.tasks.config import GlueConfig
 
-GROUP = "sentinel://:dat4pw@10.0.0.1:26379;sentinel://10.0.0.2:26380;sentinel://10.0.0.3/2"
+GROUP = "sentinel://:dat4pw@10.0.0.1:26379/2;sentinel://10.0.0.2:26380;sentinel://10.0.0.3"
 
 
 def test_a_group_url_names_every_sentinel_the_database_and_the_data_password():
@@ -43,6 +44,10 @@ def test_the_environment_completes_the_url_and_the_url_wins():
         ("sentinel://h:26379;redis://h:6379/0?master=m", "sentinel://host:port"),
         ("sentinel://h:notaport/0?master=m", "bad port"),
         ("sentinel://h:26379/zero?master=m", "database must be a number"),
+        ("sentinel://:dat4pw@h:notaport/0?master=m", "bad port"),
+        # Celery and kombu read the first Sentinel's: a later one saying otherwise is refused
+        ("sentinel://h1:26379;sentinel://h2:26379/3?master=m", "first Sentinel"),
+        ("sentinel://:a@h1:26379;sentinel://:dat4pw@h2:26379?master=m", "first Sentinel"),
     ],
 )
 def test_a_bad_group_url_is_one_line_naming_the_variable(url, says):
@@ -88,3 +93,38 @@ def test_a_broker_group_of_its_own_takes_the_master_from_the_environment():
     assert conf["broker_transport_options"]["master_name"] == "q"
     assert conf["result_backend"] == "redis://r:6379/1"
     assert "master_name" not in conf["result_backend_transport_options"]
+
+
+def test_the_same_database_and_password_may_be_repeated_on_every_sentinel():
+    url = "sentinel://:dat4pw@h1:26379/2;sentinel://:dat4pw@h2:26379/2?master=m"
+    spec = parse_sentinel_url(url)
+    assert (spec.db, spec.password, len(spec.sentinels)) == (2, "dat4pw", 2)
+
+
+def test_every_password_in_the_query_is_hidden_however_it_is_spelled():
+    for url in (
+        GROUP + "?master=m&sentinel%5Fpassword=s3nt",
+        "redis://h:6379/0?password=s3nt",
+        "sentinel://:dat4pw@h:notaport/0?master=m",
+    ):
+        assert "s3nt" not in redact_url(url) and "dat4pw" not in redact_url(url), url
+
+
+def test_tls_reaches_celery_for_the_data_nodes_and_the_sentinels():
+    url = GROUP + "?master=cache&ssl=true&ssl_ca_certs=/etc/ca.pem"
+    conf = celery_conf(GlueConfig.from_env({"GPUHEDGE_REDIS_URL": url}))
+    wanted = {"ssl_cert_reqs": "required", "ssl_ca_certs": "/etc/ca.pem"}
+    assert conf["broker_use_ssl"] == conf["redis_backend_use_ssl"] == wanted
+    sentinels = conf["result_backend_transport_options"]["sentinel_kwargs"]
+    assert sentinels == {"ssl": True, "ssl_ca_certs": "/etc/ca.pem"}
+    assert celery_ssl_options(GROUP + "?master=cache") is None
+    plain = GlueConfig.from_env({"GPUHEDGE_REDIS_URL": GROUP + "?master=cache"})
+    assert "broker_use_ssl" not in celery_conf(plain)
+
+
+def test_a_sentinel_broker_keeps_the_transport_that_survives_a_lost_connection():
+    conf = celery_conf(GlueConfig.from_env({"GPUHEDGE_REDIS_URL": GROUP + "?master=cache"}))
+    assert conf["broker_transport"] == "gpuhedge_celery.tasks.broker:SentinelTransport"
+    from gpuhedge_celery.tasks.broker import SentinelTransport
+
+    assert SentinelTransport.Channel.QoS.__module__ == "gpuhedge_celery.tasks.broker"

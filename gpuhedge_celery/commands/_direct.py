@@ -101,8 +101,12 @@ class JobBudget:
         if cfg.budget.enabled:
             from ..cli import cli_redis_client, root_settings
             from ..store.budget import BudgetStore
+            from ..store.replicas import ReplicaAcks
 
-            self.store = BudgetStore(cli_redis_client(), root_settings().prefix)
+            core = root_settings()
+            # a reservation counts only once the replicas hold it, as in the workers
+            acks = ReplicaAcks(core.wait_replicas, core.wait_timeout_ms)
+            self.store = BudgetStore(cli_redis_client(), core.prefix, acks=acks)
 
     def reserve(self, job: str, provider: str) -> None:
         """Reserve one job's worst case; :class:`BudgetExceeded` when a cap refuses it."""

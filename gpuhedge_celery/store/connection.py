@@ -45,8 +45,9 @@ def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     if spec.sentinel_password:
         sentinel_kwargs["password"] = spec.sentinel_password
     if spec.ssl:
-        sentinel_kwargs["ssl"] = True
-        kwargs["ssl"] = True
+        sentinel_kwargs["ssl"] = kwargs["ssl"] = True
+        if spec.ssl_ca_certs:
+            sentinel_kwargs["ssl_ca_certs"] = kwargs["ssl_ca_certs"] = spec.ssl_ca_certs
     group = redis.sentinel.Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs)
     if spec.username:
         kwargs.setdefault("username", spec.username)

@@ -45,7 +45,7 @@ from ..names import (
     gpu_queue,
 )
 from ..names import TASK_GPU_RUN as TASK_GPU_RUN
-from ..redis_url import celery_transport_options, celery_url
+from ..redis_url import celery_ssl_options, celery_transport_options, celery_url, is_sentinel
 from .config import GlueConfig
 from .message_signing import Signing
 from .message_signing import enable as enable_signing
@@ -92,6 +92,14 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
     # behind Sentinel, Celery and kombu take the master's name as a transport option
     transport.update(celery_transport_options(config.broker))
     results: dict[str, object] = dict(celery_transport_options(url))
+    tls = {  # a Sentinel URL's ssl=true: Celery's own switch for TLS to the data nodes
+        name: options
+        for name, options in (
+            ("broker_use_ssl", celery_ssl_options(config.broker)),
+            ("redis_backend_use_ssl", celery_ssl_options(url)),
+        )
+        if options is not None
+    }
     if config.broker_prefix:
         if config.broker_kind == "redis":
             transport["global_keyprefix"] = config.broker_prefix
@@ -107,6 +115,7 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         "result_backend": celery_url(url),
         "broker_transport_options": transport,
         "result_backend_transport_options": results,
+        **tls,
         "broker_connection_retry_on_startup": True,
         # A result stored while Redis is down (an outage, a restart) is retried, not turned into
         # the task's failure with a ConnectionError: about 30 s of retries (full-jitter backoff
@@ -155,6 +164,8 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         # kombu's Redis transport, except that a lost connection no longer stops the worker
         # while it holds unacknowledged messages (tasks/broker.py); TLS (rediss://) included
         conf["broker_transport"] = "gpuhedge_celery.tasks.broker:Transport"
+    elif is_sentinel(config.broker):  # the same fix: a failover is such a lost connection
+        conf["broker_transport"] = "gpuhedge_celery.tasks.broker:SentinelTransport"
     if config.is_gpu_worker and config.max_tasks_per_child is not None:
         conf["worker_max_tasks_per_child"] = config.max_tasks_per_child  # the child loads again
     if config.is_gpu_worker and config.max_memory_per_child_mb is not None:

@@ -174,18 +174,33 @@ class QoS(kombu_redis.QoS):
             super().reject(delivery_tag, requeue=requeue)
 
 
+def _flush_before_close(channel: Any) -> None:
+    qos = channel._qos
+    if qos is not None and not channel.closed:
+        qos.flush_acks()
+
+
 class Channel(kombu_redis.Channel):
     QoS = QoS
 
     def close(self) -> None:
-        qos = self._qos
-        if qos is not None and not self.closed:
-            qos.flush_acks()
+        _flush_before_close(self)
+        super().close()
+
+
+class SentinelChannel(kombu_redis.SentinelChannel):
+    """The same fixes on kombu's Sentinel channel, which asks the Sentinels for the primary:
+    a failover is a lost connection while messages are unacknowledged, like a restart."""
+
+    QoS = QoS
+
+    def close(self) -> None:
+        _flush_before_close(self)
         super().close()
 
 
 class Transport(kombu_redis.Transport):
-    Channel = Channel
+    Channel: Any = Channel
     cycle: Any  # kombu's MultiChannelPoller, set up by kombu's Transport
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
@@ -215,3 +230,10 @@ class Transport(kombu_redis.Transport):
             qos = getattr(channel, "_qos", None)
             if qos is not None:
                 qos.flush_acks()
+
+
+class SentinelTransport(Transport):
+    """:class:`Transport` for a ``sentinel://`` broker URL."""
+
+    Channel = SentinelChannel
+    default_port: Any = kombu_redis.SentinelTransport.default_port
