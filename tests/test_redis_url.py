@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.redis_url import (
@@ -128,3 +129,30 @@ def test_a_sentinel_broker_keeps_the_transport_that_survives_a_lost_connection()
     from gpuhedge_celery.tasks.broker import SentinelTransport
 
     assert SentinelTransport.Channel.QoS.__module__ == "gpuhedge_celery.tasks.broker"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        redis.ReadOnlyError("You can't write against a read only replica."),
+        redis.ResponseError(
+            "UNBLOCKED force unblock from blocking operation, instance state changed "
+            "(master -> replica?)"
+        ),
+    ],
+)
+def test_a_demoted_primary_is_an_outage_to_retry_not_a_failed_command(error):
+    from gpuhedge_celery.errors import StoreError, StoreUnavailable
+    from gpuhedge_celery.store.connection import translate_errors
+    from gpuhedge_celery.store.timers import store_errors
+
+    with pytest.raises(StoreUnavailable, match="stopped being the primary"):
+        with store_errors("claiming the winner"):
+            raise error
+    with pytest.raises(StoreUnavailable, match="stopped being the primary"):
+        with translate_errors():
+            raise error
+    with pytest.raises(StoreError) as info:  # any other refusal stays a failed command
+        with store_errors("claiming the winner"):
+            raise redis.ResponseError("ERR wrong number of arguments")
+    assert not isinstance(info.value, StoreUnavailable)

@@ -95,6 +95,22 @@ def translate_errors(url: str | None = None) -> Iterator[None]:
         raise StoreUnavailable(
             f"Redis{where} is unreachable ({e}); set GPUHEDGE_REDIS_URL or --redis-url"
         ) from e
+    except redis.ResponseError as e:
+        if not primary_changed(e):
+            raise
+        where = f" at {redact_url(url)}" if url else ""
+        raise StoreUnavailable(f"Redis{where} stopped being the primary ({e})") from e
+
+
+# How Redis answers a client still on a primary that a failover demoted: a write refused
+# (READONLY), or a WAIT cut short by the demotion (UNBLOCKED ... master -> replica)
+_PRIMARY_CHANGED = ("READONLY", "UNBLOCKED")
+
+
+def primary_changed(error: redis.ResponseError) -> bool:
+    """Whether ``error`` says the server stopped being the primary: a retry, once the client
+    reconnects to the new one, is all it needs (an outage, not a bug in the command)."""
+    return isinstance(error, redis.ReadOnlyError) or str(error).startswith(_PRIMARY_CHANGED)
 
 
 def ping(url: str) -> None:

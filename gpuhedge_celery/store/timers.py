@@ -25,9 +25,9 @@ from typing import Any
 
 import redis
 
-from ..errors import StoreError
+from ..errors import StoreError, StoreUnavailable
 from . import codec
-from .connection import translate_errors
+from .connection import primary_changed, translate_errors
 from .race_keys import timer_keys
 from .scripts import lua_script, queue_script, run_pipeline
 
@@ -51,6 +51,8 @@ def store_errors(what: str) -> Iterator[None]:
         try:
             yield
         except redis.ResponseError as e:
+            if primary_changed(e):  # a failover: retried like an outage, not a failed command
+                raise StoreUnavailable(f"{what}: Redis stopped being the primary ({e})") from e
             raise StoreError(f"{what} failed in Redis: {e}") from e
 
 

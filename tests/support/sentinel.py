@@ -561,6 +561,10 @@ class SentinelGroup:
                 if role[0] == "master":
                     with old_node.poll_client() as c:
                         c.replicaof(*new)
+                        # as a Sentinel's reconfiguration does: clients still connected to the
+                        # demoted primary must reconnect and ask again, not read its stale data
+                        c.execute_command("CLIENT", "KILL", "TYPE", "normal")
+                        c.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
                 demoted[0] = True
             for node in self.nodes:
                 if not node.running:
