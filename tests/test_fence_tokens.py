@@ -4,11 +4,14 @@ A token is the larger of the GPU's INCR'd fence counter and Redis's clock in ms 
 (``store/lua/_token.lua``); a failover that lost the counter's last writes is played by setting
 the counter lower or deleting it, as the promoted replica would have it. Renew and release check
 the holder as well as the token, and a GPU worker's own mark refuses an old token even when
-Redis lost the highest-accepted key. Scripts run on the real redis-server.
+Redis lost the highest-accepted key; the lease it refuses is freed and the counter lifted to the
+mark, so a new primary whose clock is behind does not refuse every claim. Scripts run on the
+real redis-server.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -30,7 +33,7 @@ ISSUERS = ("claim", "wait_claim", "pooled_direct")
 
 def test_scripts_that_issue_or_write_tokens_get_the_shared_rule():
     rule = _read_lua("_token")
-    for name in (*ISSUERS, "restore", "check_fence"):
+    for name in (*ISSUERS, "restore", "check_fence", "fence_lift"):
         assert _lua_source(name) == rule + _read_lua(name), name
     for name in ("renew", "release", "force_release", "gpu_finish"):
         assert _lua_source(name) == _read_lua(name), name
@@ -179,3 +182,82 @@ def test_the_gpu_job_start_keeps_the_mark(lease_store, redis_client):
     with pytest.raises(StaleToken):
         begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))
     assert redis_client.get(k.running(gpu)) == record.value  # the refused job wrote nothing
+
+
+def test_after_a_failover_to_a_lagging_clock_the_refused_lease_is_freed_and_the_next_runs(
+    lease_store, redis_client, caplog
+):
+    (gpu,) = add_pool(lease_store)
+    k = lease_store.keys
+    # The old primary's clock ran ahead of this one's: its tokens are far above our floor.
+    redis_client.set(k.fence(gpu), server_floor(lease_store) + 10**12)
+    first = lease_store.try_claim(gpu, "task-1")
+    assert begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))[0] == STARTED
+    assert finish(lease_store, first, "task-1") is True
+    # Failover: the counter and the accepted key are lost, and the new primary's clock is behind.
+    redis_client.delete(k.fence(gpu), k.accepted(gpu))
+    behind = lease_store.try_claim(gpu, "task-2")
+    assert behind.token < first.token
+    with caplog.at_level(logging.WARNING, "gpuhedge_celery.store.leases"):
+        with pytest.raises(StaleToken):
+            begin(lease_store, behind, RunningRecord(lease_store, behind, "task-2"))
+    assert lease_store.current(gpu) is None  # freed now, not when its TTL lapses
+    assert lease_store.last_token(gpu) == first.token  # lifted to the worker's mark
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert gpu in line and str(behind.token) in line and str(first.token) in line
+    assert redis_client.get(k.running(gpu)) is None  # the refused job wrote nothing
+
+    again = lease_store.try_claim(gpu, "task-2")
+    assert again.token == first.token + 1  # the clock is still behind: the counter decides
+    assert begin(lease_store, again, RunningRecord(lease_store, again, "task-2"))[0] == STARTED
+    assert finish(lease_store, again, "task-2") is True
+    assert lease_store.mark(gpu) == again.token
+
+
+def test_a_number_issued_again_for_another_holder_is_freed_but_a_duplicate_delivery_is_not(
+    lease_store, redis_client
+):
+    (gpu,) = add_pool(lease_store)
+    k = lease_store.keys
+    lease = lease_store.try_claim(gpu, "task-1")
+    running = RunningRecord(lease_store, lease, "task-1")
+    assert begin(lease_store, lease, running)[0] == STARTED
+    # The broker delivers the running job again (same lease, another delivery): refused, and
+    # the lease it runs under is left alone.
+    duplicate = RunningRecord(lease_store, lease, "task-1")
+    duplicate.value = running.value.rsplit("|", 1)[0] + "|1"
+    with pytest.raises(StaleToken):
+        begin(lease_store, lease, duplicate)
+    assert lease_store.current(gpu).holder == "task-1"
+    assert redis_client.get(k.running(gpu)) == running.value
+    # A failover lost the lease and the counter, and the same number went to another holder.
+    redis_client.delete(k.accepted(gpu), k.running(gpu))
+    redis_client.set(k.fence(gpu), lease.token - 1)
+    redis_client.set(k.lease(gpu), f"{lease.token}|1|task-2")
+    other = replace(lease, holder="task-2")
+    with pytest.raises(StaleToken):
+        begin(lease_store, other, RunningRecord(lease_store, other, "task-2"))
+    assert lease_store.current(gpu) is None
+    assert lease_store.last_token(gpu) == lease.token
+    assert lease_store.try_claim(gpu, "task-2").token > lease.token
+
+
+def test_fence_lift_frees_only_the_refused_lease_and_never_lowers_the_counter(
+    lease_store, redis_client
+):
+    (gpu,) = add_pool(lease_store)
+    k = lease_store.keys
+    lift = lease_store.scripts.fence_lift
+    keys = [k.lease(gpu), k.fence(gpu)]
+    redis_client.set(k.lease(gpu), "7|1|a|b")  # a holder may contain '|'
+    redis_client.set(k.fence(gpu), 9)
+    assert lift(keys=keys, args=[6, "", 8]) == [0, "9"]  # another token: kept; 9 > 8 stays
+    assert lift(keys=keys, args=[7, "a", 8]) == [0, "9"]  # another holder: kept
+    assert redis_client.get(k.lease(gpu)) == "7|1|a|b"
+    assert lift(keys=keys, args=[7, "a|b", 12]) == [1, "12"]
+    assert redis_client.get(k.lease(gpu)) is None and redis_client.get(k.fence(gpu)) == "12"
+    assert lift(keys=keys, args=[7, "a|b", 12]) == [0, "12"]  # repeated after a lost reply
+    big = 1_800_000_000_000_000
+    redis_client.delete(k.fence(gpu))
+    assert lift(keys=keys, args=[1, "", big]) == [0, str(big)]
+    assert redis_client.get(k.fence(gpu)) == str(big)  # an integer string, never 1.8e+15

@@ -39,6 +39,24 @@ def test_fence_mark_never_goes_down():
     assert mark == FenceMark(5, "d1")
     assert mark.after(4, "d0") == mark and mark.after(5, "d2") == mark
     assert mark.after(9, "d3") == FenceMark(9, "d3")
+    assert mark.after(9, "d3", "h3") == FenceMark(9, "d3", "h3")
+
+
+@pytest.mark.parametrize(
+    "token, holder, freed",
+    [
+        (4, "h1", True),  # below the mark: no work this process accepted runs under it
+        (4, "", True),
+        (5, "h2", True),  # the mark's number issued again, to another holder
+        (5, "h1", False),  # a duplicate delivery of the job running under the mark's lease
+        (5, "", False),  # unknown holder: it may be that job's
+    ],
+)
+def test_fence_mark_frees_a_refused_lease_only_when_no_accepted_work_runs_under_it(
+    token, holder, freed
+):
+    assert FenceMark(5, "d1", "h1").frees(token, holder) is freed
+    assert FenceMark(5, "d1").frees(5, "h2") is False  # the mark's holder unknown
 
 
 @pytest.mark.parametrize(

@@ -85,3 +85,24 @@ def test_a_lease_delivered_to_the_wrong_gpu_is_freed_at_once(celery_cluster):
     lease = c.store.try_claim(c.gpu_id(1), "misrouted")
     c.app.send_task(TASK_GPU_RUN, ({"id": "x"}, lease.to_dict()), queue=gpu_queue(c.gpu_id(0)))
     wait_for(lambda: c.store.current(c.gpu_id(1)) is None, 10, "the misrouted lease to be freed")
+
+
+def test_after_a_failover_to_a_lagging_clock_a_refused_lease_frees_the_gpu(celery_cluster):
+    c = celery_cluster
+    workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
+    c.wait_ready(*workers)
+    gpu = c.gpu_id(0)
+    k = c.store.keys
+    # The old primary's clock ran ahead: the first job's token is far above today's floor.
+    seconds, micros = c.client.time()
+    c.client.set(k.fence(gpu), (seconds * 1000 + micros // 1000 + 10**9) * 1000)
+    first = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": "first"},))
+    mark = first.get(timeout=30)["token"]  # the GPU worker's mark
+    # Failover to a primary whose clock is behind, without the counter or the accepted key.
+    c.client.delete(k.fence(gpu), k.accepted(gpu))
+    second = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": "second"},))
+    # Refused once, its lease freed (not left for its 60 s TTL), then run under a token above
+    # the mark.
+    out = second.get(timeout=20)
+    assert out["attempt"] == 1 and out["token"] == mark + 1
+    assert f"GPU {gpu} refused token" in workers[0].log()

@@ -267,7 +267,8 @@ def parse_lease_value(value: str) -> tuple[int, int, str]:
 
 @dataclass(frozen=True)
 class FenceMark:
-    """A GPU worker's own high-water mark: the highest token it accepted, and for which delivery.
+    """A GPU worker's own high-water mark: the highest token it accepted, for which delivery and
+    which holder.
 
     It backs up the ``accepted`` key in Redis, which a failover may lose: a token below the mark,
     or equal to it for another delivery (a failover can issue a number again), is refused, while
@@ -276,11 +277,21 @@ class FenceMark:
 
     token: int = 0
     delivery: str = ""
+    holder: str = ""  # '' when the accepting caller did not say
 
     def refuses(self, token: int, delivery: str) -> bool:
         """Whether work carrying ``token`` for ``delivery`` must not run under this mark."""
         return token < self.token or (token == self.token and delivery != self.delivery)
 
-    def after(self, token: int, delivery: str) -> FenceMark:
+    def frees(self, token: int, holder: str) -> bool:
+        """Whether the lease of refused work carrying ``token`` for ``holder`` may be freed: no
+        work this mark accepted runs under it. Equal to the mark, only another holder's lease
+        (a number issued again) is; the same holder's is a duplicate delivery of the job
+        running under it, and an unknown holder tells nothing."""
+        if token < self.token:
+            return True
+        return token == self.token and bool(holder) and bool(self.holder) and holder != self.holder
+
+    def after(self, token: int, delivery: str, holder: str = "") -> FenceMark:
         """The mark once ``token`` was accepted for ``delivery`` (it never goes down)."""
-        return FenceMark(token, delivery) if token > self.token else self
+        return FenceMark(token, delivery, holder) if token > self.token else self

@@ -28,6 +28,7 @@ Deviations from / additions to the agreed API (for the Celery-glue engineer):
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 __all__ = ["GpuInfo", "Lease", "LeaseKeeper", "LeaseRow", "LeaseStore"]
+
+log = logging.getLogger(__name__)
 
 DURATIONS_KEPT = 1000
 
@@ -110,6 +113,8 @@ class LeaseStore:
         # kept here too because a failover can lose that key.
         self._marks: dict[str, FenceMark] = {}
         self._marks_lock = threading.Lock()
+        # One per GPU: check_mark, the Redis check and record_mark run as one step per GPU.
+        self._gates: dict[str, threading.Lock] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LeaseStore:
@@ -287,32 +292,73 @@ class LeaseStore:
         token, since, holder = parse_lease_value(_text(value))
         return Lease(gpu_id, pool, token, holder, ttl, since)
 
-    def check_fence(self, gpu_id: str, token: int, delivery: str = "") -> None:
+    def check_fence(self, gpu_id: str, token: int, delivery: str = "", holder: str = "") -> None:
         """Worker-side gate: StaleToken if a newer token was accepted (in Redis, or by this
-        process: :meth:`check_mark`), LeaseLost if not current. ``delivery`` names the work, so
-        the same work may check again."""
+        process: :meth:`check_mark`), LeaseLost if not current (or, given ``holder``, current
+        for another holder). ``delivery`` names the work, so the same work may check again."""
         token = int(token)
-        self.check_mark(gpu_id, token, delivery)
         k = self.keys
-        with self.guard():
-            code, current = self.scripts.check_fence(
-                keys=[k.lease(gpu_id), k.accepted(gpu_id)], args=[token]
-            )
-        raise_for_code(int(code), gpu_id, token, int(current))
-        self.record_mark(gpu_id, token, delivery)
+        with self.fence_gate(gpu_id):
+            self.check_mark(gpu_id, token, delivery)
+            with self.guard():
+                code, current = self.scripts.check_fence(
+                    keys=[k.lease(gpu_id), k.accepted(gpu_id)], args=[token, "", holder]
+                )
+            raise_for_code(int(code), gpu_id, token, int(current))
+            self.record_mark(gpu_id, token, delivery, holder)
+
+    @contextmanager
+    def fence_gate(self, gpu_id: str) -> Iterator[None]:
+        """Hold the GPU's gate lock: two deliveries checking at once cannot both pass
+        check_mark before either records its mark. Per GPU, so GPUs never wait on each other."""
+        with self._marks_lock:
+            gate = self._gates.setdefault(gpu_id, threading.Lock())
+        with gate:
+            yield
 
     def check_mark(self, gpu_id: str, token: int, delivery: str = "") -> None:
         """StaleToken if this process accepted a newer token for the GPU, or this one for
-        another delivery (before any Redis step: the refused work never starts)."""
+        another delivery (before any Redis step: the refused work never starts). Call it, the
+        Redis check and :meth:`record_mark` under :meth:`fence_gate`."""
         with self._marks_lock:
             mark = self._marks.get(gpu_id, FenceMark())
         if mark.refuses(token, delivery):
             raise StaleToken(gpu_id, token, mark.token)
 
-    def record_mark(self, gpu_id: str, token: int, delivery: str = "") -> None:
-        """Remember that this process accepted ``token`` for ``delivery`` on the GPU."""
+    def record_mark(self, gpu_id: str, token: int, delivery: str = "", holder: str = "") -> None:
+        """Remember that this process accepted ``token`` for ``delivery`` (of ``holder``)."""
         with self._marks_lock:
-            self._marks[gpu_id] = self._marks.get(gpu_id, FenceMark()).after(token, delivery)
+            mark = self._marks.get(gpu_id, FenceMark())
+            self._marks[gpu_id] = mark.after(token, delivery, holder)
+
+    def unblock(self, gpu_id: str, token: int, holder: str = "") -> bool:
+        """After :meth:`check_mark` refused ``token`` (of ``holder``): free its lease unless work
+        this process accepted runs under it, and lift the GPU's fence counter to the mark, so
+        the next claim issues a token this process takes. True if a lease was freed.
+
+        Without it the refused lease holds the GPU idle until its TTL lapses, and after a
+        failover to a primary whose clock is behind every new token would be refused too.
+        """
+        token = int(token)
+        with self._marks_lock:
+            mark = self._marks.get(gpu_id, FenceMark())
+        if not mark.frees(token, holder):
+            return False
+        k = self.keys
+        free_holder = holder if token == mark.token else ""  # below the mark: any holder's
+        with self.guard():
+            freed, counter = self.scripts.fence_lift(
+                keys=[k.lease(gpu_id), k.fence(gpu_id)], args=[token, free_holder, mark.token]
+            )
+        log.warning(
+            "GPU %s refused token %d (its mark: token %d): %s, fence counter now %s",
+            gpu_id,
+            token,
+            mark.token,
+            "its lease freed" if int(freed) else "no lease of it left to free",
+            _text(counter),
+        )
+        return int(freed) == 1
 
     def mark(self, gpu_id: str) -> int:
         """The highest token this process accepted for the GPU (0 if none)."""

@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "wait_claim",
     "leave",
     "out_clear",
+    "fence_lift",
 )
 
 
@@ -129,6 +130,7 @@ class LuaScripts:
     wait_claim: Any
     leave: Any
     out_clear: Any
+    fence_lift: Any
 
 
 def scripts_for(client: Any) -> LuaScripts:

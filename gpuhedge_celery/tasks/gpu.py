@@ -5,7 +5,9 @@ heartbeats (:class:`GpuHost`); its child runs :func:`gpu_run` for each job the p
 
 1. a message redelivered after this GPU's worker died running it frees the old lease and goes
    back to waiting (the crash may be the job's fault: attempts are bounded);
-2. the fencing check refuses a stale or lost lease (back to waiting, bounded);
+2. the fencing check refuses a stale or lost lease (back to waiting, bounded); a lease only
+   this process's own mark refuses is freed at once and the GPU's fence counter lifted to the
+   mark, so the GPU is not left idle and the next claim issues a token it accepts;
 3. a :class:`LeaseKeeper` renews the lease; losing it sets the runner's stop flag, so the job
    is stopped (``cpu``/``cmd``/``server`` runners, and ``python`` models that check ``ctx``) or
    its result discarded;

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import LeaseLost
+from ..errors import LeaseLost, StaleToken
 from ..store.leases import Lease, LeaseStore
 from ..store.outage import through_outage
 from ..store.scripts import lua_script, raise_for_code
@@ -56,9 +56,11 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
     """The job's start: (:data:`STOPPED`, False) when someone asked the request to stop, else
     (:data:`STARTED`, whether a crashed delivery of this job left its running record);
     :class:`~gpuhedge_celery.errors.StaleToken` / ``LeaseLost`` when the fence refuses it: in
-    Redis, or this process's own mark (a token below it, or equal for another delivery)."""
+    Redis (the token, and the holder), or this process's own mark (a token below it, or equal
+    for another delivery). A lease the mark refuses is freed and the GPU's fence counter lifted
+    to the mark (:meth:`~LeaseStore.unblock`), so the GPU is free again for a token it takes.
+    Checked under the GPU's gate lock: of two deliveries at once, one runs."""
     token = int(lease.token)
-    store.check_mark(lease.gpu_id, token, running.value)
     k = store.keys
     keys = [
         k.lease(lease.gpu_id),
@@ -66,14 +68,22 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
         stop_key(store, running.task_id),
         running.key,
     ]
-    with store.guard():
-        code, detail = store.scripts.check_fence(keys=keys, args=[token, running.value])
-    code = int(code)
-    if code == 0:
-        return STOPPED, False
-    if code != 1:
-        raise_for_code(code, lease.gpu_id, token, int(detail))
-    store.record_mark(lease.gpu_id, token, running.value)
+    with store.fence_gate(lease.gpu_id):
+        try:
+            store.check_mark(lease.gpu_id, token, running.value)
+        except StaleToken:
+            store.unblock(lease.gpu_id, token, lease.holder)
+            raise
+        with store.guard():
+            code, detail = store.scripts.check_fence(
+                keys=keys, args=[token, running.value, lease.holder]
+            )
+        code = int(code)
+        if code == 0:
+            return STOPPED, False
+        if code != 1:
+            raise_for_code(code, lease.gpu_id, token, int(detail))
+        store.record_mark(lease.gpu_id, token, running.value, lease.holder)
     return STARTED, running.crashed_before(as_text(detail))
 
 
