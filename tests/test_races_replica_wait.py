@@ -6,10 +6,18 @@ one with no replica, where ``WAIT 1`` always comes back 0, so a winner must neve
 nor a reserved job launched; and a primary with one replica on loopback, where the same races
 run as usual, the ``WAIT`` riding in the round trips they already make, and a replica frozen
 mid-race (``SIGSTOP``) holds the winner back until it is thawed and the step retried.
+
+An outcome the replicas did not hold at first is told later all the same: by the race's tell
+timer (armed ahead of the deciding save, so durable even when that step also finished the
+race), a webhook's retry, a batched step's resume or the janitor; a winner never held by the
+deadline fails its caller explicitly and is never published after; a failure is told only
+once the replicas hold the save that gave up (or past the deadline and a grace: never silence).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import signal
 import time
@@ -23,14 +31,19 @@ from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.janitor import Janitor, JanitorOptions
+from gpuhedge_celery.race.outcome import UNHELD
+from gpuhedge_celery.race.receipt import result_key
 from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.race.watch_batch import WatchBatch
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.store.race_keys import SaveMark, race_keys
 from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 from gpuhedge_celery.store.replicas import NotAcknowledged, ReplicaAcks
+from gpuhedge_celery.webhooks.apply import apply_delivery
 from tests.support.redis_server import RedisServer, start_redis_server
 from tests.test_budget_round_trips import CountingRedis
-from tests.test_races_driver import Writing, build_driver, submissions
+from tests.test_races_driver import Recorder, Writing, build_driver, submissions
+from tests.test_watch_batch import handled, started_and_due
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,10 +63,32 @@ def client_of(server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(server.url, decode_responses=True)
 
 
+class Telling(Writing):
+    """Writing effects that also keep the caller's dict of each failure."""
+
+    def __init__(self, prefix) -> None:
+        super().__init__(prefix)
+        self.failed_callers: list[dict] = []
+
+    def failed(self, race_id, message, receipt, caller):
+        self.failed_callers.append({**caller, "failure_reason": receipt.get("failure_reason")})
+        super().failed(race_id, message, receipt, caller)
+
+
+class Later:
+    """A clock ``by`` seconds ahead of the wall's."""
+
+    def __init__(self, by: float) -> None:
+        self.by = by
+
+    def now(self) -> float:
+        return time.time() + self.by
+
+
 def replicated_driver(client, acks: ReplicaAcks, budget: bool = False):
     """A driver (Writing effects: the caller's result key is ``t:caller:<race>``) whose store,
     and budget when asked for, wait for ``acks``."""
-    driver, effects, cfg, ledger, providers = build_driver(client, PREFIX, Writing(PREFIX))
+    driver, effects, cfg, ledger, providers = build_driver(client, PREFIX, Telling(PREFIX))
     driver.store.acks = acks
     if budget:
         driver.budget = RaceBudget(BudgetStore(client, PREFIX, acks=acks), CAPS)
@@ -154,20 +189,33 @@ def test_with_no_replica_to_hold_it_no_job_is_launched_on_a_reservation(lone):
     assert sorted(e["race"] for e in reserved) == ["r1", "r2"]  # each reserved once
 
 
+HEDGE_WINS = {"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0, "run_s": 0}}}
+
+
+def abandoned_with_a_winner(driver, cfg, race_id: str, deadline_s: float = 60.0) -> None:
+    """A hedged race whose hedge won (claimed with no replica asked for) and whose primary's
+    cancel was never sent: its coordinator died, for the janitor to find."""
+    spec = dataclasses.replace(build_spec(cfg, "hedge:p->h@0s"), deadline_s=deadline_s)
+    driver.create(race_id, HEDGE_WINS, spec)
+    driver.submit_attempt(race_id, "a1")
+    driver.submit_attempt(race_id, "a2")
+    assert driver.store.winner(race_id) == "a2" and driver.store.receipt(race_id) is None
+
+
+def janitor_of(driver, ledger, cfg, effects, clock=None) -> Janitor:
+    providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
+    options = JanitorOptions(stale_ms=1, coordinators_alive=lambda: False, clock=clock)
+    time.sleep(0.01)  # stale
+    return Janitor(driver.store, driver.timers, providers.__getitem__, effects, options)
+
+
 def test_the_janitor_hands_over_no_winner_the_replicas_do_not_hold(lone):
     driver, effects, cfg, ledger = replicated_driver(lone, ReplicaAcks())
-    providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
-    request = {"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0, "run_s": 0}}}
-    driver.create("r7", request, build_spec(cfg, "hedge:p->h@0s"))
-    driver.submit_attempt("r7", "a1")
-    driver.submit_attempt("r7", "a2")  # the hedge wins; the primary's cancel is never sent
-    assert driver.store.winner("r7") == "a2" and driver.store.receipt("r7") is None
+    abandoned_with_a_winner(driver, cfg, "r7")
     published = len(effects.results)
     # its coordinator gone, the janitor finds the race with a winner nobody may have been told
     driver.store.acks = SHORT
-    options = JanitorOptions(stale_ms=1, coordinators_alive=lambda: False)
-    janitor = Janitor(driver.store, driver.timers, providers.__getitem__, effects, options)
-    time.sleep(0.01)
+    janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r7").action == "skipped: its winner is not held by the replicas yet"
     assert len(effects.results) == published and driver.store.receipt("r7") is None
     driver.store.acks = ReplicaAcks()  # held now: ended, and the winner handed over
@@ -184,6 +232,121 @@ def test_a_claim_whose_save_was_lost_is_not_confirmed(lone):
     assert store.winner("gone") is None  # sent again, it claimed nothing
 
 
+def tell_timers(driver, race_id: str) -> list[str]:
+    """The ids of the race's tell timers waiting."""
+    ids = driver.timers.client.zrange(driver.timers.keys.due, 0, -1)
+    return [t for t in ids if t.startswith(f"{race_id}|tell|")]
+
+
+def fire(driver, kind: str, race_id: str) -> None:
+    """Claim the race's due timers of ``kind`` as if it were an hour later, and fire them."""
+    now = int(time.time() * 1000) + 3_600_000
+    found = [
+        t
+        for t in driver.timers.claim_due(now, 100, 10_000)
+        if t.payload["kind"] == kind and t.payload["race"] == race_id
+    ]
+    assert found, f"no {kind} timer of {race_id}"
+    for timer in found:
+        driver.on_timer(timer)
+
+
+def test_at_the_deadline_a_winner_never_held_fails_its_caller_and_is_never_published(lone):
+    driver, effects, cfg, _ = replicated_driver(lone, SHORT)
+    driver.create("r1", FAST, build_spec(cfg, "single"))
+    with pytest.raises(NotAcknowledged):
+        driver.submit_attempt("r1", "a1")  # the step declares a1 and finishes the race
+    assert tell_timers(driver, "r1") == ["r1|tell|0"]  # armed ahead of the save
+    driver.clock = Later(60)  # the deadline (2.4 s) has passed when the tell timer fires
+    fire(driver, "tell", "r1")
+    assert effects.results == [] and len(effects.failures) == 1
+    assert "its winner a1 was not acknowledged by 1 Redis replica(s)" in effects.failures[0]
+    assert effects.failed_callers[0]["failure_reason"] == "unacknowledged"
+    assert effects.failed_callers[0]["tell_once"] is True  # Celery effects: told only once
+    assert driver.store.load("r1").state[UNHELD]["winner"] == "a1"
+    assert tell_timers(driver, "r1") == []  # nothing more to tell
+    # The claim counts at last (no replica asked for any more): never published after that
+    driver.store.acks = ReplicaAcks()
+    driver.resume("r1")
+    assert effects.results == [] and len(effects.failures) == 1
+
+
+def test_a_failure_is_told_only_once_the_replicas_hold_the_save_that_gave_up(lone):
+    driver, effects, cfg, _ = replicated_driver(lone, SHORT)
+    driver.create("r2", SLOW, build_spec(cfg, "single"))  # a job that never ends in time
+    driver.submit_attempt("r2", "a1")
+    driver.clock = Later(4)  # past the deadline (2.4 s), within its grace (5 s)
+    with pytest.raises(NotAcknowledged, match="the save that failed it"):
+        fire(driver, "policy", "r2")  # the deadline: the race gives up
+    assert driver.store.load("r2").state["race"]["gave_up"] is True
+    assert effects.failures == [] and tell_timers(driver, "r2") == ["r2|tell|0"]
+    fire(driver, "tell", "r2")  # still not held: told again later
+    assert effects.failures == [] and tell_timers(driver, "r2") == ["r2|tell|1"]
+    driver.clock = Later(60)  # past the grace: told all the same, never silence
+    fire(driver, "tell", "r2")
+    assert len(effects.failures) == 1 and "no valid result within" in effects.failures[0]
+    assert effects.failed_callers[0]["tell_once"] is True
+    assert effects.results == [] and tell_timers(driver, "r2") == []
+
+
+def test_the_janitor_fails_the_caller_of_a_winner_never_held_by_its_deadline(lone):
+    driver, effects, cfg, ledger = replicated_driver(lone, ReplicaAcks())
+    abandoned_with_a_winner(driver, cfg, "r8", deadline_s=1.0)
+    published = len(effects.results)
+    driver.store.acks = SHORT
+    janitor = janitor_of(driver, ledger, cfg, effects)
+    # within the deadline's grace the failure itself waits for the replicas
+    janitor.clock = Later(2)
+    assert janitor.clean("r8").action == "skipped: its end is not held by the replicas yet"
+    assert effects.failures == []
+    janitor.clock = Later(60)
+    cleanup = janitor.clean("r8")
+    assert (cleanup.action, cleanup.failed) == ("finalised", True)
+    assert len(effects.results) == published and len(effects.failures) == 1
+    assert "its winner a2 was not acknowledged" in effects.failures[0]
+    assert driver.store.receipt("r8")["failure_reason"] == "unacknowledged"
+
+
+def test_the_janitor_tells_a_failure_only_once_the_replicas_hold_it(lone):
+    driver, effects, cfg, ledger = replicated_driver(lone, SHORT)
+    driver.create("r9", SLOW, build_spec(cfg, "single"))
+    driver.submit_attempt("r9", "a1")
+    janitor = janitor_of(driver, ledger, cfg, effects)
+    assert janitor.clean("r9").action == "skipped: its end is not held by the replicas yet"
+    assert effects.failures == [] and driver.store.receipt("r9") is None
+    janitor.clock = Later(60)  # past the deadline and its grace: told all the same
+    cleanup = janitor.clean("r9")
+    assert (cleanup.action, cleanup.failed) == ("finalised", True)
+    assert len(effects.failures) == 1 and driver.store.receipt("r9")["finished"] is True
+
+
+def test_a_batched_step_left_unfinished_hands_back_only_its_race_with_a_resume(
+    redis_client, prefix, monkeypatch
+):
+    driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Recorder())
+    races = ["k1", "k2", "k3"]
+    _, timers = started_and_due(driver, cfg, races)
+    performed, perform = [], driver.perform
+
+    def perform_short_for_k1(step):
+        performed.append(step.race_id)
+        follow = perform(step)
+        if step.race_id == "k1":  # as a winner the replicas do not hold would
+            raise NotAcknowledged("race k1: 0 of 1 replicas acknowledged it")
+        return follow
+
+    monkeypatch.setattr(driver, "perform", perform_short_for_k1)
+    resumed = []
+    monkeypatch.setattr(driver, "resume", resumed.append)
+    back = handled(WatchBatch(driver), timers)
+    assert sorted(performed) == races  # the races after k1 were performed all the same
+    (timer, work), k1 = back[0], [t for t in timers if t.payload["race"] == "k1"]
+    assert len(back) == 1 and timer is k1[0] and isinstance(work, functools.partial)
+    work()  # on a timer thread: k1 is resumed (its retry tells its outcome again)
+    assert resumed == ["k1"]
+    assert effects.events.count("running") == len(races)
+
+
 # -- one replica ----------------------------------------------------------------------------
 
 
@@ -197,7 +360,8 @@ def test_with_a_replica_the_winner_is_published_once_after_it_holds_it(replicate
     assert len(effects.results) == 1 and effects.events.count("won") == 1
     won = effects.results[0]["attempt"]
     assert driver.store.winner("r1") == won
-    assert effects.callers[0]["first_claim"] is True  # written by the effects, once
+    # written by the effects, once, after they read that nothing was told before
+    assert effects.callers[0]["tell_once"] is True and "first_claim" not in effects.callers[0]
     assert "result_stored" not in effects.callers[0]
     assert short_waits("winner", "retried") == retried  # held at the first WAIT
 
@@ -257,3 +421,121 @@ def test_a_ridden_claim_its_wait_short_is_sent_again_and_counts_once_held(replic
     # another attempt's win is not ours to wait for: answered at once
     other = store.confirm_winner("r1", "a2", store.save_mark("r1", 0, "s1"), ridden, 0)
     assert other == WinnerClaim(won=False, winner="a1", first=False)
+
+
+def frozen(replica: RedisServer) -> None:
+    """Freeze the replica (SIGSTOP): it stays connected but acknowledges nothing."""
+    os.kill(replica.process.pid, signal.SIGSTOP)
+
+
+def thawed(replica: RedisServer, key: str, value: str) -> None:
+    """Thaw the replica and wait until it holds ``key`` = ``value``."""
+    os.kill(replica.process.pid, signal.SIGCONT)
+    follower = client_of(replica)
+    deadline = time.monotonic() + 10
+    while follower.get(key) != value:
+        assert time.monotonic() < deadline, "the thawed replica never caught up"
+        time.sleep(0.02)
+    follower.close()
+
+
+def long_single(cfg):
+    return dataclasses.replace(build_spec(cfg, "single"), deadline_s=60)
+
+
+def test_a_winner_the_replicas_held_late_is_told_by_the_tell_timer(replicated):
+    client, replica = replicated
+    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 100))
+    driver.create("r1", FAST, long_single(cfg))
+    frozen(replica)
+    try:
+        with pytest.raises(NotAcknowledged):
+            driver.submit_attempt("r1", "a1")
+        # the same step finished the race: out of the live index, the janitor never sees it
+        assert driver.store.receipt("r1")["finished"] is True
+        assert client.zscore(driver.store.live_key, "r1") is None
+        assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|0"]
+        fire(driver, "tell", "r1")  # still frozen: told again later
+        assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|1"]
+    finally:
+        thawed(replica, race_keys(PREFIX, "r1").winner, "a1")
+    driver.store.acks = ReplicaAcks(1, 2000)  # a loaded machine's replica may answer slowly
+    fire(driver, "tell", "r1")
+    assert [r["attempt"] for r in effects.results] == ["a1"] and effects.failures == []
+    assert tell_timers(driver, "r1") == []
+
+
+def test_an_outcome_told_at_once_leaves_no_tell_timer(replicated):
+    client, _ = replicated
+    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 2000))
+    driver.create("r2", FAST, long_single(cfg))
+    driver.submit_attempt("r2", "a1")
+    assert len(effects.results) == 1 and tell_timers(driver, "r2") == []
+    driver.create("r3", SLOW, build_spec(cfg, "single"))
+    driver.submit_attempt("r3", "a1")
+    driver.clock = Later(4)
+    fire(driver, "policy", "r3")  # the deadline: given up, held, told at once
+    assert len(effects.failures) == 1 and tell_timers(driver, "r3") == []
+
+
+class Hooked:
+    """A sim provider whose job's end is also delivered by webhook (the sim's own result)."""
+
+    def __init__(self, provider) -> None:
+        self.provider = provider
+
+    def __getattr__(self, name):
+        return getattr(self.provider, name)
+
+    def webhook_result(self, handle, body):
+        return self.provider.result(handle, 1.0)
+
+
+def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(replicated):
+    client, replica = replicated
+    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 100))
+    providers = driver.providers
+    driver.providers = lambda name: Hooked(providers(name))
+    driver.create("r4", {"sim": {"p": {"queue_s": 0, "run_s": 10}}}, long_single(cfg))
+    driver.submit_attempt("r4", "a1")  # polled once: it runs 100 ms more
+    time.sleep(0.2)
+    frozen(replica)
+    try:
+        assert apply_delivery(driver, "r4", "a1", {})[0] == 503  # saved, not published
+        assert driver.store.winner("r4") == "a1" and effects.results == []
+        assert apply_delivery(driver, "r4", "a1", {})[0] == 503  # the provider's retry
+    finally:
+        thawed(replica, race_keys(PREFIX, "r4").winner, "a1")
+    driver.store.acks = ReplicaAcks(1, 2000)
+    status, answer = apply_delivery(driver, "r4", "a1", {})  # and its next one
+    assert status == 200 and "declared again" in answer["ignored"]
+    assert [r["attempt"] for r in effects.results] == ["a1"]
+
+
+def test_the_janitor_claims_again_a_winner_whose_claim_a_failover_lost(replicated):
+    client, _ = replicated
+    driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
+    abandoned_with_a_winner(driver, cfg, "r5")
+    published = len(effects.results)
+    client.delete(race_keys(PREFIX, "r5").winner)  # a failover kept the save, not the claim
+    driver.store.acks = ReplicaAcks(1, 2000)
+    janitor = janitor_of(driver, ledger, cfg, effects)
+    assert janitor.clean("r5").action == "ended"
+    assert driver.store.winner("r5") == "a2"  # claimed again, held
+    assert len(effects.results) == published + 1 and effects.results[-1]["attempt"] == "a2"
+
+
+def test_the_janitor_follows_the_attempt_that_holds_the_claim(replicated):
+    client, _ = replicated
+    driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
+    abandoned_with_a_winner(driver, cfg, "r6")
+    published = len(effects.results)
+    # The claim names another attempt than the state (no step makes that: a failover's
+    # leftovers), whose result is stored: that one is handed over, and only that one
+    client.set(race_keys(PREFIX, "r6").winner, "a1")
+    client.set(result_key(PREFIX, "r6", "a1"), client.get(result_key(PREFIX, "r6", "a2")))
+    driver.store.acks = ReplicaAcks(1, 2000)
+    janitor = janitor_of(driver, ledger, cfg, effects)
+    assert janitor.clean("r6").action == "ended"
+    assert len(effects.results) == published + 1
+    assert (effects.results[-1]["attempt"], effects.results[-1]["winner"]) == ("a1", "p")

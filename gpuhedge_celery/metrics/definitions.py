@@ -112,7 +112,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
        (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0), "provider"),
     # -- Redis replicas (GPUHEDGE_REDIS_WAIT_REPLICAS) -----------------------------------------
     _c("gpuhedge_replica_wait_short",
-       "WAITs after a winner claim or a budget reservation that fewer replicas than asked "
+       "WAITs after a winner claim, a budget reservation or a race's failing save that fewer "
+       "replicas than asked "
        "acknowledged, by what was written and whether it was sent again or left to a retry.",
        "what", "outcome"),
 )

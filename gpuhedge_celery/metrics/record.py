@@ -276,9 +276,9 @@ def cancel_token_wait(provider: str, seconds: float) -> None:
 
 # ---------------------------------------------------------------------- Redis replicas
 def replica_wait_short(what: str, outcome: str) -> None:
-    """A ``WAIT`` after a ``winner`` claim or a ``reservation`` came back with fewer replicas
-    than asked: the write is sent again (``retried``) or its step left to a retry
-    (``gave_up``)."""
+    """A ``WAIT`` after a ``winner`` claim, a ``reservation`` or a race's ``failure`` (the
+    save that failed it) came back with fewer replicas than asked: the write is sent again
+    (``retried``) or its step left to a retry (``gave_up``)."""
     m = _m()
     if m:
         m.child("replica_wait_short", what, outcome).inc()

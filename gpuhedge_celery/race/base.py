@@ -116,6 +116,7 @@ class Step:
     armed: bool = False
     claim: Any = None  # the outcome's RiddenClaim
     receipt: dict[str, Any] | None = None
+    told: Any = None  # the outcome's RiddenTell (replicas to wait for, a step that tells)
 
     def wants(self, kind: type[Action]) -> bool:
         return any(isinstance(a, kind) for a in self.actions)

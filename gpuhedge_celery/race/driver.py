@@ -303,6 +303,8 @@ class RaceDriver:
             trip.ride(settle[0], [settle[1]])
         if step.wants(RaceFinished):
             step.receipt = self.outcome.ride_finish(trip, step, mark)
+        # with replicas to wait for: the tell timer ahead of the save, a failure's WAIT last
+        step.told = self.outcome.ride_tell(trip, step, mark)
         return trip
 
     def _late_result_taken(self, step: Step) -> None:
@@ -365,6 +367,7 @@ class RaceDriver:
         race_id, race, state = step.race_id, step.race, step.state
         follow: list[Event] = []
         unheld: NotAcknowledged | None = None
+        told = step.told
         self.outcome.announce_sent(race_id, race, step.phases)  # before a win it may have brought
         # Cancels first: a loser stops billing sooner, and sending a task costs the winner's
         # caller well under a millisecond.
@@ -390,13 +393,23 @@ class RaceDriver:
                 except NotAcknowledged as e:  # nothing published: the rest still runs, then
                     unheld = e  # the step fails, so its retry (or a resume) declares again
             elif isinstance(action, GiveUp):
-                self.outcome.give_up(race_id, race, state)
+                try:
+                    self.outcome.give_up(race_id, race, state, told)
+                except NotAcknowledged as e:  # not told yet: as for the winner
+                    unheld = e
             elif isinstance(action, RaceFinished):
-                self.outcome.finish(race_id, race, state, step.receipt)
+                try:
+                    self.outcome.finish(race_id, race, state, step.receipt, told)
+                except NotAcknowledged as e:
+                    unheld = e
         # Timers the race no longer wants (its deadline, once won): cancelled with this
         # process's next timer claim, or now without a timer service here. One that fires
-        # first changes nothing: the race ignores a timer it no longer wants.
-        self.timers.defer_cancels(step.gone)
+        # first changes nothing: the race ignores a timer it no longer wants. The tell timer
+        # too, once the caller was told (should it fire first, the effects tell nobody twice).
+        gone = step.gone
+        if told is not None and unheld is None:
+            gone = [*gone, told.timer_id]
+        self.timers.defer_cancels(gone)
         self.outcome.lifecycle(step)
         if unheld is not None:
             raise unheld

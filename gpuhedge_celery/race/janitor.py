@@ -17,6 +17,10 @@ provider jobs would keep running and its caller would wait. The janitor is the b
 4. it writes the receipt; a race without a winner is failed explicitly through
    :meth:`Effects.failed` (``.get()`` raises ``RaceFailed``), a race whose winner was claimed
    has its result marked again (idempotent) in case the process that claimed it died first.
+   With replicas to wait for, a winner is handed over only once they hold its claim (made
+   again if a failover lost it), else left for a later pass and, past the race's deadline,
+   its caller failed instead; a failure is told once they hold the save that ended the race
+   (or past the deadline and a grace all the same).
 
 A job whose cancel could not be confirmed stays registered as live and is retried on the next
 pass (the receipt reports it as a leak until then). A submit intent left by a worker that died
@@ -49,6 +53,14 @@ from ..store.timers import TimerStore, as_text, store_errors
 from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
 from .budget import RaceBudget
+from .outcome import (
+    TELL_GRACE_S,
+    TELL_ONCE,
+    UNACKNOWLEDGED,
+    UNHELD,
+    race_deadline,
+    unheld_message,
+)
 from .receipt import (
     assemble_receipt,
     load_attempt_result,
@@ -108,6 +120,17 @@ class JanitorReport:
             "ended": sum(1 for r in self.races if r.action == "ended"),
             "settled": self.settled,
         }
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """How the janitor ends a race: whether it had finished, whether its caller is told (no
+    receipt yet), and, with replicas to wait for, the attempt whose win they hold (None with
+    a winner: past its deadline, its caller is failed instead)."""
+
+    was_finished: bool
+    tell: bool
+    holder: str | None = None
 
 
 def default_owner() -> str:
@@ -224,12 +247,14 @@ class Janitor:
                 return RaceCleanup(race_id, "skipped: a timer of the race is still waiting")
         handles = {k: v for k, v in jobs.items() if not v.get("submitting")}
         receipts = self._cancel_jobs(race, jobs)
-        if not had_receipt and not self._winner_held(race_id, race):
-            # ended, the race would never be looked at again: left for a later pass
-            return RaceCleanup(race_id, "skipped: its winner is not held by the replicas yet")
-        return self._end(
-            race_id, receipts, handles, was_finished=race.finished, tell=not had_receipt
-        )
+        holder: str | None = None
+        if not had_receipt and race.winner is not None and self.store.acks.on:
+            holder = self._held_winner(race_id, race)
+            if holder is None and not self._past(race):
+                # ended, the race would never be looked at again: left for a later pass
+                return RaceCleanup(race_id, "skipped: its winner is not held by the replicas yet")
+        ending = _Ending(race.finished, not had_receipt, holder)
+        return self._end(race_id, receipts, handles, ending)
 
     # ------------------------------------------------------------------ liveness
     def _has_waiting_timer(self, race_id: str) -> bool:
@@ -280,24 +305,35 @@ class Janitor:
         race_id: str,
         receipts: dict[str, CancelReceipt | str],
         handles: dict[str, dict[str, Any]],
-        *,
-        was_finished: bool,
-        tell: bool,
+        ending: _Ending,
     ) -> RaceCleanup:
+        """End the race (see the module and :class:`_Ending`)."""
+        was_finished, tell, holder = ending.was_finished, ending.tell, ending.holder
         now_ms = self.clock.now() * 1000.0
+        acks_on = self.store.acks.on
+        winner: str | None = None
 
         def change(state: dict[str, Any]) -> dict[str, Any]:
+            nonlocal winner
             race = Race.from_dict(state["race"], self.clock)
             apply_cleanup(race, receipts, now_ms, handles)
             new = dict(state)
             new["race"] = race.to_dict()
             new["janitor"] = {"owner": self.owner, "at_ms": now_ms}
+            winner = race.winner
+            if acks_on and tell and race.winner is not None and holder is None:
+                new[UNHELD] = {"winner": race.winner, "at": now_ms / 1000.0}
             return new
 
         try:
             record = self.store.update(race_id, change)
         except VersionConflict:  # the race vanished while we worked (expired)
             return RaceCleanup(race_id, "skipped: the race disappeared")
+        # its caller is failed instead of told its winner (now, or by its tell timer before)
+        unheld = UNHELD in record.state  # (only ever noted with replicas to wait for)
+        if acks_on and tell and (winner is None or unheld) and not self._failure_held(race_id):
+            # the caller is told the failure once no failover can take it back: a later pass
+            return RaceCleanup(race_id, "skipped: its end is not held by the replicas yet")
         race = Race.from_dict(record.state["race"], self.clock)
         cleanup = RaceCleanup(race_id, "finalised" if was_finished else "ended")
         for attempt_id, found in receipts.items():
@@ -310,6 +346,8 @@ class Janitor:
         spec = spec_from_state(record.state)
         receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
         receipt["janitor"] = record.state.get("janitor")
+        if unheld:
+            receipt["failure_reason"] = UNACKNOWLEDGED
         final = race_record(self.store, race, record.state, spec, receipt)
         self.store.finish(
             race_id, receipt, self.receipt_ttl_s, drop_jobs=cleanup.cancelled, record=final
@@ -320,37 +358,78 @@ class Janitor:
             resettle = set(receipts) if was_finished else set()
             self.budget.settle_race(race_id, race, record.state, resettle)
         caller = record.state.get("caller") or {}
-        if race.winner is None:
+        if acks_on:  # told once, whatever it was told before (the effects read first)
+            caller = {**caller, TELL_ONCE: True}
+        if race.winner is None or unheld:
             cleanup.failed = True
             if tell:
-                self.effects.failed(race_id, f"race {race_id}: {race.note}", receipt, caller)
+                message = f"race {race_id}: {race.note}"
+                if unheld:
+                    message = unheld_message(race_id, race.winner or "", self.store.acks)
+                    log.error("%s", message)
+                self.effects.failed(race_id, message, receipt, caller)
         elif tell:  # its claimer may have died before marking the result
-            self._mark_winner(race_id, race, caller)
+            self._mark_winner(race_id, race, caller, holder)
         return cleanup
 
-    def _winner_held(self, race_id: str, race: Race) -> bool:
-        """Whether the race's winner, if any, may be handed to its caller: always, unless the
-        store waits for replicas to hold a claim (``acks``) and they do not hold this one."""
+    def _past(self, race: Race, grace_s: float = 0.0) -> bool:
+        """Whether the race's deadline (plus ``grace_s``) has passed."""
+        deadline = race_deadline(race)
+        return deadline is not None and self.clock.now() >= deadline + grace_s
+
+    def _held_winner(self, race_id: str, race: Race) -> str | None:
+        """With replicas to wait for: the attempt whose win they hold (the state's winner, its
+        claim made again if a failover lost it while the save that declared it survived; or
+        whichever attempt holds the claim instead), None while they hold none."""
         won = race.winner_attempt
-        if won is None or not self.store.acks.on or self.store.winner(race_id) != won.id:
-            return True  # nothing of ours to publish (_mark_winner checks the claim again)
+        assert won is not None
         try:
-            self.store.claim_winner(race_id, won.id)  # the same claim, and WAIT
+            claim = self.store.claim_winner(race_id, won.id)  # the same claim, and WAIT
+            if not claim.won:  # another attempt holds it: that one's caller is told
+                log.error("race %s: %s won, but %s holds the claim", race_id, won.id, claim.winner)
+                claim = self.store.claim_winner(race_id, claim.winner)
         except NotAcknowledged:
-            return False
+            return None
+        return claim.winner
+
+    def _failure_held(self, race_id: str) -> bool:
+        """Whether the replicas hold the save that failed the race (or it is past its deadline
+        and the grace: told all the same, never silence)."""
+        try:
+            self.store.hold_save(race_id)
+        except NotAcknowledged:
+            record = self.store.load(race_id)
+            if record is None:
+                return False
+            if not self._past(Race.from_dict(record.state["race"], self.clock), TELL_GRACE_S):
+                return False
+            log.error("race %s: the replicas never held its failure; told all the same", race_id)
         return True
 
-    def _mark_winner(self, race_id: str, race: Race, caller: dict[str, Any]) -> None:
-        """Mark the claimed winner's result (again: the effects skip a result already marked)."""
+    def _mark_winner(
+        self, race_id: str, race: Race, caller: dict[str, Any], holder: str | None = None
+    ) -> None:
+        """Mark the claimed winner's result (again: the effects skip a result already marked).
+        ``holder``: the attempt whose claim the replicas hold (with replicas to wait for)."""
         won = race.winner_attempt
-        if won is None or self.store.winner(race_id) != won.id:
+        if won is None:
             return
-        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, won.id)
+        if holder is None:
+            if self.store.winner(race_id) != won.id:
+                return
+            holder = won.id
+        elif holder != won.id:  # follow the claim: the result handed over is its holder's
+            race = Race.from_dict(race.to_dict(), self.clock)
+            race.winner = holder
+        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        if stored is None and holder != won.id:
+            log.error("race %s: the result of %s, which holds the claim, is gone", race_id, holder)
+            return
         result = winner_result(
             race,
             stored or {},
             inline_max=self.payload_inline_max,
-            ref=result_key(self.store.prefix, race_id, won.id),
+            ref=result_key(self.store.prefix, race_id, holder),
         )
         self.effects.won(race_id, result, caller)
 

@@ -67,6 +67,8 @@ class Recovery:
                 # (this job's next poll was just armed, or it was concluded: not armed again,
                 # or the job would be watched by two chains of polls from now on)
                 self.resume(payload["race"], watched=payload["attempt"])
+        elif kind == "tell":  # replicas to wait for: the outcome told again (outcome.py)
+            d.outcome.retell(payload["race"], int(payload.get("try", 0)))
         else:
             log.warning("timer %s has an unknown kind %r; dropped", timer.id, kind)
 

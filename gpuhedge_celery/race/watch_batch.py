@@ -40,6 +40,7 @@ from ..core.race_events import AttemptSubmitted, Event, ScheduleTimer, StatusObs
 from ..errors import StoreUnavailable
 from ..providers.base import PollsMany
 from ..store.races import SAVE_RETRY_INTERVAL_S, RaceRecord, VersionConflict
+from ..store.replicas import NotAcknowledged
 from ..store.round_trip import RoundTrip
 from ..store.scripts import run_pipeline
 from ..store.timers import Timer, store_errors
@@ -328,7 +329,14 @@ class WatchBatch:
                 if p.observed is not None:
                     back(p.timer, _restep(d, work.race_id, p, answer))
             return
-        d.perform(step)
+        try:
+            d.perform(step)
+        except NotAcknowledged as e:
+            # Only this race's step is left unfinished (an outcome the replicas do not hold
+            # yet): its first timer resumes it on a timer thread, where a failure delivers it
+            # again; the other races of the batch are performed as usual.
+            log.warning("race %s: batched step not performed whole: %s", work.race_id, e)
+            back(work.polls[0].timer, functools.partial(d.resume, work.race_id))
 
 
 def _nothing() -> None:

@@ -132,6 +132,12 @@ def finished_races_key(prefix: str) -> str:
 RECENT_FINISHED = 1000  # finished races the index above remembers
 
 
+def replica_wait_channel(prefix: str) -> str:
+    """Pub/sub channel nobody listens to: a ``PUBLISH`` there before a ``WAIT`` is a write the
+    replicas receive (``ReplicaAcks.queue_covering``)."""
+    return under(prefix, "replicas:wait")
+
+
 @dataclass(frozen=True)
 class BudgetKeys:
     """The budget ledger's keys (all on the slot of ``{budget}``, so one script reserves)."""

@@ -35,7 +35,14 @@ from . import codec, race_parts
 from .codec import dumps_dict, ms
 from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
-from .race_keys import ResultWrite, SaveMark, finished_races_key, live_races_key, race_keys
+from .race_keys import (
+    ResultWrite,
+    SaveMark,
+    finished_races_key,
+    live_races_key,
+    race_keys,
+    replica_wait_channel,
+)
 from .race_liveness import RaceLiveness
 from .race_receipts import RaceReceipts
 from .records import DEFAULT_RECORDS_MAXLEN, RecordStream
@@ -94,6 +101,18 @@ class WinnerClaim:
     first: bool
 
 
+SAVES_KEPT = 8  # the saves race_save.lua keeps in a state's history
+
+
+def _among(mark: str, saves: list[str]) -> bool:
+    """Whether the save ``mark`` ('version:id') is in a state's history ``saves``, or was
+    followed by so many later saves that it left it (those built on it)."""
+    if mark in saves:
+        return True
+    version = int(mark.split(":", 1)[0])
+    return len(saves) >= SAVES_KEPT and all(int(e.split(":", 1)[0]) > version for e in saves)
+
+
 def new_save_id() -> str:
     """A fresh id for one save (:meth:`RaceStore.save`)."""
     return uuid.uuid4().hex
@@ -133,6 +152,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self.clock = clock or WallClock()
         # replicas that must hold a winner claim before its result is published (0: none)
         self.acks = acks or ReplicaAcks()
+        self.wait_channel = replica_wait_channel(prefix)  # its WAITs' PUBLISH
         self.live_key = live_races_key(prefix)
         self.records = RecordStream(client, prefix, records_maxlen)  # finished races' records
         self.finished_key = finished_races_key(prefix)
@@ -463,10 +483,11 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
             def build(pipe: Any) -> None:
                 queue_script(pipe, self._claim_winner, keys, args)
-                self.acks.queue(pipe)
+                # a claim found made writes nothing: the WAIT must cover it all the same
+                self.acks.queue_covering(pipe, self.wait_channel)
 
             with store_errors(f"claiming the winner of race {race_id!r}"):
-                reply, acked = run_pipeline(self.client, build, [self._claim_winner])
+                reply, _, acked = run_pipeline(self.client, build, [self._claim_winner])
             claim = self.winner_claim(reply)
             if claim is None:  # the save that declared it is not in Redis (a failover)
                 raise NotAcknowledged(
@@ -500,15 +521,17 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         is in another hash slot than the race's: a single Redis primary (as for the finish).
 
         With replicas to wait for (:attr:`acks`) no result rides (it is published once they
-        hold the claim) and a ``WAIT`` follows the claim: two replies, the second its count
-        (:meth:`RiddenClaim <gpuhedge_celery.race.outcome.RiddenClaim>` reads both)."""
+        hold the claim) and a ``WAIT`` follows the claim (:meth:`~.replicas.ReplicaAcks.
+        queue_covering`: a save sent again after a lost answer writes nothing): three replies,
+        the last its count (:meth:`RiddenClaim <gpuhedge_celery.race.outcome.RiddenClaim>`
+        reads the first and the last)."""
         keys = race_keys(self.prefix, race_id)
         args = [attempt_id, ms(self.state_ttl_s), saved.mark]
         if self.acks.on:
             if result is not None:  # it would reach the caller before the replicas hold it
                 raise ValueError("no result rides with a claim that replicas must acknowledge")
             queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
-            self.acks.queue(pipe)
+            self.acks.queue_covering(pipe, self.wait_channel)
             return
         if result is None:
             queue_script(pipe, self._claim_winner, [keys.winner, saved.state_key], args)
@@ -523,6 +546,39 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     @property
     def claim_winner_script(self) -> Any:
         return self._claim_winner
+
+    def queue_wait(self, pipe: Any) -> None:
+        """Queue a ``WAIT`` covering every write before it (the save it rides with included);
+        its reply is the last of the commands queued (:meth:`hold_save` reads it)."""
+        self.acks.queue_covering(pipe, self.wait_channel)
+
+    def hold_save(self, race_id: str, saved: SaveMark | None = None, *, short: Any = None) -> None:
+        """Return once the replicas :attr:`acks` asks for hold the race's state as saved
+        (``saved``: the mark of the save that must be in it; None: the state as last read).
+        For a save that failed the race: its caller is told only once no failover can take
+        the failure back. ``short``: the reply of a ``WAIT`` that rode in that save and came
+        back short (the first of the tries). Raises :class:`~.replicas.NotAcknowledged` when
+        they never hold it, and when that save (or the race) is no longer in Redis."""
+        state_key = race_keys(self.prefix, race_id).state
+        what = f"race {race_id}: the save that failed it"
+
+        def send() -> tuple[None, Any]:
+            def build(pipe: Any) -> None:
+                pipe.hget(state_key, "s")  # the race's last saves (race_save.lua)
+                self.acks.queue_covering(pipe, self.wait_channel)
+
+            with store_errors(f"waiting for the replicas to hold race {race_id!r}"):
+                history, _, acked = run_pipeline(self.client, build)
+            saves = as_text(history).split() if history is not None else None
+            if saves is None or (saved is not None and not _among(saved.mark, saves)):
+                raise NotAcknowledged(f"{what} is no longer in Redis; decided again")
+            return None, acked
+
+        try:
+            self.acks.until_held(what, "failure", send, short=short)
+        except NotAcknowledged:
+            self.copies.forget(race_id)  # the state saved may be lost: read it
+            raise
 
     @staticmethod
     def winner_claim(reply: Any) -> WinnerClaim | None:

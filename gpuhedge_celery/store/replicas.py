@@ -62,6 +62,18 @@ class ReplicaAcks:
         """Queue the ``WAIT`` on ``pipe``, after the write it must cover (one command)."""
         pipe.execute_command("WAIT", self.replicas, self.timeout_ms)
 
+    def queue_covering(self, pipe: Any, channel: str) -> None:
+        """Queue a ``WAIT`` that covers every write Redis took before it, whichever connection
+        made it (two commands; the ``WAIT``'s reply is the last).
+
+        ``WAIT`` is documented to wait for the writes of its own connection: a claim or a save
+        sent again and found made writes nothing, and another process's retry never wrote
+        that claim at all. A ``PUBLISH`` to ``channel`` (nobody listens) is a write the
+        replicas receive, so the ``WAIT`` after it waits for everything the primary held at
+        that moment, whoever wrote it."""
+        pipe.publish(channel, "")
+        self.queue(pipe)
+
     def held(self, reply: Any) -> bool:
         """Whether a ``WAIT`` reply says enough replicas hold the writes before it."""
         return _count(reply) >= self.replicas

@@ -33,6 +33,7 @@ from ..race.backstops import launch_backstop_id
 from ..race.base import RaceParts
 from ..race.budget import RaceBudget
 from ..race.driver import RaceDriver
+from ..race.outcome import TELL_ONCE
 from ..race.receipt import by_reference, result_key
 from ..race.settings import RaceSettings
 from ..race.spec import build_spec
@@ -152,10 +153,13 @@ class CeleryEffects:
 
     def won(self, race_id: str, result: dict[str, Any], caller: dict[str, Any]) -> None:
         app = _app()
+        # a resumed race re-declares its winner: links and chains must not run twice; with
+        # replicas to wait for (tell_once), a caller failed already is not told a winner
+        told = ("SUCCESS", "FAILURE") if caller.get(TELL_ONCE) else ("SUCCESS",)
         if not caller.get("first_claim") and (
-            app.backend.get_task_meta(race_id).get("status") == "SUCCESS"
+            app.backend.get_task_meta(race_id).get("status") in told
         ):
-            return  # a resumed race re-declares its winner: links and chains must not run twice
+            return
         if caller.get("result_stored"):  # the claim in the declaring save wrote it
             self._succeeded(race_id, result, caller)
             return
@@ -190,6 +194,8 @@ class CeleryEffects:
         status = backend.get_task_meta(race_id).get("status")
         if status == "FAILURE":
             return  # a resumed race re-finishes: error links must not run twice
+        if status == "SUCCESS" and caller.get(TELL_ONCE):
+            return  # replicas to wait for: a caller told its winner is never failed after it
         if status == "REVOKED":
             return  # AsyncResult.revoke() stopped it: the caller already has Celery's answer
         reason = receipt.get("failure_reason") or "no_valid_result"

@@ -8,7 +8,9 @@ so a forged body with a leaked URL changes nothing (docs/providers.md). The race
 validated, stored, reported with one versioned save of the race, and the engine's actions
 (a winner, the losers' cancels) performed. :func:`apply_delivery` returns only after that
 save, so a provider's retry covers a receiver that dies first; a repeated delivery finds the
-attempt ended and changes nothing.
+attempt ended and changes nothing. With replicas to wait for (``GPUHEDGE_REDIS_WAIT_REPLICAS``),
+an outcome they do not hold yet is answered 503, and the provider's retry of the winner's
+delivery declares it again (the race's tell timer tells it too, whatever the provider does).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..core.race import Race
 from ..errors import GpuHedgeError, ProviderError, ProviderProtocolError
 from ..providers.base import TakesWebhooks
 from ..race.base import JobRef, find_attempt
+from ..store.replicas import NotAcknowledged
 
 if TYPE_CHECKING:
     from ..race.driver import RaceDriver
@@ -54,6 +57,8 @@ def apply_delivery(
         if a is None:
             return 200, {"ignored": f"race has no attempt {attempt_id!r}"}
         if not a.live:
+            if race.winner == attempt_id and driver.store.acks.on:
+                return _declare_again(driver, race_id)
             return 200, {"ignored": "attempt already ended"}
         if race.finished and a.phase is not Phase.LEAKED:
             return 200, {"ignored": "race finished"}  # only a job never shown stopped is news
@@ -85,8 +90,29 @@ def apply_delivery(
         return 200, {"ignored": "the job has not ended"}
     spec = record.state["spec"]
     cap = float((spec.get("caps_s") or {}).get(a.provider, 180.0))
-    driver.conclude(JobRef(race_id, attempt_id, a.provider, handle.to_dict(), cap), spec, result)
+    try:
+        driver.conclude(
+            JobRef(race_id, attempt_id, a.provider, handle.to_dict(), cap), spec, result
+        )
+    except NotAcknowledged as e:  # saved, but the outcome it made is not told yet
+        log.warning("race %s: %s", race_id, _line(str(e)))
+        return 503, {"error": _UNHELD}
     return 200, {"applied": str(result.state)}
+
+
+_UNHELD = "saved; the race's outcome is not held by the Redis replicas yet: try again"
+
+
+def _declare_again(driver: RaceDriver, race_id: str) -> Answer:
+    """A repeated delivery of the winner's job, with replicas to wait for: the step that
+    declared it may have found them short (and answered 503), so the caller is told again
+    (idempotent: the effects tell nobody twice)."""
+    try:
+        driver.outcome.retell(race_id)
+    except NotAcknowledged as e:
+        log.warning("race %s: %s", race_id, _line(str(e)))
+        return 503, {"error": _UNHELD}
+    return 200, {"ignored": "attempt already ended; its win declared again"}
 
 
 def _line(text: str, limit: int = 300) -> str:
