@@ -29,7 +29,7 @@ import redis
 from gpuhedge_celery.core.lease_rules import GpuInfo
 from gpuhedge_celery.errors import LeaseLost, StaleToken, StoreUnavailable
 from gpuhedge_celery.redis_url import with_sentinel_options
-from gpuhedge_celery.store.connection import redis_from_url
+from gpuhedge_celery.store.connection import redis_from_url, replication_warning
 from gpuhedge_celery.store.leases import LeaseStore
 from gpuhedge_celery.store.races import RaceStore
 from gpuhedge_celery.store.replicas import NotAcknowledged, ReplicaAcks
@@ -111,7 +111,9 @@ def url_of(group) -> str:
 def stores(url: str, prefix: str):
     client = redis_from_url(url, decode_responses=True, socket_timeout=2)
     leases = LeaseStore(client, prefix)
-    races = RaceStore(client, prefix, acks=ReplicaAcks(replicas=1, timeout_ms=200))
+    # every replica: one still following the old primary while Sentinel promotes another
+    # could acknowledge a claim the new primary never gets (replication_warning)
+    races = RaceStore(client, prefix, acks=ReplicaAcks(replicas=2, timeout_ms=200))
     return leases, races
 
 
@@ -250,3 +252,10 @@ def test_fifty_failovers_leave_one_winner_per_race_and_tokens_that_only_grow(gro
     assert tally.worker_went_back == []
     assert tally.unexpected == []
     assert summary["races_claimed"] >= tally.failovers["lossy"]
+
+
+def test_workers_warn_when_a_winner_waits_for_fewer_replicas_than_the_primary_has(group):
+    client = redis_from_url(url_of(group), decode_responses=True)
+    warning = eventually(lambda: replication_warning(client, 1))
+    assert "2 replicas" in warning and "set it to 2" in warning and "\n" not in warning
+    assert replication_warning(client, 2) is None

@@ -159,6 +159,23 @@ def persistence_warning(client: redis.Redis) -> str | None:
     )
 
 
+def replication_warning(client: redis.Redis, wait_replicas: int) -> str | None:
+    """A one-line warning when the primary has more replicas than a winner waits for: while a
+    failover promotes one replica, another may still follow the old primary and acknowledge a
+    claim the promoted one never gets (measured: ``tests/test_failover_e2e.py``)."""
+    try:
+        replicas = int(client.info("replication").get("connected_slaves", 0) or 0)
+    except redis.RedisError:
+        return None
+    if replicas == 0 or wait_replicas >= replicas:
+        return None
+    return (
+        f"Redis has {replicas} replicas and GPUHEDGE_REDIS_WAIT_REPLICAS is {wait_replicas}: a "
+        "winner or a reservation acknowledged by fewer than all of them can still be lost in a "
+        f"failover; set it to {replicas} (docs/operations.md, Failover)"
+    )
+
+
 def same_database(a: Any, b: Any) -> bool:
     """Whether two redis-py clients reach the same Redis database (host and port, or unix
     socket, and db number): a script run through one may then write keys the other reads."""

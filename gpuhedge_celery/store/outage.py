@@ -24,6 +24,7 @@ from ..errors import StoreUnavailable
 from .connection import wait_for_redis
 
 OUTAGE_WAIT_S = 120.0  # how long a pooled request waits for Redis to come back, in all
+RETRY_PAUSE_S, RETRY_PAUSE_MAX_S = 0.05, 1.0  # between repeats once Redis answers PING again
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def through_outage(
     the first answer may have been lost).
     """
     give_up = time.monotonic() + limit_s
+    pause = RETRY_PAUSE_S
     while True:
         try:
             return call()
@@ -54,5 +56,9 @@ def through_outage(
             log.warning("%s: %s; waiting up to %.0f s for Redis to come back", what, e, left)
             if not wait_for_redis(client, left):
                 raise
+            # a primary demoted by a failover still answers PING: without a pause this would
+            # spin until the Sentinels name the new one
+            time.sleep(min(pause, max(0.0, give_up - time.monotonic())))
+            pause = min(pause * 2, RETRY_PAUSE_MAX_S)
             if on_retry is not None:
                 on_retry()

@@ -73,6 +73,9 @@ TASK_MODULES = [
 OPTIONAL_TASK_MODULES = ["gpuhedge_celery.tasks.races", "gpuhedge_celery.tasks.janitor"]
 
 
+BROKER_SOCKET_TIMEOUT_S = 10  # longer than kombu's 1 s blocking pop, so a quiet queue is no error
+
+
 def celery_conf(config: GlueConfig) -> dict[str, object]:
     """The Celery settings for ``config`` (a pure function, so it is testable without a worker)."""
     url = config.settings.redis_url
@@ -91,6 +94,10 @@ def celery_conf(config: GlueConfig) -> dict[str, object]:
         }
     # behind Sentinel, Celery and kombu take the master's name as a transport option
     transport.update(celery_transport_options(config.broker))
+    if is_sentinel(config.broker):
+        # a failover can leave a connection to a node that never answers: with kombu's default
+        # (no timeout) the worker's consumer waited on it for good instead of reconnecting
+        transport.update(socket_timeout=BROKER_SOCKET_TIMEOUT_S, socket_connect_timeout=5)
     results: dict[str, object] = dict(celery_transport_options(url))
     tls = {  # a Sentinel URL's ssl=true: Celery's own switch for TLS to the data nodes
         name: options

@@ -37,15 +37,18 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from functools import lru_cache
 from time import time
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from ..names import RACE_TASKS
+from ..store.connection import primary_changed
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +183,30 @@ def _flush_before_close(channel: Any) -> None:
         qos.flush_acks()
 
 
+def _primary_changed_is_lost_connection(read: Callable[[], Any], channel: Any) -> Any:
+    """``read()``, a blocking pop; a primary demoted under it (Redis answers the pop with
+    UNBLOCKED ... master -> replica) raised as the lost connection it is, so the worker
+    reconnects, through the Sentinels, to the new primary instead of stopping as kombu does
+    for an error reply."""
+    try:
+        return read()
+    except redis.ResponseError as e:
+        if not primary_changed(e):
+            raise
+        channel.client.connection.disconnect()
+        raise redis.ConnectionError(f"the broker's primary changed: {e}") from e
+
+
 class Channel(kombu_redis.Channel):
     QoS = QoS
 
     def close(self) -> None:
         _flush_before_close(self)
         super().close()
+
+    def _brpop_read(self, **options: Any) -> Any:
+        read = super()._brpop_read
+        return _primary_changed_is_lost_connection(lambda: read(**options), self)
 
 
 class SentinelChannel(kombu_redis.SentinelChannel):
@@ -197,6 +218,10 @@ class SentinelChannel(kombu_redis.SentinelChannel):
     def close(self) -> None:
         _flush_before_close(self)
         super().close()
+
+    def _brpop_read(self, **options: Any) -> Any:
+        read = super()._brpop_read
+        return _primary_changed_is_lost_connection(lambda: read(**options), self)
 
 
 class Transport(kombu_redis.Transport):

@@ -142,7 +142,13 @@ def back_to_waiting(
         args=(request,),
         kwargs={"pool": pool, "attempt": attempt + 1, "labels": labels},
     )
-    return task.replace(again)
+    # sending it again records it in Redis first: an outage or a failover at that moment must
+    # not fail the request (the record is idempotent; replace ends with Celery's Ignore)
+    return through_outage(
+        lease_store().client,
+        f"request {task.request.id}: sending it back to wait",
+        lambda: task.replace(again),
+    )
 
 
 def already_done(task: Task) -> tuple[bool, Any]:

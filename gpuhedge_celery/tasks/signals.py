@@ -168,15 +168,20 @@ def _start_gpu_host(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_ready.connect
 def _warn_without_persistence(**_: Any) -> None:
-    from ..store.connection import persistence_warning
+    from .. import settings
+    from ..store.connection import persistence_warning, replication_warning
     from .gpu import lease_store
 
     try:
-        warning = persistence_warning(lease_store().client)
+        client = lease_store().client
+        warnings = [
+            persistence_warning(client),
+            replication_warning(client, settings.current().core.wait_replicas),
+        ]
     except Exception as e:  # a warning must never stop a worker
         log.debug("persistence check failed: %s", e)
         return
-    if warning:
+    for warning in filter(None, warnings):
         log.warning("%s", warning)
 
 
