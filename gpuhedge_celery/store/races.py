@@ -487,7 +487,12 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                 self.acks.queue_covering(pipe, self.wait_channel)
 
             with store_errors(f"claiming the winner of race {race_id!r}"):
-                reply, _, acked = run_pipeline(self.client, build, [self._claim_winner])
+                # a WAIT cut short (a failover demoting the primary) counts as none: sent again
+                reply, _, acked = run_pipeline(
+                    self.client, build, [self._claim_winner], raise_on_error=False
+                )
+                if isinstance(reply, Exception):
+                    raise reply
             claim = self.winner_claim(reply)
             if claim is None:  # the save that declared it is not in Redis (a failover)
                 raise NotAcknowledged(
@@ -568,7 +573,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
                 self.acks.queue_covering(pipe, self.wait_channel)
 
             with store_errors(f"waiting for the replicas to hold race {race_id!r}"):
-                history, _, acked = run_pipeline(self.client, build)
+                history, _, acked = run_pipeline(self.client, build, raise_on_error=False)
+                if isinstance(history, Exception):
+                    raise history
             saves = as_text(history).split() if history is not None else None
             if saves is None or (saved is not None and not _among(saved.mark, saves)):
                 raise NotAcknowledged(f"{what} is no longer in Redis; decided again")
