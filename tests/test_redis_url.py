@@ -139,6 +139,10 @@ def test_a_sentinel_broker_keeps_the_transport_that_survives_a_lost_connection()
             "UNBLOCKED force unblock from blocking operation, instance state changed "
             "(master -> replica?)"
         ),
+        redis.ResponseError(
+            "Command # 2 (WAIT 1 200) of pipeline caused error: UNBLOCKED force unblock from "
+            "blocking operation, instance state changed (master -> replica?)"
+        ),
     ],
 )
 def test_a_demoted_primary_is_an_outage_to_retry_not_a_failed_command(error):

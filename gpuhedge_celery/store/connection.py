@@ -110,7 +110,12 @@ _PRIMARY_CHANGED = ("READONLY", "UNBLOCKED")
 def primary_changed(error: redis.ResponseError) -> bool:
     """Whether ``error`` says the server stopped being the primary: a retry, once the client
     reconnects to the new one, is all it needs (an outage, not a bug in the command)."""
-    return isinstance(error, redis.ReadOnlyError) or str(error).startswith(_PRIMARY_CHANGED)
+    if isinstance(error, redis.ReadOnlyError):
+        return True
+    message = str(error)
+    # a pipeline wraps the server's answer: "Command # 2 (WAIT 1 200) of pipeline caused error: ..."
+    answer = message.partition("caused error: ")[2] or message
+    return answer.startswith(_PRIMARY_CHANGED)
 
 
 def ping(url: str) -> None:
