@@ -384,6 +384,34 @@ def test_a_hedge_that_never_answers_stops_looking_fast() -> None:
     ]  # never seen to end: never answers
 
 
+@pytest.mark.parametrize("watched_s", [0.02, 0.6])
+def test_a_hedge_only_cut_short_by_a_fast_primary_is_still_tried_when_it_slows(
+    watched_s: float,
+) -> None:
+    # explored beside a 25 ms primary, the hedge was cancelled each time before it could end;
+    # the primary then takes 605 ms (a 3 s deadline, as a sim fleet on compressed time has)
+    learner = Learner("p", ("h",), 3.0, rates={p: PUBLISHED_RATES["modal"] for p in "ph"})
+
+    def race(seq: int, primary_s: float, hedged: bool) -> dict[str, object]:
+        p = {"provider": "p", "outcome": "valid", "at": primary_s, "queue_hi": 0.005}
+        h = {"provider": "h", "outcome": "censored", "at": watched_s}
+        return {"seq": seq, "jobs": [p, h] if hedged else [p]}
+
+    for seq in range(1, 25):
+        learner.feed(race(seq, 0.025, hedged=seq <= 12))
+    for seq in range(25, 65):
+        learner.feed(race(seq, 0.605, hedged=False))
+    learner.seq = 64
+    learner.fit()
+    est = learner.estimate
+    assert est is not None
+    if watched_s < 0.15:  # stopped long before anything could tell a hang: worth a try
+        assert learner.plan.hedge == "h" and learner.plan.safety_s is not None
+        assert learner.plan.safety_s < 0.3 and est.hedge_share > 0.6, (learner.plan, est)
+    else:  # watched a fifth of the deadline a dozen times without an end: it hangs
+        assert learner.plan.safety_s is None and est.hedge_share < 0.1, (learner.plan, est)
+
+
 def test_a_hedge_refused_a_token_is_tried_again_when_the_primary_fails() -> None:
     learner = Learner("p", ("h",), 60.0, budget=0.0, rates=PUBLISHED_RATES, tokens=0.0)
     learner.plan, learner.fitted_at = Plan("h", None, None, 2.0, None), 0

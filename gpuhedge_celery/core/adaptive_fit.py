@@ -133,12 +133,16 @@ def weights(n: int, half_life: float) -> list[tuple[float, float]]:
     ]
 
 
-def points(samples: Sequence[Sample], half_life: float, resolution: float = 0.1) -> list[Point]:
+def points(
+    samples: Sequence[Sample], half_life: float, resolution: float = 0.1, hang_s: float = 0.0
+) -> list[Point]:
     """The weighted outcome distribution of one provider, censored samples redistributed.
 
     A censored job's weight goes to the jobs seen to end later in proportion to their long
     memory: how long a job runs past a point is a property of the provider, not of how
     recently a job that long was watched (a plan that always stops such jobs sees none).
+    Only jobs watched at least ``hang_s`` count as possibly hung (see :func:`_ended`): a job
+    stopped sooner, because a faster one won, says nothing about whether it would answer.
     """
     pairs = sorted(
         zip(samples, weights(len(samples), half_life), strict=True), key=lambda p: p[0].at
@@ -158,12 +162,17 @@ def points(samples: Sequence[Sample], half_life: float, resolution: float = 0.1)
                 mass[j] += mass[i] * pairs[j][1][1] / total
             mass[i] = 0.0
     leftover = sum(
-        1 for (s, _), m in zip(pairs, mass, strict=True) if m > 0 and s.outcome == "censored"
+        1
+        for (s, _), m in zip(pairs, mass, strict=True)
+        if m > 0 and s.outcome == "censored" and s.at >= hang_s
     )
     hopeful = leftover <= OPTIMISM  # past that, jobs never seen to end count as never answering
     out = [
         Point(
-            *_ended(s, hopeful), m, _bound(s.queue_lo, resolution), _bound(s.queue_hi, resolution)
+            *_ended(s, hopeful or s.at < hang_s),
+            m,
+            _bound(s.queue_lo, resolution),
+            _bound(s.queue_hi, resolution),
         )
         for (s, _), m in zip(pairs, mass, strict=True)
         if m > 0
@@ -175,8 +184,9 @@ def points(samples: Sequence[Sample], half_life: float, resolution: float = 0.1)
 
 def _ended(s: Sample, hopeful: bool) -> tuple[float, bool]:
     """When and how a sample ended. A censored one that nothing was seen to outlast is valid at
-    twice its bound while a provider has at most ``OPTIMISM`` of them: optimism about the
-    unknown, so the plan tries the provider and learns. Past that it never answered."""
+    twice its bound while a provider has at most ``OPTIMISM`` of them watched long enough to
+    hang: optimism about the unknown, so the plan tries the provider and learns (a pessimistic
+    guess would never launch it again). Past that it never answered."""
     if s.outcome == "censored":
         return (2 * s.at, True) if hopeful else (s.at, False)
     return s.at, s.outcome == "valid"

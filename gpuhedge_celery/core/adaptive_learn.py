@@ -61,6 +61,9 @@ CUTOVER_GRID = (1.0, 2.0, 3.0, 5.0, 10.0)
 SAFETY_GRID = (1.0, 2.0, 8.5, 20.0, 30.0)
 BACKUP_GRID = (10.0, 30.0)
 DEFAULT_PLAN_TIMES = (2.5, 8.5)  # cutover and safety before the primary is known
+# A job watched this long (scaled likewise) without ending may hang; one stopped sooner, as a
+# hedge explored beside a fast primary is, was cut short and still counts as worth a try.
+HANG_WATCH_S = 3.0
 GRID_DEADLINE_S = 60.0
 
 
@@ -261,7 +264,8 @@ class Learner:
     def _points(self, provider: str) -> list[Point]:
         # queue bounds to a tenth of a second at a 60 s deadline, finer on compressed time
         step = decimal_step(self.deadline_s / 600)
-        return to_points(self.samples.get(provider, []), HALF_LIFE, step)
+        hang_s = self._scaled((HANG_WATCH_S,))[0]
+        return to_points(self.samples.get(provider, []), HALF_LIFE, step, hang_s)
 
     def _candidates(self, scene: Scene, usable: Sequence[str]) -> list[Plan]:
         plans = [Plan()]
