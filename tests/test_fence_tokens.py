@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from gpuhedge_celery.errors import LeaseLost, StaleToken
+from gpuhedge_celery.errors import LeaseLost, StaleToken, StoreUnavailable
 from gpuhedge_celery.store.direct import DirectClaims
 from gpuhedge_celery.store.leases import LeaseStore
 from gpuhedge_celery.store.pooled import PooledRecords
@@ -212,6 +212,24 @@ def test_after_a_failover_to_a_lagging_clock_the_refused_lease_is_freed_and_the_
     assert begin(lease_store, again, RunningRecord(lease_store, again, "task-2"))[0] == STARTED
     assert finish(lease_store, again, "task-2") is True
     assert lease_store.mark(gpu) == again.token
+
+
+def test_a_refusal_whose_lease_cannot_be_freed_is_still_the_refusal(
+    lease_store, redis_client, monkeypatch
+):
+    (gpu,) = add_pool(lease_store)
+    k = lease_store.keys
+    first = lease_store.try_claim(gpu, "task-1")
+    assert begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))[0] == STARTED
+    assert finish(lease_store, first, "task-1") is True
+    redis_client.set(k.lease(gpu), f"{first.token}|1|task-1")  # the old job's lease, back
+
+    def away(*_args):
+        raise StoreUnavailable("Redis is unreachable (a failover)")
+
+    monkeypatch.setattr(lease_store, "unblock", away)
+    with pytest.raises(StaleToken):  # back to waiting, not a failed request
+        begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))
 
 
 def test_a_number_issued_again_for_another_holder_is_freed_but_a_duplicate_delivery_is_not(

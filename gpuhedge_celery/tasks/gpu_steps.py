@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import LeaseLost, StaleToken
+from ..errors import LeaseLost, StaleToken, StoreUnavailable
 from ..store.leases import Lease, LeaseStore
 from ..store.outage import through_outage
 from ..store.scripts import lua_script, raise_for_code
@@ -72,7 +72,12 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
         try:
             store.check_mark(lease.gpu_id, token, running.value)
         except StaleToken:
-            store.unblock(lease.gpu_id, token, lease.holder)
+            try:
+                store.unblock(lease.gpu_id, token, lease.holder)
+            except StoreUnavailable as e:  # best effort: the lease's TTL frees the GPU anyway
+                log.warning(
+                    "GPU %s: could not free the refused lease %s: %s", lease.gpu_id, token, e
+                )
             raise
         with store.guard():
             code, detail = store.scripts.check_fence(

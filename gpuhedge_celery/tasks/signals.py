@@ -172,17 +172,18 @@ def _warn_without_persistence(**_: Any) -> None:
     from ..store.connection import persistence_warning, replication_warning
     from .gpu import lease_store
 
-    try:
-        client = lease_store().client
-        warnings = [
-            persistence_warning(client),
-            replication_warning(client, settings.current().core.wait_replicas),
-        ]
-    except Exception as e:  # a warning must never stop a worker
-        log.debug("persistence check failed: %s", e)
-        return
-    for warning in filter(None, warnings):
-        log.warning("%s", warning)
+    checks = (
+        lambda client: persistence_warning(client),
+        lambda client: replication_warning(client, settings.current().core.wait_replicas),
+    )
+    for check in checks:  # each on its own: one failing hides nothing of the other
+        try:
+            warning = check(lease_store().client)
+        except Exception as e:  # a warning must never stop a worker
+            log.debug("Redis set-up check failed: %s", e)
+            continue
+        if warning:
+            log.warning("%s", warning)
 
 
 def _start_model_server(config: Any, store: Any) -> None:
