@@ -56,6 +56,8 @@ from .budget import RaceBudget
 from .outcome import (
     TELL_GRACE_S,
     TELL_ONCE,
+    TOLD_FAILED,
+    TOLD_WON,
     UNACKNOWLEDGED,
     UNHELD,
     race_deadline,
@@ -75,6 +77,9 @@ log = logging.getLogger(__name__)
 ABANDONED_NOTE = "abandoned: no coordinator advanced the race; the janitor ended it"
 DEFAULT_STALE_MS = 30_000
 DEFAULT_LEASE_MS = 30_000
+
+
+RESULT_LOST = "winner_result_lost"  # the failure reason of a claim holder's vanished result
 
 
 @dataclass
@@ -367,10 +372,21 @@ class Janitor:
                 if unheld:
                     message = unheld_message(race_id, race.winner or "", self.store.acks)
                     log.error("%s", message)
-                self.effects.failed(race_id, message, receipt, caller)
+                if unheld and not self._may_tell(race_id, TOLD_FAILED):
+                    log.error("race %s: its winner was told meanwhile; not failed", race_id)
+                else:
+                    self.effects.failed(race_id, message, receipt, caller)
         elif tell:  # its claimer may have died before marking the result
-            self._mark_winner(race_id, race, caller, holder)
+            cleanup.failed = self._mark_winner(race_id, race, caller, holder, receipt)
         return cleanup
+
+    def _may_tell(self, race_id: str, outcome: str) -> bool:
+        """With replicas to wait for: whether the caller may be told ``outcome`` (decided in
+        the store once, a winner and a failure racing each other: see ``Outcome.decide_told``)."""
+        if not self.store.acks.on:
+            return True
+        told = self.store.tell_once(race_id, outcome)
+        return told is None or told == outcome
 
     def _past(self, race: Race, grace_s: float = 0.0) -> bool:
         """Whether the race's deadline (plus ``grace_s``) has passed."""
@@ -407,24 +423,42 @@ class Janitor:
         return True
 
     def _mark_winner(
-        self, race_id: str, race: Race, caller: dict[str, Any], holder: str | None = None
-    ) -> None:
+        self,
+        race_id: str,
+        race: Race,
+        caller: dict[str, Any],
+        holder: str | None = None,
+        receipt: dict[str, Any] | None = None,
+    ) -> bool:
         """Mark the claimed winner's result (again: the effects skip a result already marked).
-        ``holder``: the attempt whose claim the replicas hold (with replicas to wait for)."""
+        ``holder``: the attempt whose claim the replicas hold (with replicas to wait for); its
+        result gone, the caller is failed instead (``receipt``: the race's final one).
+        Returns whether the caller was failed."""
         won = race.winner_attempt
         if won is None:
-            return
+            return False
         if holder is None:
             if self.store.winner(race_id) != won.id:
-                return
+                return False
             holder = won.id
         elif holder != won.id:  # follow the claim: the result handed over is its holder's
             race = Race.from_dict(race.to_dict(), self.clock)
             race.winner = holder
         stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
         if stored is None and holder != won.id:
-            log.error("race %s: the result of %s, which holds the claim, is gone", race_id, holder)
-            return
+            message = (
+                f"race {race_id}: the result of {holder}, which holds the winner claim, is "
+                f"gone; failed rather than leave its caller waiting"
+            )
+            log.error("%s", message)
+            if not self._may_tell(race_id, TOLD_FAILED):
+                return False  # a winner was told meanwhile
+            failure = {**(receipt or {}), "failure_reason": RESULT_LOST}
+            self.effects.failed(race_id, message, failure, caller)
+            return True
+        if not self._may_tell(race_id, TOLD_WON):
+            log.error("race %s: %s won, but its caller was failed instead", race_id, holder)
+            return False
         result = winner_result(
             race,
             stored or {},
@@ -432,6 +466,7 @@ class Janitor:
             ref=result_key(self.store.prefix, race_id, holder),
         )
         self.effects.won(race_id, result, caller)
+        return False
 
 
 def apply_cleanup(

@@ -53,6 +53,9 @@ TELL_GRACE_S = 5.0  # a failure the replicas do not hold is told anyway this lon
 UNHELD = "winner_unheld"  # the state's note of a winner whose caller was failed instead
 UNACKNOWLEDGED = "unacknowledged"  # that failure's reason (the receipt's failure_reason)
 TELL_ONCE = "tell_once"  # in the caller's dict: effects tell nobody twice (read first)
+TOLD_WON, TOLD_FAILED = "won", "failed"  # what the store's tell-once marker decides
+# without a deadline, a winner the replicas never hold is failed after this many tells again
+TELL_MAX_TRIES = 20
 
 
 def tell_timer_id(race_id: str, n: int) -> str:
@@ -297,6 +300,9 @@ class Outcome:
             result = self._winner_result(race_id, race, won.id, stored or {})
         caller = state.get("caller") or {}
         if acks_on:  # told once, whatever it was told before (the effects read first)
+            if not self.decide_told(race_id, TOLD_WON):
+                log.warning("race %s: %s won, but its caller was failed instead", race_id, won.id)
+                return None
             caller = {**caller, TELL_ONCE: True}
         elif claim.first:
             caller = {**caller, "first_claim": True}  # Celery effects skip a "done?" read
@@ -307,6 +313,13 @@ class Outcome:
         self.event(race_id, "won", race, won.id)  # before task-succeeded, which ends it in Flower
         self.driver.effects.won(race_id, result, caller)
         return result
+
+    def decide_told(self, race_id: str, outcome: str) -> bool:
+        """With replicas to wait for: whether the caller may be told ``outcome``, decided in
+        the store atomically and once (a winner and a failure racing each other: the first to
+        decide is told, the other nothing). A race whose state is gone is told as before."""
+        told = self.driver.store.tell_once(race_id, outcome)
+        return told is None or told == outcome
 
     def give_up(
         self, race_id: str, race: Race, state: dict[str, Any], told: RiddenTell | None = None
@@ -416,9 +429,10 @@ class Outcome:
 
         ``n``: the try of the race's tell timer that calls this (None: a webhook delivery,
         which the store's ``NotAcknowledged`` answers). A timer's try the replicas do not
-        acknowledge arms the next, later, up to the race's deadline: a winner they never
-        held by then becomes an explicit failure of the caller (and is never published
-        after it); a failure is told all the same :data:`TELL_GRACE_S` past the deadline.
+        acknowledge arms the next, later, up to the race's deadline (without one, up to
+        :data:`TELL_MAX_TRIES` tries): a winner they never held by then becomes an explicit
+        failure of the caller (and is never published after it); a failure is told all the
+        same :data:`TELL_GRACE_S` past the deadline.
         """
         d = self.driver
         record = d.store.load(race_id)
@@ -432,15 +446,24 @@ class Outcome:
         try:
             if failed:
                 self._failed(race_id, race, state, d.store.receipt(race_id), None)
-            else:
-                metrics.race_won(race, self.declare(race_id, race, state))
-            return
+                return
+            result = self.declare(race_id, race, state)
+            metrics.race_won(race, result)
+            if result is not None or not d.store.acks.on or d.store.told(race_id) != TOLD_FAILED:
+                return
+            # a failure was decided for its caller: finish telling it (it may have stopped
+            # between the decision and the telling; the effects tell nobody twice)
         except NotAcknowledged:
             if n is None:
                 raise
+        else:
+            self._fail_unheld(race_id, race)
+            return
         deadline = race_deadline(race)
         until = deadline if deadline is None or not failed else deadline + TELL_GRACE_S
         now = d.clock.now()
+        if until is None and n is not None and n + 1 >= TELL_MAX_TRIES:
+            until = now  # no deadline: bounded all the same, then an explicit failure
         if until is None or now < until:
             at = now + min(TELL_MAX_S, TELL_AFTER_S * 2**n)
             if until is not None:
@@ -458,15 +481,19 @@ class Outcome:
             self._fail_unheld(race_id, race)
 
     def _fail_unheld(self, race_id: str, race: Race) -> None:
-        """The race's deadline passed and the replicas never held its winner's claim: noted in
-        its state first (so nothing publishes that winner later), then its caller is failed
-        explicitly (``failure_reason`` :data:`UNACKNOWLEDGED`)."""
+        """The race's deadline passed (or, without one, its tells ran out) and the replicas
+        never held its winner's claim: the failure decided in the store (a winner told
+        meanwhile wins: nothing more), noted in its state (for its receipt), then its caller
+        is failed explicitly (``failure_reason`` :data:`UNACKNOWLEDGED`)."""
         d = self.driver
         winner = race.winner or ""
         now = d.clock.now()
+        if not self.decide_told(race_id, TOLD_FAILED):
+            log.warning("race %s: its winner %s was told meanwhile; not failed", race_id, winner)
+            return
 
         def note(state: dict[str, Any]) -> dict[str, Any]:
-            return {**state, UNHELD: {"winner": winner, "at": now}}
+            return {**state, UNHELD: state.get(UNHELD) or {"winner": winner, "at": now}}
 
         record = d.store.update(race_id, note)
         state = record.state

@@ -63,7 +63,7 @@ def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
 class RaceKeys:
     """The keys of one race (all on the slot of ``{race_id}``)."""
 
-    state: str  # HASH {"v": version, "data": JSON state}
+    state: str  # HASH {"v": version, "data": JSON state, TOLD_FIELD: what its caller is told}
     winner: str  # STRING attempt id of the one winner
     jobs: str  # HASH attempt id -> JSON provider job handle (live jobs only)
     owner: str  # STRING "token|owner" with a PX lease
@@ -82,6 +82,11 @@ class RaceKeys:
             self.receipt,
             self.request,
         )
+
+
+# The field of a race's state hash that decides, once, what its caller is told ("won" or
+# "failed"), with replicas to wait for: saves leave it alone (race_save.lua).
+TOLD_FIELD = "told"
 
 
 def race_key_head(prefix: str) -> str:

@@ -36,6 +36,7 @@ from .codec import dumps_dict, ms
 from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
 from .race_keys import (
+    TOLD_FIELD,
     ResultWrite,
     SaveMark,
     finished_races_key,
@@ -162,6 +163,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         self._owner_renew = lua_script(client, "race_owner_renew")
         self._finish = lua_script(client, "race_finish")
         self._submit_intent = lua_script(client, "race_submit_intent")
+        self._tell_once = lua_script(client, "race_tell_once")
         # What this process last saved and last read of each race (load(fresh=True), deltas)
         self.copies = StateCopies()
 
@@ -594,6 +596,22 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         if int(won) < 0:
             return None
         return WinnerClaim(won=bool(won), winner=as_text(winner), first=bool(first))
+
+    def tell_once(self, race_id: str, outcome: str) -> str | None:
+        """Decide, atomically and once, what the race's caller is told (``outcome``: "won" or
+        "failed"): returns the outcome decided, this one or an earlier teller's; None when the
+        race's state is gone (nothing decided)."""
+        state = race_keys(self.prefix, race_id).state
+        with store_errors(f"deciding what the caller of race {race_id!r} is told"):
+            found = self._tell_once(keys=[state], args=[TOLD_FIELD, outcome])
+        return None if found is None else as_text(found)
+
+    def told(self, race_id: str) -> str | None:
+        """What :meth:`tell_once` decided the race's caller is told; None while undecided."""
+        state = race_keys(self.prefix, race_id).state
+        with store_errors(f"reading what the caller of race {race_id!r} is told"):
+            found = self.client.hget(state, TOLD_FIELD)
+        return None if found is None else as_text(found)
 
     def winner(self, race_id: str) -> str | None:
         """The attempt that won the race, None while nobody has."""
