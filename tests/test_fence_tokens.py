@@ -222,14 +222,19 @@ def test_a_refusal_whose_lease_cannot_be_freed_is_still_the_refusal(
     first = lease_store.try_claim(gpu, "task-1")
     assert begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))[0] == STARTED
     assert finish(lease_store, first, "task-1") is True
-    redis_client.set(k.lease(gpu), f"{first.token}|1|task-1")  # the old job's lease, back
+    # a lease below the worker's mark, as a failover to a lagging clock leaves it
+    older = replace(first, token=first.token - 1, holder="task-2")
+    redis_client.set(k.lease(gpu), f"{older.token}|1|task-2")
+    freeing = []
 
-    def away(*_args):
+    def away(*args):
+        freeing.append(args)
         raise StoreUnavailable("Redis is unreachable (a failover)")
 
     monkeypatch.setattr(lease_store, "unblock", away)
     with pytest.raises(StaleToken):  # back to waiting, not a failed request
-        begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))
+        begin(lease_store, older, RunningRecord(lease_store, older, "task-2"))
+    assert freeing == [(gpu, older.token, "task-2")]  # it did try to free the refused lease
 
 
 def test_a_number_issued_again_for_another_holder_is_freed_but_a_duplicate_delivery_is_not(
