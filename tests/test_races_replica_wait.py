@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY
 from gpuhedge_celery.core.budget import BudgetCaps
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.errors import StoreUnavailable
+from gpuhedge_celery.metrics import record as metrics
 from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.janitor import Janitor, JanitorOptions
@@ -52,7 +53,8 @@ PREFIX = "t"
 FAST = {"sim": {"p": {"queue_s": 0, "run_s": 0}, "h": {"queue_s": 0, "run_s": 0}}}
 SLOW = {"sim": {"p": {"queue_s": 5, "run_s": 100}}}
 CAPS = BudgetCaps(max_usd_per_request=10, max_usd_per_day=100, ceiling_usd=1000)
-SHORT = ReplicaAcks(1, 50)  # a WAIT that no replica answers costs 50 ms
+COUNTED = {"on_short": metrics.replica_wait_short}  # as the workers build it
+SHORT = ReplicaAcks(1, 50, **COUNTED)  # a WAIT that no replica answers costs 50 ms
 
 
 def short_waits(what: str, outcome: str) -> float:
@@ -353,7 +355,7 @@ def test_a_batched_step_left_unfinished_hands_back_only_its_race_with_a_resume(
 
 def test_with_a_replica_the_winner_is_published_once_after_it_holds_it(replicated):
     client, _ = replicated
-    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 2000))
+    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 2000, **COUNTED))
     retried = short_waits("winner", "retried")
     driver.create("r1", FAST, build_spec(cfg, "hedge:p->h@0s"))
     for race_id, attempt_id in list(effects.launched):
@@ -383,7 +385,9 @@ def test_a_frozen_replica_holds_the_winner_back_until_it_answers_again(replicate
     while follower.get(race_keys(PREFIX, "r1").winner) != "a1":  # it catches up
         assert time.monotonic() < deadline, "the thawed replica never got the claim"
         time.sleep(0.02)
-    driver.store.acks = ReplicaAcks(1, 2000)  # a loaded machine's replica may answer slowly
+    driver.store.acks = ReplicaAcks(
+        1, 2000, **COUNTED
+    )  # a loaded machine's replica may answer slowly
     driver.resume("r1")  # the step's retry, the replica back
     assert [r["attempt"] for r in effects.results] == ["a1"]
     follower.close()
@@ -405,7 +409,7 @@ def test_a_winner_and_a_reservation_held_by_a_replica_cost_one_round_trip_more(r
     client, _ = replicated
     url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     off = round_trips(url, ReplicaAcks(), "off")
-    on = round_trips(url, ReplicaAcks(1, 2000), "on")
+    on = round_trips(url, ReplicaAcks(1, 2000, **COUNTED), "on")
     # the WAITs ride in the pipelines already sent; the one more: the tell-once decision,
     # after the claim's WAIT (a failure at the deadline may not decide between it and the tell)
     assert on == (off[0] + 1, off[1]) and on[1] == 2
@@ -413,7 +417,7 @@ def test_a_winner_and_a_reservation_held_by_a_replica_cost_one_round_trip_more(r
 
 def test_a_ridden_claim_its_wait_short_is_sent_again_and_counts_once_held(replicated):
     client, _ = replicated
-    store = RaceStore(client, PREFIX, acks=ReplicaAcks(1, 2000))
+    store = RaceStore(client, PREFIX, acks=ReplicaAcks(1, 2000, **COUNTED))
     store.create("r1", {"race": {}}, save_id="s1")
     retried = short_waits("winner", "retried")
     # as if the claim rode in that save and its WAIT came back 0: sent again, marked the same
@@ -462,7 +466,9 @@ def test_a_winner_the_replicas_held_late_is_told_by_the_tell_timer(replicated):
         assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|1"]
     finally:
         thawed(replica, race_keys(PREFIX, "r1").winner, "a1")
-    driver.store.acks = ReplicaAcks(1, 2000)  # a loaded machine's replica may answer slowly
+    driver.store.acks = ReplicaAcks(
+        1, 2000, **COUNTED
+    )  # a loaded machine's replica may answer slowly
     fire(driver, "tell", "r1")
     assert [r["attempt"] for r in effects.results] == ["a1"] and effects.failures == []
     assert tell_timers(driver, "r1") == []
@@ -470,7 +476,7 @@ def test_a_winner_the_replicas_held_late_is_told_by_the_tell_timer(replicated):
 
 def test_an_outcome_told_at_once_leaves_no_tell_timer(replicated):
     client, _ = replicated
-    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 2000))
+    driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 2000, **COUNTED))
     driver.create("r2", FAST, long_single(cfg))
     driver.submit_attempt("r2", "a1")
     assert len(effects.results) == 1 and tell_timers(driver, "r2") == []
@@ -509,7 +515,7 @@ def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(re
         assert apply_delivery(driver, "r4", "a1", {})[0] == 503  # the provider's retry
     finally:
         thawed(replica, race_keys(PREFIX, "r4").winner, "a1")
-    driver.store.acks = ReplicaAcks(1, 2000)
+    driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     status, answer = apply_delivery(driver, "r4", "a1", {})  # and its next one
     assert status == 200 and "declared again" in answer["ignored"]
     assert [r["attempt"] for r in effects.results] == ["a1"]
@@ -521,7 +527,7 @@ def test_the_janitor_claims_again_a_winner_whose_claim_a_failover_lost(replicate
     abandoned_with_a_winner(driver, cfg, "r5")
     published = len(effects.results)
     client.delete(race_keys(PREFIX, "r5").winner)  # a failover kept the save, not the claim
-    driver.store.acks = ReplicaAcks(1, 2000)
+    driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r5").action == "ended"
     assert driver.store.winner("r5") == "a2"  # claimed again, held
@@ -537,7 +543,7 @@ def test_the_janitor_follows_the_attempt_that_holds_the_claim(replicated):
     # leftovers), whose result is stored: that one is handed over, and only that one
     client.set(race_keys(PREFIX, "r6").winner, "a1")
     client.set(result_key(PREFIX, "r6", "a1"), client.get(result_key(PREFIX, "r6", "a2")))
-    driver.store.acks = ReplicaAcks(1, 2000)
+    driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r6").action == "ended"
     assert len(effects.results) == published + 1
@@ -550,7 +556,7 @@ def test_the_janitor_fails_the_caller_when_the_claims_holder_has_no_result(repli
     abandoned_with_a_winner(driver, cfg, "r9")
     published = len(effects.results)
     client.set(race_keys(PREFIX, "r9").winner, "a1")  # a holder whose result is gone
-    driver.store.acks = ReplicaAcks(1, 2000)
+    driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     cleanup = janitor.clean("r9")
     assert (cleanup.action, cleanup.failed) == ("ended", True)  # never silence

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import StoreUnavailable
@@ -45,6 +45,8 @@ class ReplicaAcks:
     timeout_ms: int = 1000
     tries: int = TRIES
     backoff_s: float = BACKOFF_S
+    # told of each shortfall (kind, "retried" or "gave_up"): the workers count it as a metric
+    on_short: Callable[[str, str], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -81,10 +83,9 @@ class ReplicaAcks:
     def fell_short(self, what: str, kind: str, reply: Any, *, last: bool = False) -> None:
         """Say that one ``WAIT`` came back short (a warning and the metric; ``last``: no
         more sends follow)."""
-        from ..metrics import record as metrics  # here: metrics -> settings -> races -> here
-
         got = _count(reply)
-        metrics.replica_wait_short(kind, "gave_up" if last else "retried")
+        if self.on_short is not None:
+            self.on_short(kind, "gave_up" if last else "retried")
         log.warning(
             "%s: %d of %d replicas acknowledged it within %d ms; %s",
             what,

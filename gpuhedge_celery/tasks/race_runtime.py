@@ -21,6 +21,7 @@ from ..config import GpuHedgeConfig, load_config
 from ..core.policy_base import Policy
 from ..core.rates import ProviderRate
 from ..errors import BudgetExceeded, RaceFailed
+from ..metrics import record as metrics
 from ..names import TASK_HEDGED_INFER as TASK_HEDGED_INFER
 from ..names import TASK_RACE_CANCEL as TASK_RACE_CANCEL
 from ..names import TASK_RACE_STEP as TASK_RACE_STEP
@@ -375,7 +376,11 @@ class RaceRuntime:
         install_redis_ledger(self.client, self.prefix)
         keeping = Keeping(self.settings.receipt_ttl_s, records_maxlen=self.settings.records_maxlen)
         # Replicas that must hold a winner claim or a reservation before it counts (Redis WAIT)
-        acks = ReplicaAcks(settings.wait_replicas, settings.wait_timeout_ms)
+        acks = ReplicaAcks(
+            settings.wait_replicas,
+            settings.wait_timeout_ms,
+            on_short=metrics.replica_wait_short,
+        )
         self.store = RaceStore(self.client, self.prefix, keeping, clock=self.clock, acks=acks)
         self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
         self._providers: dict[str, Provider] = {}
