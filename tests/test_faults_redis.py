@@ -32,6 +32,7 @@ from tests.support.faults import (
     HEDGED_REQUEST,
     QUICK_REQUEST,
     RestartableRedis,
+    double_holds,
     run_intervals,
     send_race,
     start_fault_cluster,
@@ -185,11 +186,7 @@ def test_a_10s_redis_outage_under_load_every_race_ends_and_no_gpu_is_held_twice(
         jobs = [r.get(timeout=90) for r in pooled]  # no pooled request lost
         assert sorted(j["output"]["id"] for j in jobs) == [f"job{i}" for i in range(4)]
         runs = run_intervals(cluster.env["GPUHEDGE_TEST_RUN_LOG"])
-        for gpu, spans in runs.items():
-            spans.sort()
-            for (_, e1, t1, _), (s2, _, t2, _) in zip(spans, spans[1:], strict=False):
-                assert e1 <= s2, f"GPU {gpu} ran two jobs at once: {spans}"
-                assert t2 > t1, f"GPU {gpu}: token went from {t1} to {t2}"
+        assert double_holds(runs) == []  # no GPU ran two jobs at once, tokens only grew
         reruns = sum(1 for j in jobs if j["attempt"] > 0)
         assert reruns >= 1, "the jobs running through the outage lost their leases"
         print(json.dumps({
