@@ -4,7 +4,10 @@ bench row compare the product with: when a worker started, what a cancel stopped
 RunPod: a cancel removes a queued job (never started, 0 s) and stops a running one
 ``cancel_stop_s`` later; ``billed_s`` is the ``executionTime`` its ``/status`` reports. Cerebrium:
 a running run stops at the cancel, or with ``finish_after_cancel`` runs to its end (a late result).
-Injected cancel faults are counted against the job they refused.
+Modal: only running seconds bill (not the call's ``start_s``); a running call stops when its
+cancel takes effect. The generic HTTP job API: as RunPod, its cancel stopping a job once it
+shows terminal; one acknowledged but never terminal runs on. Injected cancel faults are counted
+against the job they refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from gpuhedge_celery.bench.money_truth import compare, receipt_attempt_cost, tru
 from gpuhedge_celery.core.rates import ProviderRate
 from tests.support.cerebrium_fake import KEY as CB_KEY
 from tests.support.cerebrium_fake import FakeCerebrium
+from tests.support.http_provider_server import HttpProviderServer
+from tests.support.modal_fake import FakeModalServer, Knobs
 from tests.support.runpod_fake import KEY, FakeRunpod
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -87,6 +92,87 @@ def test_cerebrium_truth_stops_at_the_cancel_or_runs_on_to_a_late_result():
         assert 0.25 < truth[stopped]["billed_s"] < 0.8
         assert truth[late]["late_result"] is True and truth[late]["stopped_by_cancel"] is False
         assert truth[late]["billed_s"] == pytest.approx(0.8)
+
+
+def test_modal_truth_bills_running_seconds_and_stops_at_the_cancels_effect():
+    with FakeModalServer(Knobs(cancel_effect_s=0.1)) as fake:
+        c = httpx.Client(base_url=fake.url)
+
+        def spawn(**fate):
+            body = {"target": "tts/synthesize", "args": [{"modal_fake": fate}]}
+            return c.post("/v1/spawn", json=body).json()["object_id"]
+
+        def cancel(call_id, **body):
+            return c.post(f"/v1/calls/{call_id}/cancel", json=body).status_code
+
+        done, queued, running, refused = (
+            spawn(start_s=0.1, run_s=0.2),
+            spawn(start_s=5, run_s=1),
+            spawn(start_s=0, run_s=5),
+            spawn(start_s=0, run_s=0.6),
+        )
+        time.sleep(0.3)
+        assert cancel(queued) == cancel(running) == 200
+        fake.knobs.cancel_errors = 1
+        assert cancel(refused) == 503
+        assert cancel(refused, terminate_containers=True) == 400
+        truth = wait_ended(fake, [done, queued, running, refused])
+        assert truth[done]["billed_s"] == pytest.approx(0.2)
+        assert truth[done]["queued_s"] == pytest.approx(0.1)
+        assert truth[queued]["started"] is None and truth[queued]["billed_s"] == 0
+        assert truth[queued]["stopped_by_cancel"] is True
+        assert 0.25 < truth[queued]["queued_s"] < 0.6  # until the cancel, not its 5 s start
+        assert truth[running]["stopped_by_cancel"] is True
+        assert 0.35 < truth[running]["billed_s"] < 1.0  # 0.3 s + the cancel's 0.1 s effect
+        assert truth[refused]["cancel_refusals"] == 2 and not truth[refused]["stopped_by_cancel"]
+        assert truth[refused]["billed_s"] == pytest.approx(0.6)
+        assert truth[done]["cancel_refusals"] == 0 and not truth[done]["stopped_by_cancel"]
+        seen = {i: c.get(f"/v1/calls/{i}").json()["status"] for i in truth}
+        assert seen == {done: "success", queued: "failure", running: "failure",
+                        refused: "success"}  # fmt: skip
+        served = c.get("/_control/truth").json()  # what FakeModalProcess.truth() reads
+        assert {i: t["billed_s"] for i, t in served.items()} == {
+            i: t["billed_s"] for i, t in truth.items()
+        }
+
+
+def test_http_job_api_truth_matches_its_execution_time():
+    with HttpProviderServer() as fake:
+        fake.knobs.cancel_terminal_after_s = 0.1
+        c = httpx.Client(base_url=fake.base_url("ep1"), headers={"authorization": "test-key"})
+
+        def submit(queue_s, run_s):
+            body = {"input": {"http_fake": {"queue_s": queue_s, "run_s": run_s}}}
+            return c.post("/run", json=body).json()["id"]
+
+        done, queued, running, refused, ran_on = (
+            submit(0.1, 0.2),
+            submit(5, 1),
+            submit(0, 5),
+            submit(0, 0.6),
+            submit(0, 0.7),
+        )
+        time.sleep(0.3)
+        assert c.post(f"/cancel/{queued}").status_code == c.post(f"/cancel/{running}").status_code
+        fake.knobs.cancel_errors = 1
+        assert c.post(f"/cancel/{refused}").status_code == 500
+        fake.knobs.cancel_never_terminal = True
+        assert c.post(f"/cancel/{ran_on}").json()["status"] == "CANCELLED"  # acknowledged only
+        truth = wait_ended(fake, [done, queued, running, refused, ran_on])
+        assert truth[done]["billed_s"] == pytest.approx(0.2)
+        assert truth[done]["queued_s"] == pytest.approx(0.1)
+        assert truth[queued]["started"] is None and truth[queued]["billed_s"] == 0
+        assert truth[queued]["stopped_by_cancel"] is True
+        assert truth[running]["stopped_by_cancel"] is True
+        assert 0.35 < truth[running]["billed_s"] < 1.0  # 0.3 s + the cancel's 0.1 s stop (+ lag)
+        assert truth[refused]["cancel_refusals"] == 1 and not truth[refused]["stopped_by_cancel"]
+        assert truth[refused]["billed_s"] == pytest.approx(0.6)
+        assert truth[ran_on]["late_result"] is True and not truth[ran_on]["stopped_by_cancel"]
+        assert truth[ran_on]["billed_s"] == pytest.approx(0.7)
+        assert {t["endpoint"] for t in truth.values()} == {"ep1"}
+        for job_id, t in truth.items():
+            status = c.get(f"/status/{job_id}").json()
+            assert status["executionTime"] == round(t["billed_s"] * 1000), (job_id, t, status)
 
 
 def test_the_comparison_prices_truth_and_receipts_by_the_same_rule():

@@ -10,7 +10,14 @@ Routes (any endpoint id; ids are percent-decoded per path segment)::
 Every request must carry ``authorization: <api_key>`` (else 401). Jobs move IN_QUEUE ->
 IN_PROGRESS -> COMPLETED on the server's monotonic clock. Knobs (``server.knobs``) inject the
 faults adapters must survive: 500s, slow answers (client timeouts), malformed JSON, missing
-fields, a slow cancel, a cancel that never reaches a terminal state, odd job ids.
+fields, a slow cancel, a cancel that never reaches a terminal state, odd job ids. A request may
+force its job's fate: ``{"input": {"http_fake": {"queue_s", "run_s", "final_state"}}}``.
+
+Billing truth (``server.truth()``, the shape of the other fakes' ``/admin/truth``): a job bills
+from the end of its queue to its end or to its cancel taking effect (``billed_s``: the true
+``executionTime``, whatever the ``execution_ms`` knob makes it report); a cancel that reaches a
+queued job removes it (never started, 0 s); one acknowledged but never terminal stops nothing.
+Refused cancels are counted against their job.
 
 Usage::
 
@@ -27,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from gpuhedge_celery.core.validators import tone_wav
@@ -71,6 +78,36 @@ class Job:
     final_state: str
     cancelled_at: float | None = None  # server time the job became CANCELLED
     cancel_requested: float | None = None
+    endpoint: str = ""
+    cancel_refusals: int = 0  # cancels answered with an injected error
+
+    def truth(self, now: float) -> dict[str, Any]:
+        """What the provider bills for this job: its worker runs from the end of its queue to
+        its end or its cancel's stop (what :meth:`state` reports as ``executionTime``)."""
+        start, end = self.submitted + self.queue_s, self.submitted + self.queue_s + self.run_s
+        stops = self.cancelled_at is not None and self.cancelled_at < end
+        requested = self.cancel_requested
+        queued_cancel = stops and requested is not None and requested < start
+        started = None if queued_cancel else start
+        queued_until = cast(float, requested) if queued_cancel else start
+        ended_at = cast(float, self.cancelled_at) if stops else end
+        billed = 0.0 if started is None else max(0.0, min(ended_at, now) - started)
+        ran_on = requested is not None and not stops and requested < end  # never terminal
+        ended = now >= ended_at
+        return {
+            "endpoint": self.endpoint,
+            "submitted": self.submitted,
+            "started": started,
+            "queued_s": max(0.0, min(queued_until, now) - self.submitted),
+            "stopped_by_cancel": stops,
+            "ended": ended,
+            "ended_at": ended_at if ended else None,
+            "billed_s": billed,
+            "cancel_requested_at": requested,
+            "cancel_refusals": self.cancel_refusals,
+            "late_result": ran_on,
+            "status": self.state(now)[0],
+        }
 
     def state(self, now: float) -> tuple[str, float, float]:
         """(status, delayTime ms, executionTime ms) at server time ``now``."""
@@ -118,6 +155,12 @@ class HttpProviderServer:
     def base_url(self, endpoint: str = "ep1") -> str:
         return f"{self.url}/v2/{endpoint}"
 
+    def truth(self) -> dict[str, dict[str, Any]]:
+        """Every job's billing truth (:meth:`Job.truth`), by job id."""
+        now = time.monotonic()
+        with self.lock:
+            return {job_id: job.truth(now) for job_id, job in self.jobs.items()}
+
     def ops(self, op: str) -> list[Seen]:
         return [r for r in self.requests if r.op == op]
 
@@ -146,7 +189,7 @@ class HttpProviderServer:
         if headers.get("authorization") != k.api_key:
             return 401, json.dumps({"error": "unauthorized"})
         if op == "run" and method == "POST":
-            return self._run(body)
+            return self._run(parts[1], body)
         if op == "status" and method == "GET" and job_id is not None:
             return self._status(job_id)
         if op == "cancel" and method == "POST" and job_id is not None:
@@ -162,17 +205,27 @@ class HttpProviderServer:
             data.pop(name, None)
         return 200, json.dumps(data)
 
-    def _run(self, body: Any) -> tuple[int, str]:
+    def _run(self, endpoint: str, body: Any) -> tuple[int, str]:
         k = self.knobs
         time.sleep(k.submit_delay_s)
+        job_input = body.get("input") if isinstance(body, dict) else None
+        forced = job_input.get("http_fake") if isinstance(job_input, dict) else None
+        forced = forced if isinstance(forced, dict) else {}
         with self.lock:
             if k.submit_errors > 0:
                 k.submit_errors -= 1
                 return k.error_status, "internal error"
             self._n += 1
             job_id = k.job_id_template.format(n=self._n)
-            self.jobs[job_id] = Job(job_id, time.monotonic(), (body or {}).get("input"),
-                                    k.queue_s, k.run_s, k.final_state)  # fmt: skip
+            self.jobs[job_id] = Job(
+                job_id,
+                time.monotonic(),
+                job_input,
+                float(forced.get("queue_s", k.queue_s)),
+                float(forced.get("run_s", k.run_s)),
+                str(forced.get("final_state", k.final_state)),
+                endpoint=endpoint,
+            )
         return self._answer("submit", {"id": job_id, "status": "IN_QUEUE"})
 
     def _status(self, job_id: str) -> tuple[int, str]:
@@ -210,10 +263,12 @@ class HttpProviderServer:
         k = self.knobs
         time.sleep(k.cancel_delay_s)
         with self.lock:
+            job = self.jobs.get(job_id)
             if k.cancel_errors > 0:
                 k.cancel_errors -= 1
+                if job is not None:
+                    job.cancel_refusals += 1
                 return k.error_status, "cancel failed"
-            job = self.jobs.get(job_id)
             if job is None:
                 return 404, json.dumps({"error": f"no job {job_id}"})
             now = time.monotonic()

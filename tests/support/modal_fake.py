@@ -26,6 +26,12 @@ ends the input ``cancel_effect_s`` later as a terminated result (``cancelled_rea
 ``terminate_containers=True`` is refused, as Modal refused it. Auth: when the knobs set
 ``token_id``/``token_secret``, calls must carry them, else ``AuthError``.
 
+Billing truth (``GET /_control/truth``, ``truth()``): Modal bills a container's running
+seconds, so each call's ``billed_s`` runs from the end of its ``start_s`` (queued, not billed)
+to its end or to its cancel taking effect; a cancel that reaches a call still queued removes it
+(never started, 0 s). Refused cancels (injected errors, ``terminate_containers``) are counted
+against their call.
+
 Knobs (``POST /_control/knobs``, or ``server.knobs`` in a thread) inject faults: slow calls
 (``*_delay_s``: a spawn creates its call first, then answers late), the next N calls of an op
 failing (``*_errors``), unknown functions, an error text that echoes the token.
@@ -46,7 +52,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from gpuhedge_celery.core.validators import tone_wav
@@ -99,6 +105,7 @@ class Call:
     outcome: str
     output: Any
     cancelled_at: float | None = None
+    cancel_refusals: int = 0  # cancels answered with an injected error or refused outright
 
     @property
     def natural_end(self) -> float:
@@ -109,6 +116,39 @@ class Call:
         if self.cancelled_at is not None and self.cancelled_at + effect_s < self.natural_end:
             return self.cancelled_at + effect_s
         return self.natural_end
+
+    def truth(self, now: float, knobs: Knobs) -> dict[str, Any]:
+        """What Modal bills for this call: its running seconds, from the end of its queue to its
+        end or its cancel's effect; a call cancelled while queued never starts (times: this
+        server's monotonic seconds, the other fakes' shape)."""
+        start = self.created + self.start_s
+        ended_at = self.ended_at(knobs.cancel_effect_s)
+        queued_cancel = self.cancelled_at is not None and self.cancelled_at < start
+        queued_until = cast(float, self.cancelled_at) if queued_cancel else start
+        stopped = not queued_cancel and ended_at < self.natural_end
+        started = None if queued_cancel else start
+        billed = 0.0 if started is None else max(0.0, min(ended_at, now) - started)
+        ran_on = (  # a cancel reached it running, it finished before the cancel took effect
+            self.cancelled_at is not None
+            and not queued_cancel
+            and not stopped
+            and self.cancelled_at < self.natural_end
+        )
+        ended = now >= ended_at
+        return {
+            "target": self.target,
+            "submitted": self.created,
+            "started": started,
+            "queued_s": max(0.0, min(queued_until, now) - self.created),
+            "stopped_by_cancel": queued_cancel or stopped,
+            "ended": ended,
+            "ended_at": ended_at if ended else None,
+            "billed_s": billed,
+            "cancel_requested_at": self.cancelled_at,
+            "cancel_refusals": self.cancel_refusals,
+            "late_result": ran_on,
+            "status": self.view(now, knobs)["status"],
+        }
 
     def view(self, now: float, knobs: Knobs) -> dict[str, Any]:
         """What ``get(timeout=0)`` sees now (also the control view of the call)."""
@@ -190,6 +230,19 @@ class FakeModalState:
                 return True
             return False
 
+    def truth(self) -> dict[str, dict[str, Any]]:
+        """Every call's billing truth (:meth:`Call.truth`), by call id."""
+        now = time.monotonic()
+        with self.lock:
+            return {c.id: c.truth(now, self.knobs) for c in self.calls.values()}
+
+    def refused(self, call_id: str) -> None:
+        """Count a refused cancel against its call (the truth's ``cancel_refusals``)."""
+        with self.lock:
+            call = self.calls.get(call_id)
+            if call is not None:
+                call.cancel_refusals += 1
+
     def control(self) -> dict[str, Any]:
         now = time.monotonic()
         with self.lock:
@@ -249,6 +302,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in urlsplit(self.path).path.strip("/").split("/")]
         body = self._body() if method == "POST" else {}
         if parts[0] == "_control":
+            if method == "GET" and parts[1:] == ["truth"]:
+                return self._send(200, state.truth())
             if method == "POST" and parts[1:] == ["knobs"]:
                 with state.lock:
                     for key, value in body.items():
@@ -314,8 +369,10 @@ class _Handler(BaseHTTPRequestHandler):
             state.counts["cancel"] += 1
         time.sleep(state.knobs.cancel_delay_s)
         if state.take_error("cancel"):
+            state.refused(call_id)
             return self._error(503, "InternalError", "simulated server error")
         if body.get("terminate_containers"):
+            state.refused(call_id)
             return self._error(400, "InvalidError", "terminate_containers is not supported")
         with state.lock:
             call = state.calls.get(call_id)
@@ -352,6 +409,9 @@ class FakeModalServer:
     def control(self) -> dict[str, Any]:
         return self.httpd.state.control()
 
+    def truth(self) -> dict[str, dict[str, Any]]:
+        return self.httpd.state.truth()
+
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
@@ -383,6 +443,14 @@ class FakeModalProcess:
 
     def control(self) -> dict[str, Any]:
         return _post(f"{self.url}/_control/knobs", {})
+
+    def truth(self) -> dict[str, dict[str, Any]]:
+        """Every call's billing truth (``GET /_control/truth``), by call id."""
+        import httpx
+
+        response = httpx.get(f"{self.url}/_control/truth", timeout=10)
+        response.raise_for_status()
+        return response.json()
 
     def stop(self) -> None:
         stop_process(self.process)
