@@ -244,9 +244,10 @@ def test_winner_claim_is_idempotent_and_final(races):
 
 def test_ownership_lease_with_fencing_tokens(races):
     coordinator = races.claim_owner("r", "coord-a", lease_ms=200)
-    assert coordinator.token == 1
+    assert coordinator.token > 0
     assert races.claim_owner("r", "janitor", lease_ms=5000) is None
-    assert races.claim_owner("r", "coord-a", lease_ms=200).token == 1  # re-entrant
+    # re-entrant: the same token
+    assert races.claim_owner("r", "coord-a", lease_ms=200).token == coordinator.token
     races.renew_owner(coordinator, lease_ms=200)
     wait_for(lambda: races.owner("r") is None, 5, "the lease to lapse")
     janitor = races.claim_owner("r", "janitor", lease_ms=5000)
@@ -260,6 +261,21 @@ def test_ownership_lease_with_fencing_tokens(races):
     assert races.owner("r") is None
     with pytest.raises(ValueError, match="owner name"):
         races.claim_owner("r", "a|b", 100)
+
+
+def test_owner_tokens_never_go_back_when_a_failover_loses_the_counter(races, redis_client, prefix):
+    keys = race_keys(prefix, "r")
+    old = races.claim_owner("r", "coord-a", lease_ms=60_000)
+    # a lossy failover: the new primary has neither the lease nor the counter's last writes
+    redis_client.delete(keys.owner, keys.owner_seq)
+    new = races.claim_owner("r", "coord-b", lease_ms=60_000)
+    assert new.token > old.token
+    # the same token issued to another owner (the counter taken back by hand) is not ours
+    redis_client.set(keys.owner, f"{old.token}|coord-b", px=60_000)
+    with pytest.raises(OwnershipLost):
+        races.renew_owner(old, lease_ms=60_000)
+    assert races.release_owner(old) is False
+    assert redis_client.get(keys.owner) == f"{old.token}|coord-b"
 
 
 def test_the_fencing_counter_expires_with_its_race_never_before_its_lease(redis_client, prefix):
@@ -330,6 +346,7 @@ def test_janitor_finds_a_race_whose_coordinator_was_killed(redis_url, races, pre
         time.sleep(1.0)
         # Alive: its lease is renewed and its heartbeat is fresh, however slow it may be.
         assert races.stale_races(stale_ms=1000) == []
+        alive = races.owner("r9")
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         if proc.is_alive():
@@ -340,7 +357,7 @@ def test_janitor_finds_a_race_whose_coordinator_was_killed(redis_url, races, pre
     assert stale.race_id == "r9"
     assert stale.live_jobs == {"primary": {"provider": "sim", "job_id": "sim-1"}}
     janitor = races.claim_owner("r9", "janitor-1", lease_ms=5000)
-    assert janitor is not None and janitor.token == 2
+    assert alive is not None and janitor is not None and janitor.token > alive.token
 
 
 # -- receipts ------------------------------------------------------------------------------------
@@ -489,7 +506,8 @@ def test_store_scripts_also_run_on_fakeredis(fake_redis):
     assert (info.value.found.version, info.value.found.state) == (2, {"n": 1})
     assert store.claim_winner("r", "a").first
     assert not store.claim_winner("r", "b").won
-    assert store.claim_owner("r", "coord", 1000).token == 1
+    first = store.claim_owner("r", "coord", 1000)
+    assert first is not None and first.token > 0
     store.add_job("r", "a", {"job_id": "j"})
     assert store.finish("r", {"ok": True}) == 1
     timers = TimerStore(fake_redis, "demo")

@@ -146,7 +146,7 @@ class RaceLiveness:
     def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
         """Extend our lease and refresh the heartbeat; OwnershipLost if it is no longer ours."""
         keys = race_keys(self.prefix, ownership.race_id)
-        args = [ownership.token, lease_ms]
+        args = [ownership.token, lease_ms, ownership.owner]
 
         def build(pipe: Any) -> None:
             queue_script(pipe, self._owner_renew, [keys.owner], args)
@@ -161,4 +161,6 @@ class RaceLiveness:
         """Give the lease up; False if it had already lapsed or been taken over."""
         keys = race_keys(self.prefix, ownership.race_id)
         with store_errors(f"releasing race {ownership.race_id!r}"):
-            return bool(self._owner_renew(keys=[keys.owner], args=[ownership.token, 0]))
+            return bool(
+                self._owner_renew(keys=[keys.owner], args=[ownership.token, 0, ownership.owner])
+            )

@@ -1,6 +1,7 @@
 -- race_owner_claim: take (or re-take) the ownership lease of a race, with a fencing token.
 -- KEYS[1] owner STRING "token|owner" with a PX expiry
--- KEYS[2] fencing counter (strictly increasing per race)
+-- KEYS[2] fencing counter (strictly increasing per race, and past a failover that lost its last
+--         writes: next_token's floor from Redis TIME)
 -- KEYS[3] the race's state: a new counter expires with it, never before the lease
 -- ARGV[1] owner name (a coordinator or janitor id)
 -- ARGV[2] lease in ms
@@ -18,7 +19,7 @@ if held then
   end
   return {0, token, owner}
 end
-local token = redis.call('INCR', KEYS[2])
+local token = next_token(KEYS[2])
 if redis.call('PTTL', KEYS[2]) == -1 then
   local keep = redis.call('PTTL', KEYS[3])
   if keep == -2 then keep = tonumber(ARGV[3]) end
@@ -26,5 +27,5 @@ if redis.call('PTTL', KEYS[2]) == -1 then
     redis.call('PEXPIRE', KEYS[2], math.max(keep, tonumber(ARGV[2])))
   end
 end
-redis.call('SET', KEYS[1], token .. '|' .. ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[1], token_text(token) .. '|' .. ARGV[1], 'PX', ARGV[2])
 return {1, token, ARGV[1]}
