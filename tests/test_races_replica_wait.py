@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -655,3 +656,34 @@ def test_without_a_deadline_a_winner_never_held_is_failed_after_the_last_tell(lo
     driver.outcome.retell("t4", TELL_MAX_TRIES - 1)  # the last: failed explicitly
     assert effects.results == [] and len(effects.failures) == 1
     assert effects.failed_callers[0]["failure_reason"] == "unacknowledged"
+
+
+def test_a_failure_is_decided_for_the_caller_only_once_the_replicas_hold_the_decision(
+    replicated,
+):
+    client, replica = replicated
+    store = RaceStore(client, PREFIX, acks=ReplicaAcks(1, 100, tries=30, backoff_s=0.01))
+    store.create("d1", {"n": 0})
+    frozen(replica)
+    decided: list = []
+    teller = threading.Thread(target=lambda: decided.append(store.tell_once("d1", "failed")))
+    teller.start()
+    teller.join(0.5)
+    assert teller.is_alive() and decided == []  # a lossy failover now could take it back
+    os.kill(replica.process.pid, signal.SIGCONT)
+    teller.join(10)
+    assert decided == ["failed"]
+    follower = client_of(replica)
+    assert follower.hget(race_keys(PREFIX, "d1").state, "told") == "failed"
+    follower.close()
+    # a winner decided after it is refused, and needs no wait of its own
+    assert store.tell_once("d1", "won") == "failed"
+
+
+def test_a_failure_the_replicas_never_hold_is_still_decided_for_the_caller(lone):
+    store = RaceStore(lone, PREFIX, acks=ReplicaAcks(1, 20, **COUNTED, tries=2, backoff_s=0.01))
+    store.create("d2", {"n": 0})
+    gave_up = short_waits("failure", "gave_up")
+    assert store.tell_once("d2", "failed") == "failed"  # never silence
+    assert short_waits("failure", "gave_up") == gave_up + 1
+    assert store.tell_once("d2", "won") == "failed"

@@ -21,7 +21,7 @@ from ..core.jobs import JobState
 from ..core.race import Race
 from ..core.race_events import DeclareWinner, GiveUp, RaceFinished, StatusObserved
 from ..metrics import record as metrics
-from ..store.race_keys import ResultWrite, SaveMark
+from ..store.race_keys import TOLD_FAILED, TOLD_WON, ResultWrite, SaveMark
 from ..store.race_receipts import Finish
 from ..store.races import RaceStore, WinnerClaim
 from ..store.replicas import NotAcknowledged, ReplicaAcks
@@ -53,7 +53,6 @@ TELL_GRACE_S = 5.0  # a failure the replicas do not hold is told anyway this lon
 UNHELD = "winner_unheld"  # the state's note of a winner whose caller was failed instead
 UNACKNOWLEDGED = "unacknowledged"  # that failure's reason (the receipt's failure_reason)
 TELL_ONCE = "tell_once"  # in the caller's dict: effects tell nobody twice (read first)
-TOLD_WON, TOLD_FAILED = "won", "failed"  # what the store's tell-once marker decides
 # without a deadline, a winner the replicas never hold is failed after this many tells again
 TELL_MAX_TRIES = 20
 

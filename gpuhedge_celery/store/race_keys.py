@@ -87,6 +87,7 @@ class RaceKeys:
 # The field of a race's state hash that decides, once, what its caller is told ("won" or
 # "failed"), with replicas to wait for: saves leave it alone (race_save.lua).
 TOLD_FIELD = "told"
+TOLD_WON, TOLD_FAILED = "won", "failed"  # the values tell-once decides between
 
 
 def race_key_head(prefix: str) -> str:

@@ -36,6 +36,7 @@ from .codec import dumps_dict, ms
 from .race_copies import Copy, StateCopies
 from .race_jobs import RaceJobs
 from .race_keys import (
+    TOLD_FAILED,
     TOLD_FIELD,
     ResultWrite,
     SaveMark,
@@ -600,11 +601,39 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     def tell_once(self, race_id: str, outcome: str) -> str | None:
         """Decide, atomically and once, what the race's caller is told (``outcome``: "won" or
         "failed"): returns the outcome decided, this one or an earlier teller's; None when the
-        race's state is gone (nothing decided)."""
+        race's state is gone (nothing decided).
+
+        With replicas to wait for, a failure decided here is returned once they hold the
+        decision (sent again while they come back short): a failover that lost it could
+        otherwise let a winner the replicas caught up on be told after the failure. When they
+        never hold it the failure is returned all the same (a caller is never left in silence);
+        a winner needs no wait here, since its claim is held before it is decided."""
         state = race_keys(self.prefix, race_id).state
-        with store_errors(f"deciding what the caller of race {race_id!r} is told"):
-            found = self._tell_once(keys=[state], args=[TOLD_FIELD, outcome])
-        return None if found is None else as_text(found)
+        what = f"deciding what the caller of race {race_id!r} is told"
+        if not self.acks.on or outcome != TOLD_FAILED:
+            with store_errors(what):
+                found = self._tell_once(keys=[state], args=[TOLD_FIELD, outcome])
+            return None if found is None else as_text(found)
+        decided: list[str | None] = [None]
+
+        def send() -> tuple[str | None, Any]:
+            def build(pipe: Any) -> None:
+                queue_script(pipe, self._tell_once, [state], [TOLD_FIELD, outcome])
+                self.acks.queue_covering(pipe, self.wait_channel)
+
+            with store_errors(what):
+                found, _, acked = run_pipeline(
+                    self.client, build, [self._tell_once], raise_on_error=False
+                )
+                if isinstance(found, Exception):
+                    raise found
+            decided[0] = None if found is None else as_text(found)
+            return decided[0], acked if decided[0] == TOLD_FAILED else None
+
+        try:
+            return self.acks.until_held(f"race {race_id}: its failure", "failure", send)
+        except NotAcknowledged:
+            return decided[0]  # logged by the acks as given up: told all the same
 
     def told(self, race_id: str) -> str | None:
         """What :meth:`tell_once` decided the race's caller is told; None while undecided."""
