@@ -549,6 +549,8 @@ def test_the_janitor_follows_the_attempt_that_holds_the_claim(replicated):
     assert janitor.clean("r6").action == "ended"
     assert len(effects.results) == published + 1
     assert (effects.results[-1]["attempt"], effects.results[-1]["winner"]) == ("a1", "p")
+    receipt = driver.store.receipt("r6")  # it says what the caller was told
+    assert receipt["winner"] == "a1" and receipt.get("failure_reason") is None
 
 
 def test_the_janitor_fails_the_caller_when_the_claims_holder_has_no_result(replicated):
@@ -565,6 +567,8 @@ def test_the_janitor_fails_the_caller_when_the_claims_holder_has_no_result(repli
     assert "the result of a1, which holds the winner claim, is gone" in effects.failures[0]
     assert effects.failed_callers[0]["failure_reason"] == "winner_result_lost"
     assert driver.store.told("r9") == "failed"
+    receipt = driver.store.receipt("r9")  # it says what the caller was told
+    assert receipt["winner"] is None and receipt["failure_reason"] == "winner_result_lost"
 
 
 class Backend(Telling):

@@ -340,6 +340,7 @@ class Janitor:
             # the caller is told the failure once no failover can take it back: a later pass
             return RaceCleanup(race_id, "skipped: its end is not held by the replicas yet")
         race = Race.from_dict(record.state["race"], self.clock)
+        told, lost = self._as_told(race_id, race, holder) if tell else (race, False)
         cleanup = RaceCleanup(race_id, "finalised" if was_finished else "ended")
         for attempt_id, found in receipts.items():
             if found == UNKNOWN_SUBMIT:
@@ -349,11 +350,14 @@ class Janitor:
             else:
                 cleanup.leaked.append(attempt_id)
         spec = spec_from_state(record.state)
-        receipt = assemble_receipt(race, record.state, spec, now=self.clock.now())
+        # the receipt and record say what the caller is told (the claim's holder, or its loss)
+        receipt = assemble_receipt(told, record.state, spec, now=self.clock.now())
         receipt["janitor"] = record.state.get("janitor")
         if unheld:
             receipt["failure_reason"] = UNACKNOWLEDGED
-        final = race_record(self.store, race, record.state, spec, receipt)
+        elif lost:
+            receipt["failure_reason"] = RESULT_LOST
+        final = race_record(self.store, told, record.state, spec, receipt)
         self.store.finish(
             race_id, receipt, self.receipt_ttl_s, drop_jobs=cleanup.cancelled, record=final
         )
@@ -407,6 +411,17 @@ class Janitor:
         except NotAcknowledged:
             return None
         return claim.winner
+
+    def _as_told(self, race_id: str, race: Race, holder: str | None) -> tuple[Race, bool]:
+        """The race as its caller is told it (see :meth:`_mark_winner`): with the attempt
+        holding the claim (``holder``) as its winner when that is another attempt than the
+        state's, or with no winner when that attempt's result is gone (then True)."""
+        if holder is None or race.winner is None or holder == race.winner:
+            return race, False
+        told = Race.from_dict(race.to_dict(), self.clock)
+        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        told.winner = holder if stored is not None else None
+        return told, stored is None
 
     def _failure_held(self, race_id: str) -> bool:
         """Whether the replicas hold the save that failed the race (or it is past its deadline
