@@ -347,6 +347,7 @@ class RunpodProvider(Provider):
             receipt.note = f"already {_state(known)} before the cancel; nothing to stop"
             return receipt
         notes: list[str] = []
+        refused = ""  # the cancel call's own failure: kept whatever the confirming reads add
         receipt.cancel_sent_ms = self.now_ms()
         try:
             # /cancel's budget is the tightest (100 per 10 s): it may wait for a token as
@@ -365,7 +366,7 @@ class RunpodProvider(Provider):
             receipt.note = f"cancel: {_text(e)}"
             return receipt  # leaked, no evidence: nothing can be learnt about it any more
         except ProviderError as e:  # RateLimited included: the confirming polls still look
-            notes.append(f"cancel call failed: {_text(e)}")
+            refused = f"cancel call failed: {_text(e)}"
         receipt.token_wait_ms = round(self.api.token_wait_s() * 1000.0, 1)
         metric_record.cancel_token_wait(self.name, self.api.token_wait_s())
         window_end = self.clock.now() + self.spec.cancel_confirm_s
@@ -387,8 +388,8 @@ class RunpodProvider(Provider):
                 receipt.estimated_cost_usd = self.cost_usd(now - handle.submitted_at)
                 break
             self.sleep(min(self.spec.cancel_poll_s, window_end - now))
-        if notes:
-            receipt.note = "; ".join(notes[-3:])
+        if refused or notes:
+            receipt.note = "; ".join([refused, *notes[-2:]] if refused else notes[-3:])
         return receipt
 
     def health(self, *, fetch: bool = True) -> dict[str, Any] | None:
