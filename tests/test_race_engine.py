@@ -263,9 +263,10 @@ def test_adapter_confirmed_receipt_settles_the_cancel_and_outcome_is_json():
     outcome = race_outcome(race, rates).to_dict()
     text = json.dumps(outcome)
     assert json.loads(text)["winner_provider"] == "a"
-    assert outcome["active_usd"] == pytest.approx(4 * 0.001 + 4 * 0.002)
+    # the loser is priced to its end as polled (4.3 s), not to the cancel's decision (4 s)
+    assert outcome["active_usd"] == pytest.approx(4 * 0.001 + 4.3 * 0.002)
     assert outcome["billed_usd"] == pytest.approx(outcome["active_usd"] + 10 * 0.002)
-    assert outcome["wasted_usd"] == pytest.approx(4 * 0.002)
+    assert outcome["wasted_usd"] == pytest.approx(4.3 * 0.002)
     assert [a["timeline"][0][1] for a in outcome["attempts"]] == ["launched", "launched"]
     assert len(outcome["receipts"]) == 1
 

@@ -120,11 +120,21 @@ def _stopped_at(a: Attempt, started_at: float | None) -> float | None:
         return a.result_at  # it ended with a result (one after its cancel included)
     if a.result_at is not None and _cancel_refused(a):
         return a.result_at  # seen ended, not by our cancel (refused): billed until then
+    stop = a.cancel_sent_at
     if r is not None and r.cancel_ack_ms is not None and started_at is not None:
         # the provider had the cancel by then: the job stopped no later (a cancel that waited
         # for a rate-limit token reached the provider long after it was decided)
-        return max(a.cancel_sent_at, r.cancel_ack_ms / 1000.0 - started_at)
-    return a.cancel_sent_at
+        stop = max(stop, r.cancel_ack_ms / 1000.0 - started_at)
+    if (
+        r is not None
+        and r.confirmed_terminal
+        and r.terminal_ms is not None
+        and started_at is not None
+    ):
+        # a job may run on a moment after acknowledging its cancel: its end as we saw it
+        # bounds the bill from above (the acknowledgement alone can fall short of it)
+        stop = max(stop, r.terminal_ms / 1000.0 - started_at)
+    return stop
 
 
 def attempt_cost(
