@@ -17,10 +17,10 @@ The http adapter prices each job from its reported ``executionTime``: every atte
 the truth. Modal shows no queue and no execution time, so the product prices a call on its
 clock, from the submit to the observed end (docs/providers.md, *Billing evidence*): an upper
 bound of the running seconds Modal bills, above them by the call's queue (a call cancelled
-while still queued included) and by up to one watch poll; below them at most by the moment
-between the cancel's acknowledgement and the call's stop. Each Modal attempt must lie within
-those bounds, and the wasted dollars within 5 % of the truth plus the Modal queue seconds the
-product cannot see.
+while still queued included) and by up to one watch poll, never below them (a cancelled call
+is priced to its end as a poll saw it, not to the cancel's acknowledgement, which comes a
+moment before the call stops). Each Modal attempt must lie within those bounds, and the wasted
+dollars within 5 % of the truth plus the Modal queue seconds the product cannot see.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ TOLERANCE = 0.05
 WATCH_S = 1.0  # the workers' GPUHEDGE_WATCH_INTERVAL_S: a Modal end is seen up to this late
 CANCEL_EFFECT_S = 0.05  # the Modal fake's cancel_effect_s: a call stops this long after it
 SLACK_S = 0.25  # a spawn's and a cancel's round trips, and scheduling on a busy machine
+CLOCKS_S = 0.01  # the fake's and the workers' readings of the same wall clock
 
 
 def http_provider(role: str, rate: float, url: str, **extra: object) -> dict:
@@ -189,7 +190,7 @@ def per_attempt(receipts, truth, rates) -> tuple[list[str], dict]:
             if a["provider"] == "h" and not agree(found, true):
                 wrong.append(f"{where}: receipt {found:.7f} != truth {true:.7f}")
             if a["provider"] == "m":
-                low = true - (CANCEL_EFFECT_S + SLACK_S) * rate
+                low = true - CLOCKS_S * rate
                 high = true + unseen + (WATCH_S + SLACK_S) * rate
                 if not low <= found <= high:
                     wrong.append(f"{where}: receipt {found:.7f} outside [{low:.7f}, {high:.7f}]")
