@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ..core.clock import Clock, VirtualClock, WallClock
@@ -67,6 +67,13 @@ def reported_ms(provider: str, where: str, field: str, value: Any) -> float | No
             provider, f"{where}: field {field!r} is {value!r} ms, outside 0 to 7 days"[:200]
         )
     return float(value)
+
+
+def cancel_note(refused: str, notes: Sequence[str]) -> str:
+    """A cancel receipt's note: three notes at most, the latest of ``notes`` after ``refused``
+    (the cancel call's own failure, "" when none), which failing confirming reads never push out:
+    it is the only account of why a leaked job was not stopped."""
+    return "; ".join([refused, *notes[-2:]] if refused else notes[-3:])
 
 
 def default_sleep_for(clock: Clock) -> Sleep:

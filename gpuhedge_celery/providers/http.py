@@ -36,7 +36,7 @@ from ..metrics import record as metrics
 from ..secrets import SECRET_NAME
 from . import account_checks
 from .account import LoginCheck, SpendReport
-from .base import Provider, believable_ms
+from .base import Provider, believable_ms, cancel_note
 from .bounded_read import BodyRefused, failure_kind, read_bounded
 from .failed_result import failed_result
 from .httpspec import (
@@ -197,13 +197,14 @@ class HttpProvider(Provider):
             return receipt
         if self.spec.reports_queue_state and before in (JobState.QUEUED, JobState.IN_PROGRESS):
             receipt.was_running = before is JobState.IN_PROGRESS
+        refused = ""  # the cancel call's own failure: kept whatever the confirming reads add
         receipt.cancel_sent_ms = self.now_ms()
         try:
             self._call("cancel", self.spec.cancel, handle=handle)
             receipt.cancel_ack_ms = self.now_ms()
             receipt.upgrade(Evidence.PROVIDER_ACK)
         except ProviderError as e:
-            notes.append(f"cancel call failed: {e}")
+            refused = f"cancel call failed: {e}"
         window_end = self.clock.now() + self.spec.cancel_confirm_s
         while True:
             try:
@@ -221,7 +222,7 @@ class HttpProvider(Provider):
                 receipt.estimated_cost_usd = self.cost_usd(now - handle.submitted_at)
                 break
             self.sleep(min(self.spec.poll_interval_s, window_end - now))
-        receipt.note = "; ".join(notes[-3:])
+        receipt.note = cancel_note(refused, notes)
         return receipt
 
     # --- account hooks (login-check, costs): see providers/account_checks.py ----------------

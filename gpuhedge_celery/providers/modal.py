@@ -41,7 +41,7 @@ from ..errors import ConfigError, ProviderError, ProviderProtocolError, SubmitEr
 from ..metrics import record as metrics
 from . import account_checks
 from .account import LoginCheck, SpendReport
-from .base import Provider
+from .base import Provider, cancel_note
 from .httpspec import MissingField, get_path
 from .modal_sdk import (
     COMPLETED,
@@ -195,6 +195,7 @@ class ModalProvider(Provider):
         self.check_handle(handle)
         receipt = CancelReceipt(provider=self.name, job_id=handle.job_id)
         notes: list[str] = []
+        refused = ""  # the cancel call's own failure: kept whatever the confirming polls add
         call_id = handle.job_id
         receipt.cancel_sent_ms = self.now_ms()
         try:
@@ -208,7 +209,7 @@ class ModalProvider(Provider):
         except ConfigError:
             raise
         except Exception as e:
-            notes.append(f"cancel call failed: {self.scrub(_text(e))}")
+            refused = f"cancel call failed: {self.scrub(_text(e))}"
         window_end = self.clock.now() + self.spec.cancel_confirm_s
         while True:
             bound = max(MIN_POLL_S, min(self.spec.poll_timeout_s, window_end - self.clock.now()))
@@ -228,7 +229,7 @@ class ModalProvider(Provider):
             self.sleep(min(self.spec.poll_interval_s, window_end - now))
         if receipt.evidence is not Evidence.NO_EVIDENCE:
             notes.append(IDLE_NOTE)
-        receipt.note = "; ".join(notes[-3:])
+        receipt.note = cancel_note(refused, notes)
         return receipt
 
     # --- internals --------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from ..errors import ConfigError, ProviderError, ProviderProtocolError, RateLimi
 from ..metrics import record as metric_record
 from . import runpod_account
 from .account import LoginCheck, SpendReport
-from .base import Provider, believable_ms, reported_ms
+from .base import Provider, believable_ms, cancel_note, reported_ms
 from .failed_result import failed_result
 from .httpspec import MissingField, get_path
 from .options import Block
@@ -388,8 +388,8 @@ class RunpodProvider(Provider):
                 receipt.estimated_cost_usd = self.cost_usd(now - handle.submitted_at)
                 break
             self.sleep(min(self.spec.cancel_poll_s, window_end - now))
-        if refused or notes:
-            receipt.note = "; ".join([refused, *notes[-2:]] if refused else notes[-3:])
+        if refused or notes:  # else keep what _confirm said
+            receipt.note = cancel_note(refused, notes)
         return receipt
 
     def health(self, *, fetch: bool = True) -> dict[str, Any] | None:

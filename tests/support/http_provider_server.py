@@ -66,6 +66,7 @@ class Knobs:
     cancel_never_terminal: bool = False  # cancel answers 200 CANCELLED; status never changes
     cancel_errors: int = 0  # the next N cancels answer HTTP 500
     error_status: int = 500  # the status those errors answer with (429: rate limited)
+    cancel_error_status: int | None = None  # the status refused cancels answer (None: error_status)
 
 
 @dataclass
@@ -268,7 +269,8 @@ class HttpProviderServer:
                 k.cancel_errors -= 1
                 if job is not None:
                     job.cancel_refusals += 1
-                return k.error_status, "cancel failed"
+                code = k.error_status if k.cancel_error_status is None else k.cancel_error_status
+                return code, "cancel failed"
             if job is None:
                 return 404, json.dumps({"error": f"no job {job_id}"})
             now = time.monotonic()

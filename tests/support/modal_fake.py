@@ -89,6 +89,7 @@ class Knobs:
     spawn_errors: int = 0  # the next N calls of the op answer 503 (InternalError)
     poll_errors: int = 0
     cancel_errors: int = 0
+    cancel_error: str = "InternalError"  # what those cancels answer: it (503), or AuthError (401)
     # the workspace billing report: rows {description, environment_name, interval_start
     # (ISO UTC day), cost (USD text)}; the report gives the whole days within [start, end)
     billing: list[dict[str, Any]] = field(default_factory=list)
@@ -370,7 +371,8 @@ class _Handler(BaseHTTPRequestHandler):
         time.sleep(state.knobs.cancel_delay_s)
         if state.take_error("cancel"):
             state.refused(call_id)
-            return self._error(503, "InternalError", "simulated server error")
+            kind = state.knobs.cancel_error
+            return self._error(401 if kind == "AuthError" else 503, kind, "simulated refusal")
         if body.get("terminate_containers"):
             state.refused(call_id)
             return self._error(400, "InvalidError", "terminate_containers is not supported")
