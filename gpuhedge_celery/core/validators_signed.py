@@ -8,10 +8,14 @@ validator checks the signature before any other check runs::
     validator:
       name: hmac
       key: "${RESULT_SIGNING_KEY}"     # a ${VAR} reference only, read on the worker
-      then: {name: wav, sample_rate: 24000}   # optional: the check after the MAC
+      then: {name: wav, sample_rate: 24000}   # optional: the check after the MAC (or a list)
       at: audio_base64                 # optional: what ``then`` is given (a dotted path)
       max_age_s: 600                   # optional: refuse a signed_at older than this
       field: signature                 # where the signature is (default)
+
+``then`` may list several validators: each is given the same value, and all must pass. A
+race's own validator (``hedged_infer``'s ``validator=``) cannot replace a configured ``hmac``:
+:func:`adding_check` appends it to ``then`` instead, so a message only adds checks.
 
 A result whose signature is missing or wrong is invalid (``signature missing`` / ``signature
 does not match``), so it cannot win. The key is read from the worker's environment each time
@@ -40,12 +44,26 @@ from .validator_registry import (
 )
 
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+SIGNED = "hmac"  # the validator a race's own validator may add to, never replace
+
+
+def _listed(then: Any) -> list[Any]:
+    """``then`` as a list of validators (one, a list of them, or none)."""
+    if then is None:
+        return []
+    return list(then) if isinstance(then, (list, tuple)) else [then]
 
 
 def _then(then: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(then, str):
         return then, {}
     return then["name"], {k: v for k, v in then.items() if k != "name"}
+
+
+def adding_check(options: Mapping[str, Any], check: Mapping[str, Any]) -> dict[str, Any]:
+    """``hmac`` ``options`` that also run ``check`` (``{"name": ..., **options}``) after the
+    signature and their own ``then``, on the value ``then`` is given."""
+    return {**options, "then": [*_listed(options.get("then")), dict(check)]}
 
 
 @option_check("hmac")
@@ -73,17 +91,21 @@ def check_hmac_options(options: Mapping[str, Any]) -> str | None:
     then, at = options.get("then"), options.get("at")
     if at is not None and (not isinstance(at, str) or not at or then is None):
         return "at: expected a dotted path, with then naming the validator it feeds"
-    if then is None:
-        return None
-    if not (
-        isinstance(then, str) or (isinstance(then, Mapping) and isinstance(then.get("name"), str))
-    ):
-        return f"then: expected a validator name or {{name: ..., options}}, got {then!r}"
-    name, inner = _then(then)
-    if name not in available_validators():
-        return f"then: unknown validator {name!r} (known: {', '.join(available_validators())})"
-    problem = options_problem(name, inner)
-    return None if problem is None else f"then: {problem}"
+    if isinstance(then, (list, tuple)) and not then:
+        return "then: expected a validator or a list of them, got an empty list"
+    for one in _listed(then):
+        if not (
+            isinstance(one, str) or (isinstance(one, Mapping) and isinstance(one.get("name"), str))
+        ):
+            return f"then: expected a validator name or {{name: ..., options}}, got {one!r}"
+        name, inner = _then(one)
+        if name not in available_validators():
+            known = ", ".join(available_validators())
+            return f"then: unknown validator {name!r} (known: {known})"
+        problem = options_problem(name, inner)
+        if problem is not None:
+            return f"then: {problem}"
+    return None
 
 
 def _at(value: Any, path: str) -> Any:
@@ -97,7 +119,7 @@ def _at(value: Any, path: str) -> Any:
     return value
 
 
-@validator("hmac")
+@validator(SIGNED)
 def hmac_payload(
     payload: Any,
     key: str = "",
@@ -107,7 +129,8 @@ def hmac_payload(
     max_age_s: float | None = None,
 ) -> ValidationResult:
     """Accept a payload carrying a good HMAC-SHA256 signature (:mod:`gpuhedge_celery.signing`)
-    under the key in ``key``'s variable, then, with ``then``, what that validator accepts."""
+    under the key in ``key``'s variable, then, with ``then``, what each of its validators
+    accepts."""
     options = {"key": key, "field": field, "then": then, "at": at, "max_age_s": max_age_s}
     problem = check_hmac_options({k: v for k, v in options.items() if v is not None})
     if problem is not None:
@@ -143,6 +166,9 @@ def hmac_payload(
             value = _at(value, at)
         except KeyError:
             return ValidationResult.failed(f"no field {at!r} in the signed payload")
-    name, inner = _then(then)
-    verdict = validate(name, value, **inner)
-    return ValidationResult(verdict.ok, verdict.reasons, {**verdict.details, "signed": True})
+    verdicts = [validate(name, value, **inner) for name, inner in map(_then, _listed(then))]
+    details: dict[str, Any] = {}
+    for verdict in verdicts:
+        details.update(verdict.details)
+    reasons = tuple(reason for verdict in verdicts for reason in verdict.reasons)
+    return ValidationResult(all(v.ok for v in verdicts), reasons, {**details, "signed": True})

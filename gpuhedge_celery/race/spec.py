@@ -10,7 +10,9 @@ arm=None)`` accepts:
   ``time_scale``; a full spec's timings are taken as written (real time), as
   :meth:`~gpuhedge_celery.config.GpuHedgeConfig.make_policy` does;
 * ``providers``: names overriding the roles (primary first) for a built-in name;
-* ``validator``: a registered validator name, or ``{"name": ..., **options}``;
+* ``validator``: a registered validator name, or ``{"name": ..., **options}``; under a config
+  whose validator is ``hmac`` it is an added check after the signature's, never a replacement
+  (whoever sends a message must not switch signature checks off);
 * ``budget_key``: whose budget the race spends (``budget.keys`` in the config), or None: with
   ``budget.keys`` set, a key not listed is refused (or, under ``unknown_keys: default``, charged
   to ``budget.default_key``) and None is charged to ``budget.default_key``;
@@ -32,6 +34,7 @@ from ..core.experiment import ARM_RE
 from ..core.policies import Policy, policy_from_dict, registered_policies
 from ..core.rates import ProviderRate
 from ..core.validators import available_validators, options_problem
+from ..core.validators_signed import SIGNED, adding_check
 from ..errors import ConfigError
 from ..store import codec
 
@@ -165,9 +168,11 @@ def _KINDS() -> dict[str, Any]:  # noqa: N802 - read at call time: plugins may a
 
 
 def resolve_validator(cfg: GpuHedgeConfig, validator: Any = None) -> tuple[str, dict[str, Any]]:
-    """``(name, options)`` of the validator: the call's, else the config's."""
+    """``(name, options)`` of the validator: the call's, else the config's; under the config's
+    ``hmac`` the call's is checked after the signature instead (it may add, never replace)."""
+    configured = cfg.validator.name, dict(cfg.validator.options)
     if validator is None:
-        return cfg.validator.name, dict(cfg.validator.options)
+        return configured
     if isinstance(validator, str):
         name, options = validator, {}
     elif isinstance(validator, Mapping) and isinstance(validator.get("name"), str):
@@ -184,7 +189,9 @@ def resolve_validator(cfg: GpuHedgeConfig, validator: Any = None) -> tuple[str, 
     problem = options_problem(name, options)
     if problem is not None:
         raise ConfigError(problem, key="validator")
-    return name, options
+    if configured[0] != SIGNED or (name, options) == configured:
+        return name, options
+    return SIGNED, adding_check(configured[1], {"name": name, **options})
 
 
 SPEC_OPTIONS = ("budget_key", "arm")  # hedged_infer's seldom-used keywords, None by default

@@ -207,7 +207,8 @@ def hedged_infer(
 
     ``policy``: None (config), ``single``/``fixed``/``state_aware``/``cascade`` or a spec like
     ``hedge:P->H@10s``; ``providers``: names for the roles; ``validator``: a name or
-    ``{"name": ..., **options}``. By keyword only: ``budget_key``: whose budget it spends
+    ``{"name": ..., **options}`` (under the config's ``hmac``, a check added after the
+    signature's, never a replacement). By keyword only: ``budget_key``: whose budget it spends
     (``budget.keys``); ``arm``: the experiment arm it runs in (its race record carries it).
     Bad input fails at once with a one-line ConfigError. A race whose primary the budget
     refuses raises :class:`~gpuhedge_celery.errors.BudgetExceeded` (a ``RaceFailed``).
