@@ -501,7 +501,7 @@ class Hooked:
         return self.provider.result(handle, 1.0)
 
 
-def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(replicated):
+def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(replicated, caplog):
     client, replica = replicated
     driver, effects, cfg, _ = replicated_driver(client, ReplicaAcks(1, 100))
     providers = driver.providers
@@ -511,9 +511,15 @@ def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(re
     time.sleep(0.2)
     frozen(replica)
     try:
-        assert apply_delivery(driver, "r4", "a1", {})[0] == 503  # saved, not published
-        assert driver.store.winner("r4") == "a1" and effects.results == []
-        assert apply_delivery(driver, "r4", "a1", {})[0] == 503  # the provider's retry
+        with caplog.at_level("WARNING", logger="gpuhedge_celery.webhooks.apply"):
+            # saved, not published; then the provider's retry: the sender is told only to
+            # retry, the replicas' shortfall is in the receiver's log
+            saved = apply_delivery(driver, "r4", "a1", {})
+            assert driver.store.winner("r4") == "a1" and effects.results == []
+            retried = apply_delivery(driver, "r4", "a1", {})
+        assert saved == retried == (503, {"error": "try again"})
+        logged = [r.getMessage() for r in caplog.records if r.name.endswith("webhooks.apply")]
+        assert len(logged) == 2 and all("not held by the Redis replicas" in m for m in logged)
     finally:
         thawed(replica, race_keys(PREFIX, "r4").winner, "a1")
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)

@@ -95,12 +95,15 @@ def apply_delivery(
             JobRef(race_id, attempt_id, a.provider, handle.to_dict(), cap), spec, result
         )
     except NotAcknowledged as e:  # saved, but the outcome it made is not told yet
-        log.warning("race %s: %s", race_id, _line(str(e)))
-        return 503, {"error": _UNHELD}
+        log.warning(
+            "race %s: webhook for %s saved, but the outcome is not held by the Redis replicas"
+            " yet (503): %s",
+            race_id,
+            attempt_id,
+            _line(str(e)),
+        )
+        return 503, {"error": "try again"}  # like every 503: the why stays in this log
     return 200, {"applied": str(result.state)}
-
-
-_UNHELD = "saved; the race's outcome is not held by the Redis replicas yet: try again"
 
 
 def _declare_again(driver: RaceDriver, race_id: str) -> Answer:
@@ -110,8 +113,13 @@ def _declare_again(driver: RaceDriver, race_id: str) -> Answer:
     try:
         driver.outcome.retell(race_id)
     except NotAcknowledged as e:
-        log.warning("race %s: %s", race_id, _line(str(e)))
-        return 503, {"error": _UNHELD}
+        log.warning(
+            "race %s: winner's webhook again, its outcome still not held by the Redis replicas"
+            " (503): %s",
+            race_id,
+            _line(str(e)),
+        )
+        return 503, {"error": "try again"}
     return 200, {"ignored": "attempt already ended; its win declared again"}
 
 
