@@ -1,4 +1,5 @@
-"""Redis URLs: a plain server (``redis://``, ``rediss://``, ``unix://``) or a Sentinel group.
+"""Redis URLs: a plain server (``redis://``, ``rediss://``, ``unix://``), a Sentinel group, or a
+Redis Cluster.
 
 A Sentinel group is written the way kombu and Celery write it, Sentinels separated by ``;``,
 with the master's name (and, when the Sentinels have their own, their password) in the query::
@@ -12,6 +13,15 @@ Sentinels and the data nodes (``ssl_ca_certs=PATH`` for a private CA). The query
 :func:`celery_url` strips it before Celery or kombu see the URL, and hands the master's name,
 the Sentinels' password and TLS over as their options (:func:`celery_transport_options`,
 :func:`celery_ssl_options`).
+
+A Redis Cluster is said by its scheme alone, seed nodes separated by ``,``::
+
+    redis+cluster://[USER:PASSWORD@]h1:7000,h2:7001,h3:7002[/0][?ssl_ca_certs=PATH]
+
+``rediss+cluster://`` speaks TLS to every node (``ssl_ca_certs=PATH`` for a private CA). The
+user and password are every node's; a cluster has database 0 only. Only the store reads it:
+Celery and kombu cannot use a cluster, so the broker and Celery's results then live on
+``GPUHEDGE_BROKER_URL`` (``tasks/config.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from .errors import ConfigError
 
 SENTINEL = "sentinel"
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+_CLUSTER_QUERY = ("ssl_ca_certs",)
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -40,8 +52,79 @@ class SentinelUrl:
     ssl_ca_certs: str | None = None
 
 
+@dataclass(frozen=True)
+class ClusterUrl:
+    """A parsed ``redis+cluster://`` URL (see the module doc)."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    ssl_ca_certs: str | None = None
+
+
 def is_sentinel(url: str) -> bool:
     return url.split(":", 1)[0].lower() == SENTINEL
+
+
+def is_cluster(url: str) -> bool:
+    return url.split(":", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def _cluster_parts(url: str) -> tuple[str, str, str, str, str]:
+    """``url`` cut into scheme, userinfo, hosts, path and query, as written (no checks)."""
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    return scheme.lower(), userinfo, hosts, path, query
+
+
+def _cluster_node(text: str, url: str, key: str) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, _, port = text[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ConfigError(f"a node without a host in {redact_url(url)!r}", key=key)
+    if not port:
+        return host, 6379
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"bad port {port!r} in {redact_url(url)!r}", key=key)
+    return host, int(port)
+
+
+def parse_cluster_url(url: str, *, key: str = "GPUHEDGE_REDIS_URL") -> ClusterUrl:
+    """``url`` parsed; a :class:`ConfigError` naming ``key`` and what is wrong otherwise."""
+    scheme, userinfo, hosts, path, query = _cluster_parts(url)
+    if scheme not in CLUSTER_SCHEMES:
+        raise ConfigError(f"expected a redis+cluster:// URL, got {redact_url(url)!r}", key=key)
+    nodes = tuple(_cluster_node(h.strip(), url, key) for h in hosts.split(",") if h.strip())
+    if not nodes:
+        raise ConfigError(f"a {scheme}:// URL names no node", key=key)
+    if path.strip("/") not in ("", "0"):
+        raise ConfigError(
+            f"a Redis Cluster has database 0 only, got /{path.strip('/')} in {redact_url(url)!r}",
+            key=key,
+        )
+    options = dict(parse_qsl(query))
+    unknown = sorted(set(options) - set(_CLUSTER_QUERY))
+    if unknown:
+        raise ConfigError(
+            f"unknown option {unknown[0]!r} in a {scheme}:// URL (known: ssl_ca_certs)", key=key
+        )
+    tls = scheme == "rediss+cluster"
+    if options.get("ssl_ca_certs") and not tls:
+        raise ConfigError("ssl_ca_certs needs TLS: write rediss+cluster://", key=key)
+    user, colon, password = userinfo.partition(":")
+    return ClusterUrl(
+        nodes=nodes,
+        username=unquote(user) or None,
+        password=unquote(password) if colon else None,
+        tls=tls,
+        ssl_ca_certs=options.get("ssl_ca_certs") or None,
+    )
 
 
 def _parts(url: str) -> list[str]:
@@ -170,8 +253,14 @@ def celery_ssl_options(url: str) -> dict[str, object] | None:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with every password (each Sentinel's userinfo, the Sentinels' own in the query)
-    replaced by ``***``, for logs, errors and repr."""
+    """``url`` with every password (each Sentinel's userinfo, the Sentinels' own in the query,
+    a cluster's) replaced by ``***``, for logs, errors and repr."""
+    if is_cluster(url):
+        scheme, userinfo, hosts, path, query = _cluster_parts(url)
+        user, colon, _ = userinfo.partition(":")
+        shown = f"{user}:***@" if colon else (f"{user}@" if user else "")
+        rest = f"/{path}" if path else ""
+        return f"{scheme}://{shown}{hosts}{rest}{'?' + query if query else ''}"
     return ";".join(_redact_one(part) for part in url.split(";"))
 
 
@@ -194,9 +283,17 @@ def _redact_one(url: str) -> str:
 
 def location(url: str) -> str:
     """Where ``url`` points, without credentials: the Sentinels and the master's name for a
-    Sentinel URL (its primary moves), else the redacted URL."""
+    Sentinel URL (its primary moves), a cluster's seed nodes, else the redacted URL."""
+    if is_cluster(url):
+        return cluster_location(parse_cluster_url(url))
     if not is_sentinel(url):
         return redact_url(url)
     spec = parse_sentinel_url(url)
     hosts = ",".join(f"{host}:{port}" for host, port in spec.sentinels)
     return f"sentinel://{hosts}/{spec.db} (master {quote(spec.master)})"
+
+
+def cluster_location(spec: ClusterUrl) -> str:
+    """A cluster's seed nodes as a URL without credentials (``rediss+cluster://`` for TLS)."""
+    hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in spec.nodes)
+    return f"{'rediss' if spec.tls else 'redis'}+cluster://{hosts}/0"

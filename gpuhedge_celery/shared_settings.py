@@ -4,8 +4,9 @@ file (the ``core`` section of :func:`gpuhedge_celery.settings.current`).
 Apart from ``settings.py`` so that the sections built on it (the Celery glue's) need not import
 the module that gathers every section. One Redis URL configures everything: broker, result
 backend and the lease store (the broker can be RabbitMQ instead: ``GPUHEDGE_BROKER_URL``, see
-``tasks/config.py``). ``rediss://`` and passwords in the URL work; ``repr`` hides the password
-so settings can be logged.
+``tasks/config.py``; a ``redis+cluster://`` store needs that broker, a Redis one, which then
+keeps Celery's results too). ``rediss://`` and passwords in the URL work; ``repr`` hides the
+password so settings can be logged.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from urllib.parse import urlsplit
 from . import envvars
 from .envvars import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from .errors import ConfigError
-from .redis_url import PLAIN_SCHEMES, is_sentinel, parse_sentinel_url, redact_url
+from .redis_url import (
+    PLAIN_SCHEMES,
+    is_cluster,
+    is_sentinel,
+    parse_cluster_url,
+    parse_sentinel_url,
+    redact_url,
+)
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -28,10 +36,14 @@ def validate_redis_url(url: str, *, source: str = envvars.REDIS_URL_VAR) -> str:
     if is_sentinel(url):
         parse_sentinel_url(url, key=source)
         return url
+    if is_cluster(url):
+        parse_cluster_url(url, key=source)
+        return url
     parts = urlsplit(url)
     if parts.scheme not in PLAIN_SCHEMES:
         raise ConfigError(
-            f"expected a redis://, rediss://, unix:// or sentinel:// URL, got {redact_url(url)!r}",
+            "expected a redis://, rediss://, unix://, sentinel:// or redis+cluster:// URL, got "
+            f"{redact_url(url)!r}",
             key=source,
         )
     return url

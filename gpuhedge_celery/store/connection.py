@@ -9,13 +9,15 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.sentinel
+from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError
 
 from ..errors import StoreUnavailable
-from ..redis_url import is_sentinel, parse_sentinel_url, redact_url
+from ..redis_url import is_cluster, is_sentinel, parse_cluster_url, parse_sentinel_url, redact_url
+from .cluster import ClusterClient
 
 _clients: dict[tuple[int, str, bool], redis.Redis] = {}
 
@@ -35,8 +37,12 @@ def client_for(url: str, *, decode_responses: bool = True, **kwargs: Any) -> red
 def redis_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """A new redis-py client for ``url``: ``redis.Redis.from_url`` for one server; for a
     ``sentinel://`` URL a client of the group's primary, which asks the Sentinels where the
-    primary is on every (re)connect and so follows a failover (the one place clients are built
+    primary is on every (re)connect and so follows a failover; for a ``redis+cluster://`` URL
+    a :class:`~gpuhedge_celery.store.cluster.ClusterClient` (the one place clients are built
     from a URL)."""
+    if is_cluster(url):
+        # it answers every command the store sends, and its pipelines keep to one slot
+        return cast(redis.Redis, ClusterClient.from_spec(parse_cluster_url(url), **kwargs))
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
     spec = parse_sentinel_url(url)
@@ -63,6 +69,8 @@ _SENTINEL_SHARED = ("socket_connect_timeout", "socket_timeout", "retry")
 def client_location(client: Any) -> str:
     """Where ``client`` connects, as a URL without credentials: ``rediss://`` for TLS, so an
     error about a TLS Redis does not name a plain ``redis://`` one."""
+    if isinstance(client, ClusterClient):
+        return client.location
     pool = client.connection_pool
     kw = pool.connection_kwargs
     if isinstance(pool, redis.sentinel.SentinelConnectionPool):
@@ -95,6 +103,9 @@ def translate_errors(url: str | None = None) -> Iterator[None]:
         raise StoreUnavailable(
             f"Redis{where} is unreachable ({e}); set GPUHEDGE_REDIS_URL or --redis-url"
         ) from e
+    except (ClusterError, SlotNotCoveredError) as e:  # a cluster not serving a slot now
+        where = f" at {redact_url(url)}" if url else ""
+        raise StoreUnavailable(f"Redis Cluster{where} is not serving ({e})") from e
     except redis.ResponseError as e:
         if not primary_changed(e):
             raise
@@ -110,7 +121,7 @@ _PRIMARY_CHANGED = ("READONLY", "UNBLOCKED")
 def primary_changed(error: redis.ResponseError) -> bool:
     """Whether ``error`` says the server stopped being the primary: a retry, once the client
     reconnects to the new one, is all it needs (an outage, not a bug in the command)."""
-    if isinstance(error, redis.ReadOnlyError):
+    if isinstance(error, redis.ReadOnlyError | ClusterDownError):  # a cluster's failover
         return True
     message = str(error)
     # a pipeline wraps the server's answer: "Command # 2 (WAIT 1 200) of pipeline caused error: ..."
@@ -186,6 +197,8 @@ def same_database(a: Any, b: Any) -> bool:
     socket, and db number): a script run through one may then write keys the other reads."""
 
     def where(client: Any) -> tuple[Any, ...] | None:
+        if isinstance(client, ClusterClient):  # a cluster, known by its seed nodes
+            return "cluster", tuple(sorted(client.spec.nodes))
         pool = getattr(client, "connection_pool", None)
         kwargs = getattr(pool, "connection_kwargs", None)
         if not isinstance(kwargs, dict):
@@ -199,6 +212,13 @@ def same_database(a: Any, b: Any) -> bool:
 
     found = where(a)
     return found is not None and found == where(b)
+
+
+def database_number(client: Any) -> int:
+    """The database ``client`` selects (a cluster has database 0 only)."""
+    if isinstance(client, ClusterClient):
+        return 0
+    return int(client.connection_pool.connection_kwargs.get("db") or 0)
 
 
 def _sentinels(pool: redis.sentinel.SentinelConnectionPool) -> tuple[tuple[str, int], ...]:

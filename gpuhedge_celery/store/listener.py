@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from ..errors import NotificationsUnavailable, StoreUnavailable
-from .connection import client_location
+from .connection import client_location, database_number
 from .keys import Keys
 from .liveness import ProcessBeat
 
@@ -134,7 +134,7 @@ class KeyspaceListener:
     def __init__(self, client: redis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
-        db = client.connection_pool.connection_kwargs.get("db", 0)
+        db = database_number(client)
         self._beat = ProcessBeat(client, keys)
         self.process_id = self._beat.process_id
         self.channels = (

@@ -53,6 +53,7 @@ from .message_signing import enable as enable_signing
 RACE_BACKEND_ALIASES = {
     "redis": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
     "rediss": "gpuhedge_celery.tasks.race_backend:RaceRedisBackend",
+    "sentinel": "gpuhedge_celery.tasks.race_backend:RaceSentinelBackend",
 }
 
 # the worker request of a task that carries a caller's request (tasks/redaction.py)
@@ -78,7 +79,7 @@ BROKER_SOCKET_TIMEOUT_S = 10  # longer than kombu's 1 s blocking pop, so a quiet
 
 def celery_conf(config: GlueConfig) -> dict[str, object]:
     """The Celery settings for ``config`` (a pure function, so it is testable without a worker)."""
-    url = config.settings.redis_url
+    url = config.results_url  # the store's Redis, or the broker's beside a cluster store
     transport: dict[str, object] = {}
     if config.broker_kind == "redis":
         # Redis emulates acknowledgements: a message whose whole worker died comes back only

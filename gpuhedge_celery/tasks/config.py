@@ -18,7 +18,7 @@ from .. import envvars
 from ..errors import ConfigError
 from ..gpus import default_host, parse_labels
 from ..names import COORD_QUEUES
-from ..redis_url import is_sentinel, parse_sentinel_url
+from ..redis_url import is_cluster, is_sentinel, parse_sentinel_url
 from ..runners import runner_from_spec
 from ..shared_settings import Settings, redact_url
 
@@ -57,6 +57,25 @@ def parse_coord_queues(text: str | None) -> tuple[str, ...]:
             key=envvars.COORD_QUEUES_VAR,
         )
     return names
+
+
+def _check_cluster_broker(broker_url: str | None) -> None:
+    """A store on a Redis Cluster needs a broker of its own, and a Redis one: Celery and kombu
+    cannot use a cluster, and Celery's results then follow the broker."""
+    if broker_url is None:
+        raise ConfigError(
+            f"{envvars.REDIS_URL_VAR} names a Redis Cluster, which Celery cannot use as broker "
+            "or result backend: set this to a Redis of its own (redis://, rediss:// or "
+            "sentinel://) for the broker and Celery's results",
+            key=envvars.BROKER_URL_VAR,
+        )
+    if BROKER_SCHEMES.get(broker_url.partition(":")[0].lower()) != "redis":
+        raise ConfigError(
+            f"with {envvars.REDIS_URL_VAR} on a Redis Cluster, Celery's results are kept on the "
+            "broker, which must then be a Redis (redis://, rediss:// or sentinel://), got "
+            f"{redact_url(broker_url)!r}",
+            key=envvars.BROKER_URL_VAR,
+        )
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,8 @@ class GlueConfig:
         if not self.beat_schedule:
             schedule = default_schedule(os.environ, self.settings.prefix)
             object.__setattr__(self, "beat_schedule", schedule)
+        if is_cluster(self.settings.redis_url):
+            _check_cluster_broker(self.broker_url)
 
     @property
     def is_gpu_worker(self) -> bool:
@@ -110,6 +131,15 @@ class GlueConfig:
     def broker(self) -> str:
         """The Celery broker's URL: ``GPUHEDGE_BROKER_URL``, else the Redis of everything else."""
         return self.broker_url or self.settings.redis_url
+
+    @property
+    def results_url(self) -> str:
+        """Where Celery keeps task results: the store's Redis, except on a Redis Cluster (which
+        Celery cannot use), where they follow the broker (a Redis then: see
+        :func:`_check_cluster_broker`)."""
+        if is_cluster(self.settings.redis_url):
+            return self.broker
+        return self.settings.redis_url
 
     @property
     def broker_kind(self) -> str:
