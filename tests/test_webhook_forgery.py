@@ -91,7 +91,7 @@ def test_a_delivery_runpod_cannot_verify_now_is_503_try_again_then_applied(race_
     r = httpx.post(hook_url(d, "fg4"), json=body, timeout=30)
     # only "try again": neither RunPod's status code nor its answer's text
     assert r.status_code == 503
-    assert r.json() == {"error": "not verified with the provider yet; try again"}
+    assert r.json() == {"error": "try again"}
     assert d.store.load("fg4").version == before.version and d.effects.results == []
     d.fake.configure(faults={"status": {}})  # RunPod answers again
     r = httpx.post(hook_url(d, "fg4"), json=body, timeout=30)  # the provider's retry

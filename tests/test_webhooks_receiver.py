@@ -116,7 +116,7 @@ def test_a_failure_to_save_is_503_so_the_provider_may_retry():
     served = Served(WebhookApp(WebhookSettings("http://x", SECRET), stub))
     try:
         r = httpx.post(url(served), json={"status": "COMPLETED"})
-        assert r.status_code == 503 and r.json() == {"error": "not saved; try again"}
+        assert r.status_code == 503 and r.json() == {"error": "try again"}
     finally:
         served.close()
 

@@ -117,7 +117,7 @@ class WebhookApp:
             return await loop.run_in_executor(self.pool, self.apply, race_id, attempt_id, data)
         except Exception:  # the store is down, or an adapter bug: the provider may retry
             log.exception("webhook for race %s attempt %s failed", race_id, attempt_id)
-            return 503, {"error": "not saved; try again"}  # the why is in this process's log
+            return 503, {"error": "try again"}  # the why is in this process's log
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:

@@ -80,7 +80,7 @@ def apply_delivery(
         return 400, {"error": _line(str(e))}
     except ProviderError as e:  # the provider could not be asked to confirm it: retry later
         log.warning("race %s: webhook for %s not verified: %s", race_id, attempt_id, _line(str(e)))
-        return 503, {"error": "not verified with the provider yet; try again"}
+        return 503, {"error": "try again"}  # the why stays in this log
     except GpuHedgeError as e:
         return 400, {"error": _line(str(e))}
     except Exception as e:  # an unforeseen body shape: refused, never a crash of the receiver
