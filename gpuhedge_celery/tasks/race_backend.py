@@ -10,9 +10,10 @@ backend puts the payload back on every read (``.get()``, a poll, the pub/sub mes
 ``get_task_meta``): one ``GET`` on the caller's side, and the caller sees the same result as
 before, key for key.
 
-``create_app`` installs it for ``redis://`` and ``rediss://`` result backends through the
-loader's backend aliases (the configured URL stays as it is); with any other backend the
-payload is stored inline, as Celery would. A Celery app built elsewhere (an existing app that
+``create_app`` installs it for ``redis://`` and ``rediss://`` result backends, and
+:class:`RaceSentinelBackend` for ``sentinel://`` ones, through the loader's backend aliases (the
+configured URL stays as it is); with any other backend the payload is stored inline, as Celery
+would. A Celery app built elsewhere (an existing app that
 sends ``gpuhedge.hedged_infer`` by name) reads the stored form: a ``payload_ref`` that
 ``gpuhedge_celery.load_payload`` reads, unless it uses this backend too
 (``result_backend="gpuhedge_celery.tasks.race_backend:RaceRedisBackend+redis://..."``) or the
@@ -28,7 +29,7 @@ import threading
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
 from ..race.receipt import PAYLOAD_INLINE, with_payload
@@ -95,3 +96,8 @@ class RaceRedisBackend(RedisBackend):
             if result.get(PAYLOAD_INLINE) is True and "payload_ref" in result:
                 meta["result"] = with_payload(result, self.client)
         return meta
+
+
+class RaceSentinelBackend(SentinelBackend, RaceRedisBackend):
+    """:class:`RaceRedisBackend` behind Sentinel: Celery's Sentinel backend finds the primary
+    (its connection methods come first), every race read and write above is unchanged."""
