@@ -5,7 +5,8 @@
 #   the checkers that are missing (systemd-analyze, espeak-ng), unpacks Prometheus and promtool
 #   into a private directory (scripts/ensure-prometheus.sh: never installed, no service), lints
 #   with ruff, type-checks with mypy, then runs pytest (printing the 25 slowest tests). Extra args
-#   go to pytest (one module: tests/test_readme.py).
+#   go to pytest (one module: tests/test_readme.py). Modules marked `sentinel` also run on a
+#   Sentinel group that pytest starts from the same redis-server (tests/support/sentinel.py).
 # --fast (first argument): the tests that need no server and start no process (pytest --fast,
 #   tests/support/tiers.py) on two pytest-xdist processes after the same install, lint and type
 #   check; none of the apt, Redis, RabbitMQ or Prometheus set-up, which only the other tests need.

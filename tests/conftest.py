@@ -1,9 +1,10 @@
 """Fixtures shared by every test tier.
 
 Tiers: pure tables (no fixtures), ``fake_redis`` (fakeredis, no expiry or events), ``redis_url`` /
-``redis_client`` (a real redis-server: the machine's, or one started here; never skipped), and
-real Celery worker processes (fixtures in tests/support/fixtures_*.py). Each test is marked by
-what it uses (tests/support/tiers.py); ``--fast`` runs only those that need no server or process.
+``redis_client`` (a real redis-server: the machine's, or one started here; never skipped; for a
+module's ``[sentinel]`` run, the run's Sentinel group), and real Celery worker processes
+(fixtures in tests/support/fixtures_*.py). Each test is marked by what it uses
+(tests/support/tiers.py); ``--fast`` runs only those that need no server or process.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def pytest_runtest_teardown(item):
 
 
 @pytest.fixture(scope="session")
-def redis_url():
+def plain_redis_url():
     """URL of a real redis-server. Fails (never skips) when none can be reached or started."""
     try:
         url, server = shared_redis_url()
@@ -110,11 +111,34 @@ def redis_url():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def sentinel_group():
+    """A Sentinel group of the whole run (tests/support/sentinel.py), started by its first user."""
+    from tests.support.sentinel import SentinelGroup
+
+    with SentinelGroup() as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def redis_url(broker, plain_redis_url, request):
+    """URL of the store's Redis: the plain redis-server, or a ``sentinel://`` URL of the run's
+    Sentinel group when the module runs on the ``sentinel`` broker (store, results and broker
+    on the group: tests/support/fixtures_celery.py)."""
+    from gpuhedge_celery.redis_url import with_sentinel_options
+    from tests.support.fixtures_celery import SENTINEL
+
+    if broker != SENTINEL:
+        return plain_redis_url
+    group = request.getfixturevalue("sentinel_group")
+    return with_sentinel_options(group.url, group.master_name, group.sentinel_password)
+
+
 @pytest.fixture
 def redis_client(redis_url):
-    import redis
+    from gpuhedge_celery.store.connection import redis_from_url
 
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_from_url(redis_url, decode_responses=True)
     yield client
     client.close()
 
@@ -122,11 +146,11 @@ def redis_client(redis_url):
 @pytest.fixture
 def prefix(redis_url):
     """A key prefix unique to this test; its keys are deleted afterwards."""
-    import redis
+    from gpuhedge_celery.store.connection import redis_from_url
 
     value = f"t{uuid.uuid4().hex[:10]}"
     yield value
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = list(client.scan_iter(f"{value}:*", count=1000))
     if keys:
         client.delete(*keys)

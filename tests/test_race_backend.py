@@ -1,18 +1,20 @@
 """The app's result backend marks a race's first winner without reading the stored state first.
 
-A real Celery app and result backend on the real Redis; the read is counted on the backend.
+A real Celery app and result backend on the real Redis, and on a Sentinel group (``[sentinel]``,
+the package's Sentinel backend); the read is counted on the backend.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from gpuhedge_celery.redis_url import is_sentinel
 from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.tasks.app import create_app
 from gpuhedge_celery.tasks.config import GlueConfig
-from gpuhedge_celery.tasks.race_backend import RaceRedisBackend
+from gpuhedge_celery.tasks.race_backend import RaceRedisBackend, RaceSentinelBackend
 
-pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60), pytest.mark.sentinel]
 
 
 @pytest.fixture
@@ -21,6 +23,7 @@ def backend(redis_url, prefix, monkeypatch):
                                           "GPUHEDGE_PREFIX": prefix}))  # fmt: skip
     found = app.backend
     assert isinstance(found, RaceRedisBackend)
+    assert isinstance(found, RaceSentinelBackend) == is_sentinel(redis_url)
     reads = []
     original = found.get
     monkeypatch.setattr(found, "get", lambda key: reads.append(key) or original(key))
@@ -51,8 +54,6 @@ def test_other_writes_still_read_first(backend):
 def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
     backend, redis_client, prefix
 ):
-    import redis
-
     from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 
     store = RaceStore(redis_client, prefix)
@@ -111,10 +112,22 @@ def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
     assert RaceStore.winner_claim(took[-1][0]) == WinnerClaim(won=True, winner="a1", first=False)
     assert redis_client.get(write8.key) is None
     # a store on another Redis database: the backend writes the result itself, after the save
-    where = redis_client.connection_pool.connection_kwargs
-    other = redis.Redis(host=where["host"], port=where["port"], db=int(where.get("db") or 0) + 1)
+    other = on_another_database(redis_client)
     assert backend.won_write("race-6", result, other) is None
     other.close()
+
+
+def on_another_database(client):
+    """A client of the same Redis as ``client`` (a server, or a Sentinel group's primary) on the
+    next database."""
+    import redis.sentinel
+
+    pool = client.connection_pool
+    db = int(pool.connection_kwargs.get("db") or 0) + 1
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+        return pool.sentinel_manager.master_for(pool.service_name, db=db)
+    where = pool.connection_kwargs
+    return redis.Redis(host=where["host"], port=where["port"], db=db)
 
 
 def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, prefix):

@@ -24,19 +24,18 @@ from gpuhedge_celery.store.race_keys import race_keys
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for, wait_until_subscribed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
 
 HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
 
 
 @pytest.fixture(scope="module")
 def api_cluster(redis_url, tmp_path_factory, broker, request):
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     rc = start_race_cluster(
         redis_url, tmp_path_factory.mktemp("races-api"), workers=1,
         broker_url=broker_url_for(broker, request), GPUHEDGE_PAYLOAD_INLINE_MAX="1000",

@@ -15,7 +15,7 @@ from gpuhedge_celery.race.receipt import PAYLOAD_INLINE, result_key
 from gpuhedge_celery.store import codec
 from gpuhedge_celery.tasks.result import RaceResult
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
 
 FAST = {"sim": {"p": {"queue_s": 0.2, "run_s": 0.5}}}
 

@@ -27,7 +27,13 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import cancel_pooled, running_on
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.brokers]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.timeout(180),
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+]
 
 POOL = "rp"
 CONFIG = f"""
@@ -61,15 +67,14 @@ class PoolRaces:
     """The workers, a race sender and audits of what a race left behind."""
 
     def __init__(self, cluster: Any, config_path: Any):
-        import redis
-
         from gpuhedge_celery.config import load_config
         from gpuhedge_celery.providers.simledger import RedisLedger
+        from gpuhedge_celery.store.connection import redis_from_url
         from gpuhedge_celery.store.races import RaceStore
 
         self.cluster = cluster
         self.app = cluster.app
-        self.client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+        self.client = redis_from_url(cluster.redis_url, decode_responses=True)
         self.races = RaceStore(self.client, cluster.prefix)
         self.ledger = RedisLedger(self.client, cluster.prefix)
         self.config = load_config(config_path)
@@ -137,13 +142,12 @@ def attempt(receipt: dict[str, Any], provider: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pool_races(redis_url, tmp_path_factory, broker, request):
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import CeleryCluster, broker_url_for
     from tests.support.fixtures_races import REPO
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     tmp = tmp_path_factory.mktemp("pool-races")
     config_path = tmp / "pool-races.yaml"
     config_path.write_text(CONFIG)
@@ -162,7 +166,7 @@ def pool_races(redis_url, tmp_path_factory, broker, request):
         yield rc
     finally:
         cluster.close()
-        client = redis.Redis.from_url(redis_url)
+        client = redis_from_url(redis_url)
         keys = list(client.scan_iter(f"{cluster.prefix}:*", count=1000))
         if keys:
             client.delete(*keys)

@@ -14,7 +14,7 @@ import pytest
 
 from gpuhedge_celery.errors import RaceFailed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
 
 
 def run(rc, request, **kwargs):

@@ -17,7 +17,12 @@ import pytest
 
 from tests.support.runpod_fake import KEY, FakeRunpod
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.celery, pytest.mark.brokers]
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.celery,
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,13 +74,12 @@ validator: wav
 
 @pytest.fixture(scope="module")
 def cluster(redis_url, tmp_path_factory, broker, request):
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import CeleryCluster, broker_url_for
     from tests.support.fixtures_races import RaceCluster
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     tmp = tmp_path_factory.mktemp("runpod-races")
     with FakeRunpod({"api_key": KEY}) as fake:
         config = tmp / "runpod-races.yaml"

@@ -28,7 +28,13 @@ from tests.support.race_configs import (
 )
 from tests.support.runpod_fake import KEY, FakeRunpod
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(240), pytest.mark.brokers]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.timeout(240),
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+]
 
 SECRET = "e2e-webhook-secret-0123456789"
 

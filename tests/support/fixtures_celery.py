@@ -8,7 +8,14 @@ kills every worker it started at teardown. Worker logs are printed when a test f
 Brokers: Redis (the default) or RabbitMQ, with Redis as the store either way. A test module
 marked ``pytest.mark.brokers`` runs once per broker (test ids end in ``[redis]`` and
 ``[rabbitmq]``); on RabbitMQ each cluster gets a vhost of its own (tests/support/rabbitmq.py).
-``GPUHEDGE_TEST_BROKER=redis`` or ``=rabbitmq`` runs every test on that one broker instead.
+A module also marked ``pytest.mark.sentinel`` runs a third time, ``[sentinel]``: the store, the
+Celery results and the broker all on the run's Sentinel group (a primary, two replicas, three
+Sentinels: tests/support/sentinel.py), reached through its ``sentinel://`` URL (the
+``redis_url`` fixture), with the workers waiting for both replicas as operators are told to
+(``GPUHEDGE_REDIS_WAIT_REPLICAS``, docs/operations.md, *Failover*). Modules that kill, restart
+or reconfigure their Redis are not marked. ``GPUHEDGE_TEST_BROKER=redis``, ``=rabbitmq`` or
+``=sentinel`` runs every test on that one broker instead (``=sentinel`` also runs unmarked
+modules there: a way to try one before marking it).
 
     def test_x(celery_cluster):
         celery_cluster.start_gpu(0)                 # GPU worker for GPU "<host>:0"
@@ -27,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from gpuhedge_celery.redis_url import is_sentinel
 
 READY_TIMEOUT_S = 60.0
 
@@ -107,11 +116,14 @@ class CeleryCluster:
         self.env.pop("GPUHEDGE_BROKER_URL", None)
         if broker_url is not None:
             self.env["GPUHEDGE_BROKER_URL"] = broker_url
-        self.config = GlueConfig.from_env(self.env)
-        self.app = create_app(self.config)
         from gpuhedge_celery.store.connection import redis_from_url
 
         self.client = redis_from_url(redis_url, decode_responses=True)  # a Sentinel URL too
+        if is_sentinel(redis_url):  # behind Sentinel a winner waits for every replica
+            replicas = self.client.info("replication")["connected_slaves"]
+            self.env.setdefault("GPUHEDGE_REDIS_WAIT_REPLICAS", str(replicas))
+        self.config = GlueConfig.from_env(self.env)
+        self.app = create_app(self.config)
         self.store = LeaseStore(self.client, prefix)
         self.workers: list[CeleryWorker] = []
         self._count = 0
@@ -150,11 +162,13 @@ class CeleryCluster:
                 raise RuntimeError(f"worker {worker.nodename} exited:\n{worker.log()[-3000:]}")
             log = worker.log()
             if " ready." in log:
-                # The banner names the transport: a cluster meant for RabbitMQ never runs on Redis.
-                # (On Redis the transport is the package's own Redis transport class.)
-                amqp = (self.broker_url or "").startswith(("amqp", "pyamqp"))
+                # The banner names the transport: a cluster meant for RabbitMQ or Sentinel never
+                # runs on a plain Redis (whose transport is the package's own Redis class).
+                broker = self.broker_url or self.redis_url
+                amqp = broker.startswith(("amqp", "pyamqp"))
                 transport = log.partition(".> transport:")[2].partition("\n")[0]
                 assert ("amqp://" in transport) == amqp, log[:3000]
+                assert ("SentinelTransport://" in transport) == is_sentinel(broker), log[:3000]
                 if worker.gpu_id is None or self.store.host_live(worker.nodename):
                     return
             time.sleep(0.1)
@@ -230,15 +244,20 @@ def forget_results(app) -> None:
 
 
 BROKERS = ("redis", "rabbitmq")
+SENTINEL = "sentinel"  # the store, results and broker on a Sentinel group
+BROKER_MARKS = ("brokers", SENTINEL)
 
 
-def test_brokers() -> tuple[str, ...]:
-    """The brokers ``pytest.mark.brokers`` modules run under (``GPUHEDGE_TEST_BROKER``)."""
+def test_brokers(brokers: bool = True, sentinel: bool = False) -> tuple[str, ...]:
+    """The brokers a module runs under: both when marked ``brokers``, else the first, and
+    ``sentinel`` too when marked so; ``GPUHEDGE_TEST_BROKER`` names the only one instead."""
     chosen = os.environ.get("GPUHEDGE_TEST_BROKER", "").strip().lower()
     if not chosen:
-        return BROKERS
-    if chosen not in BROKERS:
-        raise pytest.UsageError(f"GPUHEDGE_TEST_BROKER: expected one of {BROKERS}, got {chosen!r}")
+        return (*(BROKERS if brokers else BROKERS[:1]), *((SENTINEL,) if sentinel else ()))
+    if chosen not in (*BROKERS, SENTINEL):
+        raise pytest.UsageError(
+            f"GPUHEDGE_TEST_BROKER: expected one of {(*BROKERS, SENTINEL)}, got {chosen!r}"
+        )
     return (chosen,)
 
 
@@ -249,16 +268,22 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "brokers: runs once per broker, Redis and RabbitMQ (GPUHEDGE_TEST_BROKER)"
     )
+    config.addinivalue_line(
+        "markers", "sentinel: runs once more with the store, results and broker on Sentinel"
+    )
 
 
 def pytest_generate_tests(metafunc):
-    if "broker" in metafunc.fixturenames and metafunc.definition.get_closest_marker("brokers"):
-        metafunc.parametrize("broker", test_brokers(), indirect=True, scope="module")
+    marked = {m: metafunc.definition.get_closest_marker(m) is not None for m in BROKER_MARKS}
+    if "broker" in metafunc.fixturenames and any(marked.values()):
+        chosen = test_brokers(marked["brokers"], marked[SENTINEL])
+        metafunc.parametrize("broker", chosen, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
 def broker(request):
-    """``"redis"`` or ``"rabbitmq"``: the broker of this module's clusters."""
+    """``"redis"``, ``"rabbitmq"`` or ``"sentinel"``: where this module's clusters keep their
+    messages (and, on ``"sentinel"``, their store and results: the ``redis_url`` fixture)."""
     return getattr(request, "param", test_brokers()[0])
 
 
@@ -277,8 +302,9 @@ def amqp_vhosts():
 
 
 def broker_url_for(broker: str, request) -> str | None:
-    """The broker URL a new cluster uses: None for the test Redis, else a fresh vhost."""
-    if broker == "redis":
+    """The broker URL a new cluster uses: None for the store's Redis (the plain one or the
+    Sentinel group), else a fresh vhost."""
+    if broker in ("redis", SENTINEL):
         return None
     return request.getfixturevalue("amqp_vhosts").new_url()
 
@@ -286,11 +312,10 @@ def broker_url_for(broker: str, request) -> str | None:
 @pytest.fixture
 def celery_cluster(redis_url, prefix, tmp_path, request, broker):
     """Start real Celery workers for this test; all are killed at teardown (logs on failure)."""
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     cluster = CeleryCluster(redis_url, prefix, tmp_path, broker_url_for(broker, request))
     yield cluster
     failed = getattr(request.node, "rep_call", None)

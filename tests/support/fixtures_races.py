@@ -194,12 +194,11 @@ def stop_race_cluster(rc: RaceCluster) -> None:
 @pytest.fixture(scope="module")
 def race_cluster(redis_url, tmp_path_factory, broker, request):
     """Two real coordination workers shared by one test module (logs printed on teardown)."""
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     rc = start_race_cluster(
         redis_url, tmp_path_factory.mktemp("races"), broker_url=broker_url_for(broker, request)
     )
@@ -215,8 +214,8 @@ def record_errback(request: Any, exc: Any, traceback: Any) -> None:
     """A ``link_error`` for the workers (imported as a plugin): records who failed and why."""
     import os
 
-    import redis
+    from gpuhedge_celery.store.connection import redis_from_url
 
-    client = redis.Redis.from_url(os.environ["GPUHEDGE_REDIS_URL"])
+    client = redis_from_url(os.environ["GPUHEDGE_REDIS_URL"])  # a Sentinel URL too
     key = f"{os.environ['GPUHEDGE_PREFIX']}:{ERRBACK_LIST}"
     client.rpush(key, f"{request.id}|{type(exc).__name__}|{exc}")

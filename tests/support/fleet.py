@@ -47,12 +47,11 @@ def fleet_cluster(
 ) -> Iterator[RaceCluster]:
     """``workers`` coordination workers on a fresh prefix with ``config`` (YAML text) and
     ``env``; webhooks on with ``webhook_secret`` (polled after ``fallback_s``), else off."""
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import CeleryCluster
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     config_path = tmp / "fleet.yaml"
     config_path.write_text(config)
     cc = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp, broker_url)
