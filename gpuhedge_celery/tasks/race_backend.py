@@ -13,9 +13,9 @@ before, key for key.
 ``create_app`` installs it for ``redis://`` and ``rediss://`` result backends, and
 :class:`RaceSentinelBackend` for ``sentinel://`` ones, through the loader's backend aliases (the
 configured URL stays as it is); with any other backend the payload is stored inline, as Celery
-would. A Celery app built elsewhere (an existing app that
-sends ``gpuhedge.hedged_infer`` by name) reads the stored form: a ``payload_ref`` that
-``gpuhedge_celery.load_payload`` reads, unless it uses this backend too
+would. A Celery app built elsewhere (an existing app that sends ``gpuhedge.hedged_infer`` by
+name) reads the stored form: a ``payload_ref`` that ``gpuhedge_celery.load_payload`` reads,
+unless it uses this backend too
 (``result_backend="gpuhedge_celery.tasks.race_backend:RaceRedisBackend+redis://..."``) or the
 workers run with ``GPUHEDGE_PAYLOAD_BY_REF=0`` (the payload inline again, stored three times).
 A reference whose key has expired (both live for ``GPUHEDGE_RECEIPT_TTL_S``; the result key is
