@@ -10,7 +10,10 @@ Cost accounting: one rule for receipts, records, the ledger's settlements and th
   cancel's sending. A job cancelled while still queued (``was_running`` False) costs nothing. A
   job whose cancel the provider accepted but cannot confirm (Cerebrium) is priced to that
   acknowledgement until a late result says more; one whose cancel was refused or never
-  answered, or that passed its cap, is priced at its cap: unknowns count against us.
+  answered, or that passed its cap, is priced at its cap: unknowns count against us. A result
+  nothing verified (a Cerebrium webhook) that ended a job we were cancelling proves no end: the
+  job is priced as the leak it was (its cap, or to the cancel's acknowledgement), or to the
+  delivery where that costs more; such a delivery only ever raises a price.
 * billed $: active $ plus the provider's idle window (``idle_s`` x rate) for every job whose
   worker started.
 * wasted $: the active $ of every attempt that did not win.
@@ -20,13 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
 from .attempts import Attempt, Phase, escalated, hedged
 from .jobs import JobState
-from .race import BUDGET_REFUSED, Race
+from .race import BUDGET_REFUSED, Race, unverified_end
 from .rates import ProviderRate
 from .receipts import Evidence
 
@@ -96,11 +99,12 @@ _STOPPED_BY_US = (JobState.CANCELLED.value, JobState.TIMEOUT.value)
 
 
 def unaccepted(a: Attempt) -> bool:
-    """Whether nothing shows ``a``'s job stopped or even told to stop: a leaked job whose
-    provider never accepted its cancel (refused, never answered), or one past its cap."""
+    """Whether nothing shows ``a``'s job stopped or even told to stop: a leaked job (or one a
+    delivery nothing verified ended) whose provider never accepted its cancel (refused, never
+    answered, or not answered yet), or one past its cap."""
     if a.result_state == JobState.TIMEOUT.value:
         return True
-    if a.phase is not Phase.LEAKED:
+    if a.phase is not Phase.LEAKED and not unverified_end(a):
         return False
     r = a.receipt
     return r is None or r.cancel_ack_ms is None or r.evidence.rank < Evidence.PROVIDER_ACK.rank
@@ -150,6 +154,28 @@ def attempt_cost(
     ``started_at``: the race's start on its clock (to place the provider's cancel
     acknowledgement); ``cap_s``: the attempt's cap, the price of a job never shown stopped.
     """
+    if unverified_end(a):
+        # as the delivery left it (a stop the janitor shows later moves no settled figure):
+        # priced as the leak it was, or to the delivery where that costs more
+        r = a.receipt
+        if r is not None and r.confirmed_terminal:
+            r = replace(r, confirmed_terminal=False, terminal_status=None, terminal_ms=None)
+        delivered_at = replace(a, receipt=r)
+        as_leak = replace(delivered_at, phase=Phase.LEAKED, result_state=None, result_at=None)
+        held = _priced(as_leak, rate, None, started_at, cap_s)
+        delivered = _priced(delivered_at, rate, summary, started_at, cap_s)
+        return delivered if delivered.billed_usd > held.billed_usd else held
+    return _priced(a, rate, summary, started_at, cap_s)
+
+
+def _priced(
+    a: Attempt,
+    rate: ProviderRate,
+    summary: Mapping[str, Any] | None,
+    started_at: float | None,
+    cap_s: float | None,
+) -> AttemptCost:
+    """The accounting rule (:func:`attempt_cost`), the receipt taken as it stands."""
     if a.submitted_at is None:
         return AttemptCost(0.0, False, 0.0, NONE)
     idle = rate.idle_s * rate.rate_per_s
@@ -157,6 +183,9 @@ def attempt_cost(
     if reported is not None:
         started = reported > 0 or a.result_state == JobState.COMPLETED.value
         return AttemptCost(reported, started, reported + (idle if started else 0.0), REPORTED)
+    if unaccepted(a) and cap_s is not None:  # a queued job too: nothing shows it left the queue
+        active = max(0.0, cap_s) * rate.rate_per_s
+        return AttemptCost(active, True, active + idle, CAPPED)
     r = a.receipt
     result_first = a.result_at is not None and (
         a.cancel_sent_at is None or a.result_state != JobState.CANCELLED.value
@@ -168,9 +197,6 @@ def attempt_cost(
         and a.cancel_sent_at is not None
     ):
         return AttemptCost(0.0, False, 0.0, CLOCK)  # removed from the queue: no worker started
-    if unaccepted(a) and cap_s is not None:
-        active = max(0.0, cap_s) * rate.rate_per_s
-        return AttemptCost(active, True, active + idle, CAPPED)
     stop = _stopped_at(a, started_at)
     seconds = 0.0 if stop is None else stop - a.submitted_at  # still running: nothing known yet
     if cap_s is not None:

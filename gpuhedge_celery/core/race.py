@@ -16,6 +16,11 @@ Rules enforced here for every policy:
 * every loser is cancelled and every non-winning attempt ends with a receipt;
 * a job whose cancel is not yet confirmed stays in the race and may still win (then the other
   job is cancelled); a cancel that fails leaks a receipt and never loses a won race;
+* a result nothing verified with the provider (a Cerebrium webhook) for a job we were
+  cancelling, which does not win, ends the attempt for the race's decisions but proves no end,
+  whether the race is running or finished (:func:`unverified_end`): its receipt stays a leak,
+  its job stays registered for the janitor (:func:`may_run`), and its price never falls below
+  what its cancel alone would leave (``core/outcome.py``);
 * with a ``deadline_s``, a race still without a winner that long after its start gives up: the
   caller is failed at once (:class:`GiveUp`), every live job is cancelled, and no result can win
   any more (the race finishes, without a winner, once its attempts are settled).
@@ -62,6 +67,9 @@ MAX_LIVE_JOBS = 2
 DEADLINE_TIMER = "race_deadline"  # the engine's own timer key (policies use other keys)
 BUDGET_REFUSED = "budget_refused"  # flag: the budget refused an attempt (see SubmitFailed)
 BUDGET_STOP = "budget_stop"  # flag: it refused the primary; the race launches nothing more
+#: The reason an attempt carries when a result nothing verified ended it while its cancel was
+#: unconfirmed (see :func:`unverified_end`).
+UNVERIFIED_END = "ended by a delivery nothing verified: not shown stopped"
 
 
 class Race(CancelRules):
@@ -291,13 +299,16 @@ class Race(CancelRules):
         good = bool(event.valid) and state is JobState.COMPLETED
         label = "valid" if good else "invalid"
         self._end(a, state, good, list(event.reasons), f"{state} ({label})")
-        if a.receipt is not None:
+        wins = good and self.winner is None and not self.gave_up  # past a deadline: cannot
+        if a.receipt is not None and (event.verified or wins):
             self._cancel_outrun(
                 a, state, event.verified, "result arrived before the cancel took effect"
             )
+        elif a.receipt is not None:  # a loser's delivery nothing checked: as after the finish
+            self._unverified_end(a, "a result was delivered before its cancel was confirmed")
         if self.gave_up:
             return  # the caller was failed at the deadline: a late result cannot win
-        if good and self.winner is None:
+        if wins:
             self._declare(a)
         elif not good and self.winner is None:
             self.policy.on_failed(self, a)
@@ -313,15 +324,22 @@ class Race(CancelRules):
         self._end(a, state, False, reasons, f"{state} (late result)")
         if event.verified:
             self._cancel_outrun(a, state, True, "ran to its end after the race finished")
-        else:  # nothing checked it: it prices the job, it proves no end (the leak stays listed)
-            r = a.receipt
-            r.note = (r.note + "; " if r.note else "") + (
-                "a result was delivered after the race finished (not verified with the provider)"
-            )
+        else:
+            self._unverified_end(a, "a result was delivered after the race finished")
+
+    def _unverified_end(self, a: Attempt, why: str) -> None:
+        """A delivery nothing checked ended a loser we were cancelling: it prices the job and
+        ends the attempt, and proves no end. The receipt keeps its evidence and its leak; the
+        attempt's reasons say why (:func:`unverified_end`)."""
+        r = a.receipt
+        assert r is not None
+        a.reasons.append(UNVERIFIED_END)
+        r.note = (r.note + "; " if r.note else "") + f"{why} (not verified with the provider)"
+        self.flag("leaked")
 
     def _cancel_outrun(self, a: Attempt, state: JobState, verified: bool, why: str) -> None:
-        """A result ended a job we were cancelling: only a verified one confirms it stopped (a
-        delivery nothing checked ends the attempt, its receipt keeps its evidence)."""
+        """A result ended a job we were cancelling: only a verified one confirms it stopped; an
+        unverified one that wins ends it (its job delivered the result the caller gets)."""
         r = a.receipt
         assert r is not None
         if verified:
@@ -468,6 +486,22 @@ def late_result(race: Race, event: Any) -> bool:
         return False  # a cap passing is no sign the job ended
     a = race._attempt(event.attempt_id)
     return a is not None and a.phase is Phase.LEAKED and a.receipt is not None
+
+
+def unverified_end(a: Attempt) -> bool:
+    """Whether a result nothing verified with the provider ended ``a`` while we were cancelling
+    it and its cancel was unconfirmed (a forged webhook looks the same as a real one): the
+    attempt is over for the race, its job is not shown stopped."""
+    return a.phase is Phase.ENDED and UNVERIFIED_END in a.reasons
+
+
+def may_run(a: Attempt) -> bool:
+    """Whether ``a``'s job may still run (and bill) at its provider, so it stays registered for
+    the janitor: live; ended at its cap (the cap is ours, not the provider's); or ended by a
+    delivery nothing verified and not shown stopped since."""
+    if a.live or a.result_state == JobState.TIMEOUT.value:
+        return True
+    return unverified_end(a) and a.receipt is not None and not a.receipt.confirmed_terminal
 
 
 # the event handlers that take an attempt, by event type

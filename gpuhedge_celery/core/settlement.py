@@ -10,8 +10,11 @@ Three sources, best first:
 * ``unproven``: nothing shows the job stopped or even told to stop (its cancel was refused or
   never answered, or its submit's outcome is unknown): the whole reservation is kept as spent.
   Unknowns count against us. A cancel the provider accepted but cannot confirm settles as
-  estimated, to the acknowledgement, once its reservation's window has passed with no late
-  result (the janitor's sweep; a late result settles it sooner, at its own price).
+  estimated, to the acknowledgement: at once, in the step that leaked it (``race/budget.py``),
+  else at the janitor's sweep.
+  A result nothing verified (a Cerebrium webhook, forged or not) that ends such a job, with the
+  race running or finished, proves no end: it settles a refused cancel's job as ``unproven``
+  still, and an accepted one's again only upwards (``late_estimate``), never lower.
 
 An attempt that was never submitted costs nothing (``not_submitted``).
 """
@@ -25,6 +28,7 @@ from typing import Any
 from .attempts import Attempt, Phase
 from .jobs import JobState
 from .outcome import REPORTED, attempt_cost, reported_active_usd, unaccepted
+from .race import unverified_end
 from .rates import ProviderRate
 
 RECONCILED, ESTIMATED, UNPROVEN = "reconciled", "estimated", "unproven"
@@ -74,7 +78,7 @@ def settle_attempt(
             note = "submit outcome unknown: a job may exist"
             return Settlement(reserved_usd, UNPROVEN, note)
         return Settlement(0.0, NOT_SUBMITTED, "never submitted")
-    if unaccepted(a) and a.phase is Phase.LEAKED:
+    if unaccepted(a) and (a.phase is Phase.LEAKED or unverified_end(a)):
         return Settlement(reserved_usd, UNPROVEN, "not shown stopped")
     # the receipt's own figure (the same function prices receipts and records)
     cost = attempt_cost(a, rate, summary, started_at=started_at, cap_s=cap_s)

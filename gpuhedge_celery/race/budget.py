@@ -68,16 +68,20 @@ def attempt_worst_case_usd(spec: Mapping[str, Any], provider: str) -> float:
 def again(race: Race, items: Items) -> Items:
     """``items`` as second settlements: at the provider's own figure on a job shown ended by a
     read of the provider (``late``) the ledger follows it either way; otherwise
-    (``late_estimate``: our clock, or a delivery nothing checked) it never lowers the first."""
+    (``late_estimate``: our clock, or a delivery nothing checked) it never lowers the first.
+    An ``unproven`` job (a refused cancel's, a delivery nothing checked proves no end) keeps
+    its whole reservation: settled as such, once."""
 
     def proven(attempt_id: str) -> bool:
         a = find_attempt(race, attempt_id)
         return a is not None and a.receipt is not None and a.receipt.confirmed_terminal
 
-    return [
-        (aid, nano, LATE if src == RECONCILED and proven(aid) else LATE_ESTIMATE)
-        for aid, nano, src in items
-    ]
+    def source(attempt_id: str, found: str) -> str:
+        if found == UNPROVEN:
+            return UNPROVEN
+        return LATE if found == RECONCILED and proven(attempt_id) else LATE_ESTIMATE
+
+    return [(aid, nano, source(aid, src)) for aid, nano, src in items]
 
 
 def _accepted_leak(a: Attempt) -> bool:

@@ -39,10 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.attempts import LIVE_PHASES, Phase
+from ..core.attempts import Phase
 from ..core.clock import Clock, WallClock
 from ..core.jobs import JobHandle, JobState
-from ..core.race import Race
+from ..core.race import Race, may_run, unverified_end
 from ..core.race_cancels import unknown_submit_receipt
 from ..core.receipts import CancelReceipt
 from ..metrics import record as metrics
@@ -504,7 +504,14 @@ def apply_cleanup(
         if a.handle is None and (handles or {}).get(a.id):
             a.handle = dict((handles or {})[a.id])
             a.job_id = a.job_id or str(a.handle.get("job_id") or "")
-        if isinstance(found, CancelReceipt) and a.phase is Phase.ENDED:
+        if isinstance(found, CancelReceipt) and unverified_end(a) and a.receipt is not None:
+            # priced as the delivery left it (core/outcome.py): a confirmed stop only clears it
+            if found.confirmed_terminal and found.terminal_status is not None:
+                a.receipt.confirm_terminal(found.terminal_status, found.terminal_ms or now_ms)
+                a.timeline.append([rel, "cancelled by the janitor"])
+            else:
+                a.timeline.append([rel, "janitor cancel not confirmed"])
+        elif isinstance(found, CancelReceipt) and a.phase is Phase.ENDED:
             # capped (TIMEOUT): it already lost; keep its result, record the stop beside it
             a.receipt = a.receipt or found
             a.timeline.append([rel, "janitor cancel after its cap"])
@@ -562,7 +569,9 @@ def _may_run(race: Race, attempt_id: str) -> bool:
     """Whether a registered job may still be running at its provider (so it needs a cancel).
 
     Live attempts may; so may an attempt the race ended at its cap (TIMEOUT is our deadline,
-    not the provider's) and a job the race never heard of (registered, then its worker died).
+    not the provider's), one a delivery nothing verified ended while its cancel was unconfirmed
+    (:func:`~gpuhedge_celery.core.race.may_run`) and a job the race never heard of (registered,
+    then its worker died).
     """
     a = next((a for a in race.attempts if a.id == attempt_id), None)
-    return a is None or a.phase in LIVE_PHASES or a.result_state == JobState.TIMEOUT.value
+    return a is None or may_run(a)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Phase
 from ..core.jobs import JobState
-from ..core.race import Race
+from ..core.race import Race, may_run
 from ..core.race_events import DeclareWinner, GiveUp, RaceFinished, StatusObserved
 from ..metrics import record as metrics
 from ..store.race_keys import TOLD_FAILED, TOLD_WON, ResultWrite, SaveMark
@@ -381,10 +381,9 @@ class Outcome:
         it, and its record."""
         spec = spec_from_state(state)
         receipt = assemble_receipt(race, state, spec, now=self.driver.clock.now())
-        # a capped job stays registered until its own cancel confirms it stopped
-        ended = tuple(
-            a.id for a in race.attempts if not a.live and a.result_state != JobState.TIMEOUT.value
-        )
+        # a capped job, or one a delivery nothing verified ended, stays registered until a
+        # cancel confirms it stopped
+        ended = tuple(a.id for a in race.attempts if not may_run(a))
         record = race_record(self.driver.store, race, state, spec, receipt)
         return Finish(receipt, self.driver.settings.receipt_ttl_s, ended, record)
 
