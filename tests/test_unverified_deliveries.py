@@ -42,9 +42,10 @@ from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
 from gpuhedge_celery.core.settlement import ESTIMATED, UNPROVEN, settle_attempt
 from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.base import JobRef
-from gpuhedge_celery.race.budget import RaceBudget
+from gpuhedge_celery.race.budget import LATE_ESTIMATE, RaceBudget
 from gpuhedge_celery.race.janitor import Janitor, JanitorOptions
 from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.signing import sign_result
 from gpuhedge_celery.store.budget import BudgetStore
 from tests.test_late_results import deliver_late, leaked_driver_race
 from tests.test_races_driver import Recorder, build_driver
@@ -329,3 +330,55 @@ def test_a_late_delivery_nothing_verified_keeps_a_refused_cancels_reservation(re
     assert receipt["leaked"] and "a1" in driver.store.live_jobs("r1")
     assert receipt["attempts"][0]["cost_source"] == "cap"
     agree_on_a1(driver, ledger)
+
+
+# ------------------------------------------------------- a signed result proves the run ended
+SIGNING_KEY = "unverified-deliveries-result-key-0123"
+
+
+def deliver_signed(driver, monkeypatch, key: str) -> None:
+    """A COMPLETED delivery for p whose output is signed with ``key``, in a race validated by
+    ``hmac`` with the workers' key (the stored spec's validator swapped for it)."""
+    monkeypatch.setenv("GPUHEDGE_TEST_RESULT_KEY", SIGNING_KEY)
+    saved = driver.store.load("r1").state
+    spec = {
+        **saved["spec"],
+        "validator": "hmac",
+        "validator_options": {"key": "${GPUHEDGE_TEST_RESULT_KEY}"},
+    }
+    handle = JobHandle.from_dict(saved["race"]["attempts"][0]["handle"])
+    output = sign_result({"audio": "the function's own output"}, key)
+    result = AttemptResult("p", handle.job_id, JobState.COMPLETED, 10.0, output)
+    driver.conclude(JobRef("r1", "a1", "p", handle.to_dict(), 60.0), spec, result)
+
+
+def test_a_delivery_signed_by_the_function_shows_the_loser_stopped(
+    redis_client, prefix, monkeypatch
+):
+    """The cancel was refused, but p's output arrives signed with the workers' key: the user's
+    function returned, so the run ended. Its receipt is confirmed, its job unregistered, and
+    it is priced to the delivery on our clock (not kept at its whole reservation)."""
+    driver, providers, ledger = cutover_driver_race(redis_client, prefix, "refused")
+    amount = int(ledger.reservation("r1", "a1")["amount"])
+    deliver_signed(driver, monkeypatch, SIGNING_KEY)
+    race = Race.from_dict(driver.store.load("r1").state["race"], driver.clock)
+    p = race.attempt_for("primary")
+    assert p.phase is Phase.ENDED and UNVERIFIED_END not in p.reasons and not may_run(p)
+    assert p.receipt.confirmed_terminal and not p.receipt.leaked
+    reservation = ledger.reservation("r1", "a1")
+    assert reservation["source"] in (ESTIMATED, LATE_ESTIMATE)  # our clock: not unproven
+    assert int(reservation["settled"]) < amount
+    driver.step("r1", ResultArrived("a2"))
+    assert driver.store.receipt("r1")["leaks"] == []
+    assert "a1" not in driver.store.live_jobs("r1")  # nothing left for the janitor
+    agree_on_a1(driver, ledger)
+
+
+def test_a_delivery_signed_with_another_key_proves_nothing(redis_client, prefix, monkeypatch):
+    driver, providers, ledger = cutover_driver_race(redis_client, prefix, "refused")
+    amount = int(ledger.reservation("r1", "a1")["amount"])
+    deliver_signed(driver, monkeypatch, "a-forgers-own-key-0123456789abcdef")
+    race = Race.from_dict(driver.store.load("r1").state["race"], driver.clock)
+    p = race.attempt_for("primary")
+    assert UNVERIFIED_END in p.reasons and p.receipt.leaked and may_run(p)
+    assert int(ledger.reservation("r1", "a1")["settled"]) == amount

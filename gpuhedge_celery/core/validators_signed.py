@@ -172,3 +172,13 @@ def hmac_payload(
         details.update(verdict.details)
     reasons = tuple(reason for verdict in verdicts for reason in verdict.reasons)
     return ValidationResult(all(v.ok for v in verdicts), reasons, {**details, "signed": True})
+
+
+def signature_verified(payload: Any, spec: Mapping[str, Any]) -> bool:
+    """Whether a race whose validator is ``hmac`` (``spec``: the race's stored spec) finds
+    ``payload`` signed with its key: the user's function produced it, whatever ``then`` says
+    of its content. False for any other validator."""
+    if spec.get("validator") != SIGNED:
+        return False
+    options = {k: v for k, v in (spec.get("validator_options") or {}).items() if k != "then"}
+    return bool(hmac_payload(payload, **options).ok)

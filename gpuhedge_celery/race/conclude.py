@@ -14,6 +14,12 @@ The race driver's :class:`Concluder`.
   does not take (the attempt had already ended, the race had finished) is not stored: that
   result can never win. The caller's Celery result refers to this key rather than carrying a
   second copy (``tasks/race_backend.py``).
+* **A signature proves an end.** A delivery nothing can check with its provider (a Cerebrium
+  webhook) ends a job we were cancelling only as far as the race's decisions go: its job is
+  not shown stopped (core/race.py). With the ``hmac`` validator, a completed result whose
+  signature verifies is the user's function's own output, so it shows the run ended as
+  surely as a provider's read would, and is taken as verified (its receipt, record and ledger
+  then follow it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..core.jobs import AttemptResult, JobState
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ResultArrived, StatusObserved
 from ..core.validators import validate
+from ..core.validators_signed import signature_verified
 from ..store import codec
 from ..store.round_trip import RoundTrip
 from .base import JobRef, find_attempt, remember
@@ -111,8 +118,13 @@ class Concluder:
             return checked[0]
 
         tries: list[int] = [0, 0]  # step attempts seen by ``event``; the one ``keep`` wrote in
-        # a delivery nothing checked with the provider ends a job, but proves no cancel
-        verified = delivered is None or provider.delivery_is_verified
+        # a delivery nothing checked with the provider ends a job, but proves no cancel (unless
+        # the function signed it: see the module doc)
+        verified = (
+            delivered is None
+            or provider.delivery_is_verified
+            or (result.state is JobState.COMPLETED and signature_verified(result.payload, spec))
+        )
         late: list[bool] = [False]
 
         def event(race: Race) -> Event | tuple[Event, ...] | None:
