@@ -15,12 +15,15 @@ started and stopped) is compared with every receipt, race record and ledger sett
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
 import pytest
 
 from gpuhedge_celery.bench._truth_row import submit_spread, wait_settled
+from gpuhedge_celery.core.validators import tone_wav
+from gpuhedge_celery.signing import sign_result
 from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.fleet import fleet_cluster
 from tests.support.race_configs import cerebrium_provider, race_config, runpod_provider
@@ -35,6 +38,14 @@ SUBMIT_WINDOW_S = 10.0
 TOTAL_LIMIT_S = 120.0  # submits, every job ended, every receipt written, the fleet settled
 SETTLE_LIMIT_S = 90.0  # from the last submit to every job ended and every receipt written
 TOLERANCE = 0.05
+RESULT_KEY = "money-truth-result-key-0123456789"
+# Results are signed (the ``hmac`` validator): a Cerebrium webhook, which nothing can check with
+# Cerebrium, then proves its run ended; unsigned, a loser whose cancel was refused would keep
+# its whole reservation even after its late result (a forged delivery looks the same).
+HMAC = {"name": "hmac", "key": "${GPUHEDGE_TEST_RESULT_KEY}", "then": "wav", "at": "audio_base64"}
+SIGNED_OUTPUT = sign_result(
+    {"audio_base64": base64.b64encode(tone_wav(1.0)).decode("ascii")}, RESULT_KEY
+)
 
 
 def config_text(runpod: str, cerebrium: str) -> str:
@@ -49,9 +60,10 @@ def config_text(runpod: str, cerebrium: str) -> str:
                 poll=None,
                 cancel_poll_s=0.1,
                 idle_billed_seconds=5,
+                payload="output",  # the signed object: audio_base64 and its signature
             ),
             "cb": cerebrium_provider(
-                "hedge", 0.0005, url=cerebrium, project_id="p-test", timeout_s=20
+                "hedge", 0.0005, url=cerebrium, project_id="p-test", timeout_s=20, payload="result"
             ),
         },
         "cutover",
@@ -63,6 +75,7 @@ def config_text(runpod: str, cerebrium: str) -> str:
             "ceiling_usd": 1000,
             "providers": {"rp": caps, "cb": caps},
         },
+        validator=HMAC,
     )
 
 
@@ -81,6 +94,8 @@ FATES = [
 
 def request_for(i: int) -> dict:
     rp, cb = FATES[i % len(FATES)]
+    # each job returns what the user's function would: its output signed with the fleet's key
+    rp, cb = {**rp, "output": SIGNED_OUTPUT}, {**cb, "output": SIGNED_OUTPUT}
     return {"text": f"race {i}", "runpod_fake": {"truth-p": rp}, "cerebrium_fake": cb}
 
 
@@ -96,6 +111,7 @@ def cluster(redis_url, tmp_path, broker, request):
             tmp_path,
             config_text(runpod.base_url, cerebrium.url),
             broker_url=broker_url_for(broker, request),
+            env={"GPUHEDGE_TEST_RESULT_KEY": RESULT_KEY},
             webhook_secret=SECRET,
             fallback_s=10,
         ) as rc,

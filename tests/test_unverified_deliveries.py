@@ -344,7 +344,11 @@ def deliver_signed(driver, monkeypatch, key: str) -> None:
     spec = {
         **saved["spec"],
         "validator": "hmac",
-        "validator_options": {"key": "${GPUHEDGE_TEST_RESULT_KEY}"},
+        "validator_options": {
+            "key": "${GPUHEDGE_TEST_RESULT_KEY}",
+            "then": "nonempty",  # the content's check: the signature alone shows the end
+            "at": "audio",
+        },
     }
     handle = JobHandle.from_dict(saved["race"]["attempts"][0]["handle"])
     output = sign_result({"audio": "the function's own output"}, key)

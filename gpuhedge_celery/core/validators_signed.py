@@ -180,5 +180,6 @@ def signature_verified(payload: Any, spec: Mapping[str, Any]) -> bool:
     of its content. False for any other validator."""
     if spec.get("validator") != SIGNED:
         return False
-    options = {k: v for k, v in (spec.get("validator_options") or {}).items() if k != "then"}
+    kept = ("key", "field", "max_age_s")  # the signature's own options, not its content's
+    options = {k: v for k, v in (spec.get("validator_options") or {}).items() if k in kept}
     return bool(hmac_payload(payload, **options).ok)

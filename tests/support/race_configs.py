@@ -59,6 +59,7 @@ def runpod_provider(
     base_url: str,
     poll: dict[str, float] | None = FAST_POLL,
     cancel_poll_s: float = 0.05,
+    payload: str = "output.audio_base64",
     **extra: Any,
 ) -> dict[str, Any]:
     """A ``runpod`` provider on an endpoint of the RunPod fake at ``base_url`` (``poll`` None:
@@ -67,7 +68,7 @@ def runpod_provider(
         "endpoint_id": endpoint_id,
         "api_key": "${RUNPOD_TEST_KEY}",
         "base_url": base_url,
-        "payload": "output.audio_base64",
+        "payload": payload,
         "timeouts": FAKE_TIMEOUTS,
     }
     if poll is not None:
