@@ -268,6 +268,7 @@ def test_owner_tokens_never_go_back_when_a_failover_loses_the_counter(races, red
     old = races.claim_owner("r", "coord-a", lease_ms=60_000)
     # a lossy failover: the new primary has neither the lease nor the counter's last writes
     redis_client.delete(keys.owner, keys.owner_seq)
+    time.sleep(0.002)  # the floor is Redis's ms x 1000: the same ms gives the same floor
     new = races.claim_owner("r", "coord-b", lease_ms=60_000)
     assert new.token > old.token
     # the same token issued to another owner (the counter taken back by hand) is not ours
