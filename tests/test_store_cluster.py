@@ -206,7 +206,6 @@ def test_a_pipeline_of_scripts_and_hash_commands_of_one_slot_is_one_round_trip_o
     lease, fence, info = f"{{{tag}}}:lease", f"{{{tag}}}:fence", f"{{{tag}}}:info"
     fence_lift = lua_script(client, "fence_lift")
     client.script_load(fence_lift.script)  # on every primary: no NOSCRIPT below
-    client.set(f"{{{tag}}}:warm", 1)  # a connection to the owner is open
 
     def build(pipe):
         queue_script(pipe, fence_lift, [lease, fence], ["5", "", "7"])
