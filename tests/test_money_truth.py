@@ -43,9 +43,13 @@ RESULT_KEY = "money-truth-result-key-0123456789"
 # Cerebrium, then proves its run ended; unsigned, a loser whose cancel was refused would keep
 # its whole reservation even after its late result (a forged delivery looks the same).
 HMAC = {"name": "hmac", "key": "${GPUHEDGE_TEST_RESULT_KEY}", "then": "wav", "at": "audio_base64"}
-SIGNED_OUTPUT = sign_result(
-    {"audio_base64": base64.b64encode(tone_wav(1.0)).decode("ascii")}, RESULT_KEY
-)
+AUDIO = base64.b64encode(tone_wav(1.0)).decode("ascii")
+
+
+def signed_output(run: str) -> dict:
+    """A job's output as the user's function returns it: signed, and naming its own run (a
+    copy of another attempt's signed result is never taken as this one's end)."""
+    return sign_result({"audio_base64": AUDIO, "run": run}, RESULT_KEY)
 
 
 def config_text(runpod: str, cerebrium: str) -> str:
@@ -95,7 +99,7 @@ FATES = [
 def request_for(i: int) -> dict:
     rp, cb = FATES[i % len(FATES)]
     # each job returns what the user's function would: its output signed with the fleet's key
-    rp, cb = {**rp, "output": SIGNED_OUTPUT}, {**cb, "output": SIGNED_OUTPUT}
+    rp, cb = {**rp, "output": signed_output(f"{i}-rp")}, {**cb, "output": signed_output(f"{i}-cb")}
     return {"text": f"race {i}", "runpod_fake": {"truth-p": rp}, "cerebrium_fake": cb}
 
 

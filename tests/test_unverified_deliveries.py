@@ -13,6 +13,7 @@ loser's: it still wins.
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
@@ -40,6 +41,7 @@ from gpuhedge_celery.core.race_events import (
 from gpuhedge_celery.core.rates import ProviderRate
 from gpuhedge_celery.core.receipts import CancelReceipt, Evidence
 from gpuhedge_celery.core.settlement import ESTIMATED, UNPROVEN, settle_attempt
+from gpuhedge_celery.core.validators import tone_wav
 from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.base import JobRef
 from gpuhedge_celery.race.budget import LATE_ESTIMATE, RaceBudget
@@ -336,24 +338,42 @@ def test_a_late_delivery_nothing_verified_keeps_a_refused_cancels_reservation(re
 SIGNING_KEY = "unverified-deliveries-result-key-0123"
 
 
-def deliver_signed(driver, monkeypatch, key: str) -> None:
-    """A COMPLETED delivery for p whose output is signed with ``key``, in a race validated by
-    ``hmac`` with the workers' key (the stored spec's validator swapped for it)."""
+def signed_spec(driver, monkeypatch, *, from_config: bool = True) -> dict:
+    """The race's stored spec with its validator swapped for ``hmac`` on the workers' key, as
+    a fleet configured with it builds it (``from_config`` False: as a message naming hmac
+    itself would, over a config that does not)."""
     monkeypatch.setenv("GPUHEDGE_TEST_RESULT_KEY", SIGNING_KEY)
-    saved = driver.store.load("r1").state
     spec = {
-        **saved["spec"],
+        **driver.store.load("r1").state["spec"],
         "validator": "hmac",
         "validator_options": {
             "key": "${GPUHEDGE_TEST_RESULT_KEY}",
-            "then": "nonempty",  # the content's check: the signature alone shows the end
-            "at": "audio",
+            "then": "wav",  # the content's check: the signature alone shows the end
+            "at": "audio_base64",
         },
     }
-    handle = JobHandle.from_dict(saved["race"]["attempts"][0]["handle"])
-    output = sign_result({"audio": "the function's own output"}, key)
-    result = AttemptResult("p", handle.job_id, JobState.COMPLETED, 10.0, output)
-    driver.conclude(JobRef("r1", "a1", "p", handle.to_dict(), 60.0), spec, result)
+    if from_config:
+        spec["signature_proves_end"] = True
+    return spec
+
+
+def deliver_output(driver, spec, attempt: str, output) -> None:
+    saved = driver.store.load("r1").state
+    i = [a["id"] for a in saved["race"]["attempts"]].index(attempt)
+    handle = JobHandle.from_dict(saved["race"]["attempts"][i]["handle"])
+    provider = handle.provider if hasattr(handle, "provider") else ("p" if i == 0 else "h")
+    result = AttemptResult(provider, handle.job_id, JobState.COMPLETED, 10.0, output)
+    driver.conclude(JobRef("r1", attempt, provider, handle.to_dict(), 60.0), spec, result)
+
+
+NOT_A_WAV = {"audio_base64": "bm90IGEgd2F2"}  # signed, but no valid result: it cannot win
+A_WAV = {"audio_base64": base64.b64encode(tone_wav(1.0)).decode("ascii")}
+
+
+def deliver_signed(driver, monkeypatch, key: str, *, from_config: bool = True) -> None:
+    """A COMPLETED delivery for p whose output is signed with ``key`` (a loser's: invalid)."""
+    spec = signed_spec(driver, monkeypatch, from_config=from_config)
+    deliver_output(driver, spec, "a1", sign_result(NOT_A_WAV, key))
 
 
 def test_a_delivery_signed_by_the_function_shows_the_loser_stopped(
@@ -384,5 +404,34 @@ def test_a_delivery_signed_with_another_key_proves_nothing(redis_client, prefix,
     deliver_signed(driver, monkeypatch, "a-forgers-own-key-0123456789abcdef")
     race = Race.from_dict(driver.store.load("r1").state["race"], driver.clock)
     p = race.attempt_for("primary")
+    assert UNVERIFIED_END in p.reasons and p.receipt.leaked and may_run(p)
+    assert int(ledger.reservation("r1", "a1")["settled"]) == amount
+
+
+def test_a_key_a_message_chose_proves_nothing(redis_client, prefix, monkeypatch):
+    """A message may name hmac itself when the config does not: its key (any worker variable)
+    is not the fleet's, so a payload signed with it shows no run's end."""
+    driver, providers, ledger = cutover_driver_race(redis_client, prefix, "refused")
+    amount = int(ledger.reservation("r1", "a1")["amount"])
+    deliver_signed(driver, monkeypatch, SIGNING_KEY, from_config=False)
+    p = Race.from_dict(driver.store.load("r1").state["race"], driver.clock).attempt_for("primary")
+    assert UNVERIFIED_END in p.reasons and p.receipt.leaked and may_run(p)
+    assert int(ledger.reservation("r1", "a1")["settled"]) == amount
+
+
+def test_the_winners_signed_output_replayed_to_a_loser_proves_nothing(
+    redis_client, prefix, monkeypatch
+):
+    """h wins with its signed output; the same payload posted to p's URL (its cancel refused)
+    is a copy of h's stored result, not p's end: p keeps its leak and its whole reservation."""
+    driver, providers, ledger = cutover_driver_race(redis_client, prefix, "refused")
+    amount = int(ledger.reservation("r1", "a1")["amount"])
+    spec = signed_spec(driver, monkeypatch)
+    output = sign_result(A_WAV, SIGNING_KEY)
+    deliver_output(driver, spec, "a2", output)
+    saved = driver.store.load("r1").state
+    assert Race.from_dict(saved["race"], driver.clock).winner == "a2"
+    deliver_output(driver, spec, "a1", output)
+    p = Race.from_dict(driver.store.load("r1").state["race"], driver.clock).attempt_for("primary")
     assert UNVERIFIED_END in p.reasons and p.receipt.leaked and may_run(p)
     assert int(ledger.reservation("r1", "a1")["settled"]) == amount

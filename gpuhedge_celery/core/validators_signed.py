@@ -174,6 +174,15 @@ def hmac_payload(
     return ValidationResult(all(v.ok for v in verdicts), reasons, {**details, "signed": True})
 
 
+SIGNATURE_PROVES_END = "signature_proves_end"  # a stored spec's flag, set from the config only
+
+
+def signature_of(payload: Any, spec: Mapping[str, Any]) -> Any:
+    """The signature ``payload`` carries under the race's ``hmac`` options (None: none)."""
+    field = (spec.get("validator_options") or {}).get("field", SIGNATURE_FIELD)
+    return payload.get(field) if isinstance(payload, Mapping) else None
+
+
 def signature_verified(payload: Any, spec: Mapping[str, Any]) -> bool:
     """Whether a race whose validator is ``hmac`` (``spec``: the race's stored spec) finds
     ``payload`` signed with its key: the user's function produced it, whatever ``then`` says

@@ -24,6 +24,7 @@ The race driver's :class:`Concluder`.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ..core.attempts import Phase
@@ -31,14 +32,16 @@ from ..core.jobs import AttemptResult, JobState
 from ..core.race import Race
 from ..core.race_events import AttemptSubmitted, Event, ResultArrived, StatusObserved
 from ..core.validators import validate
-from ..core.validators_signed import signature_verified
+from ..core.validators_signed import SIGNATURE_PROVES_END, signature_of, signature_verified
 from ..store import codec
 from ..store.round_trip import RoundTrip
 from .base import JobRef, find_attempt, remember
-from .receipt import result_key
+from .receipt import load_attempt_result, result_key
 
 if TYPE_CHECKING:
     from .base import Driver
+
+log = logging.getLogger(__name__)
 
 
 def checked_result(
@@ -73,6 +76,38 @@ class Concluder:
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
+
+    def signed_end(
+        self, race: Race, attempt_id: str, result: AttemptResult, spec: dict[str, Any]
+    ) -> bool:
+        """Whether ``result``, delivered where nothing checks it with the provider, shows its
+        run ended by its signature: completed, signed with the key the fleet's config names
+        (a message cannot choose it: ``signature_proves_end`` is set from the config), and no
+        copy of another attempt's stored result (the winner's output, replayed to a loser's
+        URL, must not pass for the loser's end). Any error reading it: not shown."""
+        if result.state is not JobState.COMPLETED or not spec.get(SIGNATURE_PROVES_END):
+            return False
+        d = self.driver
+        try:
+            if not signature_verified(result.payload, spec):
+                return False
+            mine = signature_of(result.payload, spec)
+            for other in race.attempts:
+                if other.id == attempt_id or not other.valid:
+                    continue
+                stored = load_attempt_result(d.store.client, d.store.prefix, race.race_id, other.id)
+                if stored is not None and signature_of(stored.get("payload"), spec) == mine:
+                    log.warning(
+                        "race %s: %s delivered a copy of %s's signed result: not its end",
+                        race.race_id,
+                        attempt_id,
+                        other.id,
+                    )
+                    return False
+        except Exception as e:  # a body the check cannot read proves nothing
+            log.warning("race %s: %s's signature not checked: %r", race.race_id, attempt_id, e)
+            return False
+        return True
 
     def conclude(
         self, ref: JobRef, spec: dict[str, Any] | None = None, result: AttemptResult | None = None
@@ -120,12 +155,17 @@ class Concluder:
         tries: list[int] = [0, 0]  # step attempts seen by ``event``; the one ``keep`` wrote in
         # a delivery nothing checked with the provider ends a job, but proves no cancel (unless
         # the function signed it: see the module doc)
-        verified = (
-            delivered is None
-            or provider.delivery_is_verified
-            or (result.state is JobState.COMPLETED and signature_verified(result.payload, spec))
-        )
+        checked_by_provider = delivered is None or provider.delivery_is_verified
+        proof: list[bool] = []
         late: list[bool] = [False]
+
+        def vouched(race: Race) -> bool:
+            """Whether this result shows its job ended: read from the provider, or signed."""
+            if checked_by_provider:
+                return True
+            if not proof:
+                proof.append(self.signed_end(race, attempt_id, result, spec))
+            return proof[0]
 
         def event(race: Race) -> Event | tuple[Event, ...] | None:
             tries[0] += 1
@@ -135,23 +175,23 @@ class Concluder:
             if race.finished:  # a loser's late result: it prices the job, it can never win
                 if result.state is JobState.TIMEOUT:
                     return None  # our cap passed: no sign of the job's end, nothing to price
-                if verified and result.state is not JobState.COMPLETED:
+                if checked_by_provider and result.state is not JobState.COMPLETED:
                     return None  # a readable end the janitor's cancel confirms, with receipt
                 late[0] = True
-                return ResultArrived(attempt_id, result.state, False, (), verified=verified)
+                return ResultArrived(attempt_id, result.state, False, (), verified=vouched(race))
             if (
                 a.phase in (Phase.CANCELLING, Phase.LEAKED)
                 and result.state is not JobState.COMPLETED
             ):
                 if result.state is JobState.TIMEOUT:
                     return None  # right-censored, not observed terminal: the cancel decides
-                if verified:
+                if checked_by_provider:
                     return StatusObserved(attempt_id, result.state)  # confirms the cancel
                 return ResultArrived(attempt_id, result.state, False, (), verified=False)
             valid, reasons, _, _ = check()
-            arrived = ResultArrived(
-                attempt_id, result.state, valid, tuple(reasons), verified=verified
-            )
+            # only a job we were cancelling needs its end shown (a running one's result is news)
+            shown = vouched(race) if a.receipt is not None else checked_by_provider
+            arrived = ResultArrived(attempt_id, result.state, valid, tuple(reasons), verified=shown)
             if a.phase is Phase.LAUNCHING:  # its submit's report died with its process
                 return (AttemptSubmitted(attempt_id, handle.job_id, handle.to_dict()), arrived)
             return arrived

@@ -34,7 +34,7 @@ from ..core.experiment import ARM_RE
 from ..core.policies import Policy, policy_from_dict, registered_policies
 from ..core.rates import ProviderRate
 from ..core.validators import available_validators, options_problem
-from ..core.validators_signed import SIGNED, adding_check
+from ..core.validators_signed import SIGNATURE_PROVES_END, SIGNED, adding_check
 from ..errors import ConfigError
 from ..store import codec
 
@@ -52,6 +52,8 @@ class RaceSpec:
     deadline_s: float | None = None  # real seconds from start; None: no deadline
     budget_key: str | None = None  # whose budget the race spends (budget.keys)
     arm: str | None = None  # the experiment arm the race runs in (its record carries it)
+    # the config's own validator is hmac (its key, not a message's): a signature shows an end
+    signature_proves_end: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form stored with the race (the policy travels in the race's own state)."""
@@ -66,6 +68,8 @@ class RaceSpec:
         }
         if self.arm is not None:  # only an experiment's races carry one
             data["arm"] = self.arm
+        if self.signature_proves_end:  # left out otherwise: an earlier release never sets it
+            data[SIGNATURE_PROVES_END] = True
         return data
 
     def provider_rates(self) -> dict[str, ProviderRate]:
@@ -239,7 +243,11 @@ def build_spec(
             "idle_s": p.idle_billed_seconds * scale,
         }
     deadline = cfg.race_deadline_for(resolved.providers()) * scale
-    return RaceSpec(resolved, v_name, v_options, caps, rates, scale, deadline, budget_key, arm)
+    # the configured key, resolve_validator keeps it: a message adds checks, never a key
+    proves = cfg.validator.name == SIGNED and v_name == SIGNED
+    return RaceSpec(
+        resolved, v_name, v_options, caps, rates, scale, deadline, budget_key, arm, proves
+    )
 
 
 def longest_race_s(
@@ -280,4 +288,5 @@ def spec_from_state(state: dict[str, Any]) -> RaceSpec:
         deadline_s=data.get("deadline_s"),
         budget_key=data.get("budget_key"),
         arm=data.get("arm"),
+        signature_proves_end=bool(data.get(SIGNATURE_PROVES_END)),
     )
