@@ -6,14 +6,16 @@ Cost accounting: one rule for receipts, records, the ledger's settlements and th
   (RunPod's ``executionTime`` from a result or a cancel's confirming read: ``cost_usd`` in the
   result's metrics, ``reconciled_cost_usd`` on the receipt). Without one, our clock, from the
   submit to the moment the job is known to have stopped: its result's arrival (also a result
-  that came after its cancel), else the provider's acknowledgement of the cancel, else the
-  cancel's sending. A job cancelled while still queued (``was_running`` False) costs nothing. A
-  job whose cancel the provider accepted but cannot confirm (Cerebrium) is priced to that
-  acknowledgement until a late result says more; one whose cancel was refused or never
+  that came after its cancel), else the latest of the cancel's sending, the provider's
+  acknowledgement and, for a confirmed cancel, the end the confirming read saw (the receipt's
+  ``terminal_ms``): a janitor's later confirmation of a leaked job prices it to the janitor's
+  sighting, an upper bound. A job cancelled while still queued (``was_running`` False) costs
+  nothing. A job whose cancel the provider accepted but cannot confirm (Cerebrium) is priced to
+  that acknowledgement until a late result says more; one whose cancel was refused or never
   answered, or that passed its cap, is priced at its cap: unknowns count against us. A result
-  nothing verified (a Cerebrium webhook) that ended a job we were cancelling proves no end: the
-  job is priced as the leak it was (its cap, or to the cancel's acknowledgement), or to the
-  delivery where that costs more; such a delivery only ever raises a price.
+  nothing verified (an unsigned Cerebrium webhook) that ended a job we were cancelling proves
+  no end: the job is priced as the leak it was (its cap, or to the cancel's acknowledgement),
+  or to the delivery where that costs more; such a delivery only ever raises a price.
 * billed $: active $ plus the provider's idle window (``idle_s`` x rate) for every job whose
   worker started.
 * wasted $: the active $ of every attempt that did not win.

@@ -518,7 +518,7 @@ def apply_cleanup(
         elif isinstance(found, CancelReceipt):
             if a.receipt is not None:
                 found.cancel_sent_ms = a.receipt.cancel_sent_ms or found.cancel_sent_ms
-                # the provider had the first cancel then: a repeat must not move the job's stop
+                # the first acknowledgement is kept; the end the janitor saw bounds the price
                 found.cancel_ack_ms = a.receipt.cancel_ack_ms or found.cancel_ack_ms
             a.receipt = found
             a.job_id = a.job_id or found.job_id
