@@ -113,10 +113,11 @@ def plain_redis_url():
 
 @pytest.fixture(scope="session")
 def sentinel_group():
-    """A Sentinel group of the whole run (tests/support/sentinel.py), started by its first user."""
-    from tests.support.sentinel import SentinelGroup
+    """A Sentinel group of the whole run (tests/support/sentinel.py), started by its first user;
+    the failover tests start groups of their own."""
+    from tests.support.sentinel import SHARED_DOWN_AFTER_MS, SentinelGroup
 
-    with SentinelGroup() as group:
+    with SentinelGroup(down_after_ms=SHARED_DOWN_AFTER_MS) as group:
         yield group
 
 
@@ -140,7 +141,7 @@ def redis_client(redis_url):
 
     client = redis_from_url(redis_url, decode_responses=True)
     yield client
-    client.close()
+    close_client(client)
 
 
 @pytest.fixture
@@ -151,10 +152,21 @@ def prefix(redis_url):
     value = f"t{uuid.uuid4().hex[:10]}"
     yield value
     client = redis_from_url(redis_url)
-    keys = list(client.scan_iter(f"{value}:*", count=1000))
-    if keys:
-        client.delete(*keys)
+    try:
+        keys = list(client.scan_iter(f"{value}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        close_client(client)
+
+
+def close_client(client) -> None:
+    """Close ``client`` and, for a Sentinel group's primary, its connections to the Sentinels
+    (``Redis.close`` leaves those open until the garbage collector finds them)."""
     client.close()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        sentinel.close()
 
 
 @pytest.fixture

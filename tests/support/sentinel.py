@@ -53,6 +53,11 @@ SENTINEL_DEBUG = {
 }
 
 
+# The down-after of the group the suite's [sentinel] modules share (tests/conftest.py): they
+# never fail it over, and on a loaded machine a pause past 1 s must not fail it over for them.
+SHARED_DOWN_AFTER_MS = 10_000
+
+
 def _polling_client(port: int, password: str | None) -> redis.Redis:
     """A client for the harness's own polls: short timeouts and no retries (redis-py's default
     retry backs off for seconds against a node that is down)."""
