@@ -79,19 +79,27 @@ def test_it_stays_near_the_best_static_in_hindsight(spec: str) -> None:
         )
     )
     assert misses <= hindsight[2] + 0.05 * n
-    if spec == "shift_primary_queue":
-        # queues that stop meaning cold starts: far ahead of the static chosen before the
-        # shift, well behind racing both from the start (docs/benchmarks.md)
-        assert adaptive < 0.6 * chosen[1]
-    elif spec == "no_shift":
+    if spec == "no_shift":
         assert adaptive <= 1.05 * hindsight[1]
     else:
+        # within 10 % of hindsight, and at least 5 % below what calibration would deploy
         assert adaptive <= 1.10 * hindsight[1]
-        assert math.isinf(chosen[1]) or adaptive < chosen[1]
+        assert math.isinf(chosen[1]) or adaptive <= 0.95 * chosen[1]
 
 
-@pytest.mark.parametrize("spec", ["no_shift", "shift_hedge_unhealthy"])
-def test_a_budget_of_a_fifth_of_a_hedge_a_request_holds(spec: str) -> None:
+@pytest.mark.parametrize(
+    "spec", ["no_shift", "shift_primary_slower", "shift_primary_queue", "shift_hedge_unhealthy"]
+)
+def test_a_budget_of_a_fifth_of_a_hedge_a_request_holds_and_goes_to_stuck_requests(
+    spec: str,
+) -> None:
     rounds = _rounds(spec)
     results = replay_policy(parse_policy(f"{NAME}@b0.2"), rounds, None, CALIBRATION)
     assert sum(r.hedged for r in results) <= 0.2 * len(results) + 10
+    primary = {r.round_id: r.arms["runpod"] for r in rounds}
+    evaluation = [r for r in results if r.round_id > CALIBRATION]
+    spent = [r.round_id for r in evaluation if r.hedged]
+    # a fifth of a hedge a request is fewer than the cold starts: every one goes to a request
+    # whose primary was still running at half the deadline, and none is left unspent
+    assert all(primary[i].wall_s > 30 or not primary[i].valid for i in spent)
+    assert len(spent) >= 0.2 * len(evaluation)

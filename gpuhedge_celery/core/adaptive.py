@@ -223,7 +223,13 @@ class AdaptivePolicy(Policy):
         elif key == "safety":
             self._launch(ctl, HEDGE)
         elif key == "backup":
-            self._launch(ctl, FALLBACK)
+            primary = ctl.attempt_for(PRIMARY)
+            if primary is not None and primary.live and not ctl.state.get("cut_over"):
+                # the hedge runs beside a live primary: no slot until one of them fails (a
+                # token spent now would only wait), so the backup joins then
+                ctl.state["backup_due"] = True
+            else:
+                self._launch(ctl, FALLBACK)
 
     def on_status(
         self, ctl: RaceControl, attempt: AttemptView, state: JobState | None, error: str | None
@@ -234,12 +240,14 @@ class AdaptivePolicy(Policy):
         if state is JobState.QUEUED and error is None and not ctl.state.get("hedge_requested"):
             # the hedge first: without a budget token the queued primary is all there is
             if self._launch(ctl, HEDGE) and self._plan(ctl).cancel_queued:
+                ctl.state["cut_over"] = True
                 ctl.flag("cut_over")
                 ctl.cancel(attempt.id, "cutover: still queued")
 
     def on_failed(self, ctl: RaceControl, attempt: AttemptView) -> None:
         if attempt.role == PRIMARY:
-            self._launch(ctl, HEDGE)
+            if not self._launch(ctl, HEDGE) and ctl.state.get("backup_due"):
+                self._launch(ctl, FALLBACK)
         elif attempt.role == HEDGE:
             self._launch(ctl, FALLBACK)
 

@@ -16,7 +16,11 @@ provider that changes is followed.
 
 The estimate walks the race the engine would run (the same rules: a valid result wins, at most
 two live jobs, a failed hedge brings the backup at once) over the weighted samples, assuming the
-providers independent. Pure: no clock, no I/O.
+providers independent. Its p95 is the mean of the quantiles at the levels within one standard
+error of 95 % (the error of a 5 % share measured on as many jobs as the plan's providers'
+samples are effectively worth): a tail seen in a few jobs is neither a cliff nor nothing, so a
+plan whose tail sits just under 5 % pays for part of it, and insurance against it earns part of
+its worth. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class Estimate:
     active_usd: float
     miss_share: float
     hedge_share: float
+    token_share: float = 0.0  # hedge and backup launches per request (what a budget counts)
 
     def objective(self, usd_weight: float = USD_WEIGHT) -> float:
         """p95 plus ``usd_weight`` seconds per dollar (scaled by a fleet's ``time_scale``:
@@ -123,47 +128,62 @@ class Estimate:
         return self.p95_s + usd_weight * self.active_usd
 
 
-def weights(n: int, half_life: float) -> list[tuple[float, float]]:
-    """The (short, long) memory weight of each of ``n`` samples of one provider, oldest first:
-    halved for every ``half_life`` newer samples, and for five times as many. The short memory
-    weighs a sample (to follow a change); the long one shapes what a censored job would have
-    done."""
-    return [
-        (0.5 ** ((n - 1 - i) / half_life), 0.5 ** ((n - 1 - i) / (5 * half_life))) for i in range(n)
-    ]
+def weights(n: int, half_life: float) -> list[float]:
+    """The weight of each of ``n`` samples of one provider, oldest first: halved for every
+    ``half_life`` newer samples."""
+    return [0.5 ** ((n - 1 - i) / half_life) for i in range(n)]
+
+
+def _masses(samples: Sequence[Sample], half_life: float) -> tuple[list[Sample], list[float]]:
+    """The samples by end time and their weights once each censored job's weight went to the
+    jobs seen to end later (a job cancelled while queued: to jobs that could have queued that
+    long), in proportion to their own weights: the recent jobs that ran that long say what a
+    job cut short now would have done."""
+    ordered = sorted(zip(samples, weights(len(samples), half_life), strict=True), key=_at)
+    jobs = [sample for sample, _ in ordered]
+    memory = [w for _, w in ordered]
+    mass = list(memory)
+    for i, sample in enumerate(jobs):
+        if sample.outcome != "censored":
+            continue
+        later = [
+            j
+            for j in range(i + 1, len(jobs))
+            if jobs[j].outcome != "censored" and jobs[j].queue_hi > sample.queue_lo
+        ]
+        total = sum(memory[j] for j in later)
+        if total > 0:
+            for j in later:
+                mass[j] += mass[i] * memory[j] / total
+            mass[i] = 0.0
+    return jobs, mass
+
+
+def _at(pair: tuple[Sample, float]) -> float:
+    return pair[0].at
+
+
+def effective_size(samples: Sequence[Sample], half_life: float) -> float:
+    """How many equally weighted jobs the weighted outcome distribution is worth (Kish's
+    effective sample size): lower when censored jobs' weight piled onto a few seen to end,
+    as it does in a tail watched rarely."""
+    mass = _masses(samples, half_life)[1]
+    square = sum(m * m for m in mass)
+    return sum(mass) ** 2 / square if square > 0 else 0.0
 
 
 def points(
     samples: Sequence[Sample], half_life: float, resolution: float = 0.1, hang_s: float = 0.0
 ) -> list[Point]:
-    """The weighted outcome distribution of one provider, censored samples redistributed.
-
-    A censored job's weight goes to the jobs seen to end later in proportion to their long
-    memory: how long a job runs past a point is a property of the provider, not of how
-    recently a job that long was watched (a plan that always stops such jobs sees none).
-    Only jobs watched at least ``hang_s`` count as possibly hung (see :func:`_ended`): a job
-    stopped sooner, because a faster one won, says nothing about whether it would answer.
+    """The weighted outcome distribution of one provider, censored samples redistributed
+    (:func:`_masses`). Only jobs watched at least ``hang_s`` count as possibly hung (see
+    :func:`_ended`): a job stopped sooner, because a faster one won, says nothing about
+    whether it would answer.
     """
-    pairs = sorted(
-        zip(samples, weights(len(samples), half_life), strict=True), key=lambda p: p[0].at
-    )
-    mass = [short for _, (short, _long) in pairs]
-    for i, (sample, _) in enumerate(pairs):
-        if sample.outcome != "censored":
-            continue
-        later = [
-            j
-            for j in range(i + 1, len(pairs))
-            if pairs[j][0].outcome != "censored" and pairs[j][0].queue_hi > sample.queue_lo
-        ]  # a job cancelled while queued goes to jobs that could have queued that long
-        total = sum(pairs[j][1][1] for j in later)
-        if total > 0:
-            for j in later:
-                mass[j] += mass[i] * pairs[j][1][1] / total
-            mass[i] = 0.0
+    jobs, mass = _masses(samples, half_life)
     leftover = sum(
         1
-        for (s, _), m in zip(pairs, mass, strict=True)
+        for s, m in zip(jobs, mass, strict=True)
         if m > 0 and s.outcome == "censored" and s.at >= hang_s
     )
     hopeful = leftover <= OPTIMISM  # past that, jobs never seen to end count as never answering
@@ -174,7 +194,7 @@ def points(
             _bound(s.queue_lo, resolution),
             _bound(s.queue_hi, resolution),
         )
-        for (s, _), m in zip(pairs, mass, strict=True)
+        for s, m in zip(jobs, mass, strict=True)
         if m > 0
     ]
     total = sum(p.weight for p in out)
@@ -281,6 +301,7 @@ class HedgeLeg:
     hedge_s: float
     backup_s: float
     weight: float
+    backups: float = 0.0  # the share of these outcomes in which the backup was launched
 
 
 def hedge_legs(
@@ -301,19 +322,38 @@ def hedge_legs(
             first = min(h.at if h.ok else INF, joins + b.at if b.ok else INF)
             hedge_ran = min(h.at, first)
             backup_ran = min(b.at, first - joins) if not math.isinf(first) else b.at
-            legs.append(HedgeLeg(first, hedge_ran, backup_ran, h.weight * b.weight))
+            legs.append(HedgeLeg(first, hedge_ran, backup_ran, h.weight * b.weight, 1.0))
     return legs
 
 
-def _quantile(values: list[tuple[float, float]], q: float) -> float:
-    values.sort()
-    total = sum(w for _, w in values)
-    run = 0.0
-    for x, w in values:
-        run += w
-        if run >= q * total - 1e-12:
-            return x
-    return values[-1][0] if values else INF
+def _quantile(
+    ranked: Sequence[tuple[float, float]],
+    total: float,
+    q: float,
+    spread: float = 0.0,
+    cap: float = INF,
+) -> float:
+    """The ``q`` quantile of weighted outcomes sorted by value; with ``spread``, the mean of
+    the quantiles from ``q - spread`` to ``q + spread`` (a result never in counts as ``cap``).
+    Walks down from the top, where the levels of interest are."""
+    lo, hi = (q - spread) * total, min(1.0, q + spread) * total
+    run = total  # the weight at or below the current outcome
+    acc = 0.0
+    for x, w in reversed(ranked):
+        below = run - w
+        if spread <= 0:
+            if below < lo - 1e-12:
+                return x
+        else:
+            a, b = max(below, lo), min(run, hi)
+            if b > a:
+                acc += (b - a) * min(x, cap)
+            if below <= lo:
+                break
+        run = below
+    if spread <= 0:
+        return ranked[0][0] if ranked else INF
+    return acc / (hi - lo)
 
 
 @dataclass(frozen=True)
@@ -327,6 +367,7 @@ class Scene:
     rates: Mapping[str, ProviderRate]
     deadline_s: float
     cancel_s: float = 0.0  # how long a cancel of the primary takes to land
+    n_eff: Mapping[str, float] = field(default_factory=dict)  # provider -> effective jobs
     cache: dict[tuple[str | None, str | None, float | None], tuple[list[HedgeLeg], float]] = field(
         default_factory=dict
     )
@@ -348,12 +389,15 @@ def _legs(scene: Scene, plan: Plan) -> tuple[list[HedgeLeg], float]:
     for g in hedge_legs(scene.hedges[plan.hedge], backup, plan.backup_s):
         usd += g.weight * (g.hedge_s * rate_h + g.backup_s * rate_b)
         at = g.after if math.isinf(g.after) else round(g.after / step)
-        slot = merged.setdefault(at, [0.0, 0.0, 0.0])
+        slot = merged.setdefault(at, [0.0, 0.0, 0.0, 0.0])
         slot[0] += g.weight
         slot[1] += g.weight * g.hedge_s
         slot[2] += g.weight * g.backup_s
+        slot[3] += g.weight * g.backups
     legs = [
-        HedgeLeg(round(at * step, 12), h / w, b / w, w) for at, (w, h, b) in merged.items() if w > 0
+        HedgeLeg(round(at * step, 12), h / w, b / w, w, n / w)
+        for at, (w, h, b, n) in merged.items()
+        if w > 0
     ]
     scene.cache[key] = (legs, usd)
     return legs, usd
@@ -366,9 +410,9 @@ def estimate(scene: Scene, plan: Plan, budget: float | None = None) -> Estimate:
     refuses the rest: that part of the requests runs the primary alone.
     """
     full = _estimate(scene, plan, 1.0)
-    if budget is None or plan.hedge is None or full[3] <= budget:
-        return _summary(full, scene.deadline_s)
-    allowed = budget / full[3]
+    if budget is None or plan.hedge is None or full[4] <= budget:
+        return _summary(full, scene, plan)
+    allowed = budget / full[4]
     hedged_part = _estimate(scene, plan, allowed)
     alone = _estimate(scene, Plan(), 1.0 - allowed)
     both = (
@@ -376,28 +420,40 @@ def estimate(scene: Scene, plan: Plan, budget: float | None = None) -> Estimate:
         hedged_part[1] + alone[1],
         hedged_part[2] + alone[2],
         hedged_part[3] + alone[3],
+        hedged_part[4] + alone[4],
     )
-    return _summary(both, scene.deadline_s)
+    return _summary(both, scene, plan)
 
 
-Outcomes = tuple[list[tuple[float, float]], float, float, float]  # outcomes, usd, weight, hedged
+# outcomes, usd, weight, requests hedged, tokens (hedges and backups launched)
+Outcomes = tuple[list[tuple[float, float]], float, float, float, float]
 
 
-def _summary(found: Outcomes, deadline_s: float) -> Estimate:
-    outcomes, usd, total, hedged = found
-    miss = sum(w for x, w in outcomes if x > deadline_s) / total
-    return Estimate(_quantile(outcomes, 0.95), usd / total, miss, hedged / total)
+def _summary(found: Outcomes, scene: Scene, plan: Plan) -> Estimate:
+    outcomes, usd, total, hedged, tokens = found
+    outcomes.sort()
+    late = bisect_right(outcomes, (scene.deadline_s, INF))
+    miss = sum(w for _, w in outcomes[late:]) / total
+    used = [p for p in (scene.primary, plan.hedge, plan.backup) if p is not None]
+    known = [scene.n_eff[p] for p in used if p in scene.n_eff]
+    # one standard error of a 5 % share over every job the plan's estimate rests on
+    spread = math.sqrt(0.05 * 0.95 / max(1.0, sum(known))) if known else 0.0
+    p95 = _quantile(outcomes, total, 0.95, spread, 2 * scene.deadline_s)
+    return Estimate(p95, usd / total, miss, hedged / total, tokens / total)
+
+
+def _alone(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, backup=None, backup_s=None)
 
 
 def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
     """Every request's outcome under ``plan``, weighted, scaled by ``share`` of the requests."""
     rate_p = scene.rates[scene.primary].rate_per_s
     legs: list[HedgeLeg] = []
-    leg_usd = rate_h = rate_b = 0.0
+    leg_usd = rate_h = 0.0
     if plan.hedge is not None:
         legs, leg_usd = _legs(scene, plan)
         rate_h = scene.rates[plan.hedge].rate_per_s
-        rate_b = scene.rates[plan.backup].rate_per_s if plan.backup is not None else 0.0
     outcomes: list[tuple[float, float]] = []
     starts: dict[float, float] = {}  # the hedge's launch time -> weight (legs added once each)
     usd = hedged = 0.0
@@ -405,20 +461,29 @@ def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
     safety = plan.safety_s if plan.hedge is not None else None
 
     # beside a live primary the backup cannot join (two live jobs): the hedge's legs alone
-    side = _legs(scene, dataclasses.replace(plan, backup=None, backup_s=None))[0] if legs else []
+    side = [(g.after, g.hedge_s, g.weight) for g in _legs(scene, _alone(plan))[0]] if legs else []
+    add = outcomes.append
 
     def beside(t: float, p: Point, w: float) -> None:
-        # the hedge joins the primary at t; the first valid result wins
+        # the hedge joins the primary at t; the first valid result wins (the hot loop of a fit)
         nonlocal usd, hedged
         hedged += w
-        for g in side:
-            first = min(p.at if p.ok else INF, t + g.after)
-            gw = w * g.weight
-            hedge_ran = min(g.hedge_s, first - t) if not math.isinf(first) else g.hedge_s
-            usd += gw * (min(p.at, first) * rate_p + hedge_ran * rate_h)
-            if not math.isinf(first) and first - t > g.hedge_s:
-                usd += gw * g.backup_s * rate_b
-            outcomes.append((first, gw))
+        p_at, p_end = p.at, (p.at if p.ok else INF)
+        spent = 0.0
+        for after, hedge_s, weight in side:
+            first = t + after
+            if p_end < first:
+                first = p_end
+            if first == INF:
+                spent += weight * (p_at * rate_p + hedge_s * rate_h)
+            else:
+                ran = first - t
+                spent += weight * (
+                    (p_at if p_at < first else first) * rate_p
+                    + (hedge_s if hedge_s < ran else ran) * rate_h
+                )
+            add((first, w * weight))
+        usd += w * spent
 
     for p in scene.primary_points:
         w = p.weight * share
@@ -446,11 +511,13 @@ def _estimate(scene: Scene, plan: Plan, share: float) -> Outcomes:
             outcomes.append((p.at, w))
         else:
             beside(safety, p, w)
+    backups = sum(g.weight * g.backups for g in legs)
     for t, w in starts.items():
         hedged += w
         usd += w * leg_usd
         outcomes.extend((t + g.after, w * g.weight) for g in legs)
-    return outcomes, usd, sum(w for _, w in outcomes), hedged
+    tokens = hedged + backups * sum(starts.values())  # beside a live primary no backup joins
+    return outcomes, usd, share, hedged, tokens  # the weights add up to share
 
 
 def grid(values: Iterable[float], lo: float, hi: float) -> list[float]:

@@ -10,20 +10,26 @@ same state can live in memory (replay) or in Redis shared by every coordinator (
 Rules, each a line of the docs' learning rule:
 
 * the plan minimises the estimated objective (:mod:`.adaptive_fit`) over a grid of hedges,
-  backups and times; it is refitted every ``REFIT_EVERY`` requests and at once on an alarm;
-* a provider whose last jobs mostly failed is in alarm: not used as a hedge for
-  ``ALARM_COOLDOWN`` requests (the fit's average would take many more to move);
-* a hedge provider the policy has not watched for long (its samples' weight below
-  ``STALE_WEIGHT``) is tried once as the hedge, so a provider that recovered is noticed;
+  backups (one of them: both hedges at once), times and whether a queued primary is kept; it
+  is refitted every ``REFIT_EVERY`` requests and at once on an alarm;
+* a plan within ``SWITCH_MARGIN`` of the best stays: the current one, or else the same plan
+  keeping a queued primary beside its hedge (never slower, and it shows what queued jobs do);
+* a provider whose last jobs mostly failed is in alarm: not used as the hedge for
+  ``ALARM_COOLDOWN`` requests (the fit's average would take many more to move), though it may
+  still back one up;
+* a hedge provider not watched for ``STALE_AGE`` requests races once beside the plan's hedge,
+  so a provider that recovered is noticed; every ``PRIMARY_PROBE``-th request whose plan
+  cancels a queued primary keeps it instead, so a change in what queued jobs do is noticed;
 * a hedge budget ``R`` is a token bucket: ``R`` tokens a request, at most ``CAPACITY``, one per
-  hedge launched; a plan that would hedge more often is scored as the bucket will run it (the
-  requests beyond ``R`` run the primary alone).
+  hedge or backup launched; a plan that would launch more is scored as the bucket will run it
+  (the requests beyond ``R`` run the primary alone), and a plan that spends its tokens only on
+  stuck primaries (late, or still queued) wins that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +43,7 @@ from .adaptive_fit import (
     Sample,
     Scene,
     decimal_step,
+    effective_size,
     estimate,
     grid,
     quantiles,
@@ -51,6 +58,7 @@ HALF_LIFE = 20.0  # newer samples of the same provider after which a sample weig
 KEEP = 256  # samples kept per provider (the primary's rare long jobs must stay in view)
 MIN_SAMPLES = 3  # below this, a provider is explored before it is judged
 REFIT_EVERY = 4  # requests between fits
+SWITCH_MARGIN = 0.05  # a fitted plan replaces the current one only when this much better
 ALARM_WINDOW, ALARM_FAILS, ALARM_COOLDOWN = 3, 2, 25
 STALE_AGE = 60  # requests without a finished job after which a provider is probed again
 PROBE_GAP = 50  # requests between two probes of one provider
@@ -65,6 +73,37 @@ DEFAULT_PLAN_TIMES = (2.5, 8.5)  # cutover and safety before the primary is know
 # hedge explored beside a fast primary is, was cut short and still counts as worth a try.
 HANG_WATCH_S = 3.0
 GRID_DEADLINE_S = 60.0
+
+
+Rank = tuple[int, float, float]
+
+
+class _Scores:
+    """Every plan one fit scored, each estimated once."""
+
+    def __init__(
+        self, scene: Scene, budget: float | None, rank: Callable[[Estimate], Rank]
+    ) -> None:
+        self.scene, self.budget, self.rank = scene, budget, rank
+        self.seen: dict[Plan, tuple[Rank, Estimate]] = {}
+
+    def __call__(self, plan: Plan) -> tuple[Rank, Estimate]:
+        found = self.seen.get(plan)
+        if found is None:
+            est = estimate(self.scene, plan, self.budget)
+            found = self.seen[plan] = (self.rank(est), est)
+        return found
+
+    def least(self, plans: Iterable[Plan]) -> Plan:
+        return min(plans, key=lambda p: self(p)[0])
+
+    def best(self, keep: Callable[[Plan], bool] = lambda p: True) -> tuple[Plan, Estimate]:
+        """The best plan scored (among those ``keep`` accepts; no hedge when none is)."""
+        found = [(r, p, e) for p, (r, e) in self.seen.items() if keep(p)]
+        if not found:
+            return Plan(), self(Plan())[1]
+        _, plan, est = min(found, key=lambda x: x[0])
+        return plan, est
 
 
 @dataclass
@@ -84,6 +123,7 @@ class Learner:
     alarm_until: dict[str, int] = field(default_factory=dict)
     alarm_for: dict[str, int] = field(default_factory=dict)  # the last alarm's length
     plan: Plan = field(default_factory=Plan)
+    keep_plan: Plan = field(default_factory=Plan)  # the best plan keeping a queued primary
     estimate: Estimate | None = None
     fitted_at: int = -1
     races: int = 0  # finished races fed
@@ -188,7 +228,7 @@ class Learner:
         kept = self.cancel_s.get(provider, [])
         if not kept:
             return 0.0
-        memory = [short for short, _long in weights(len(kept), HALF_LIFE)]
+        memory = weights(len(kept), HALF_LIFE)
         pairs = sorted(zip((s for _, s in kept), memory, strict=True))
         half, run = sum(w for _, w in pairs) / 2, 0.0
         for s, w in pairs:
@@ -197,11 +237,12 @@ class Learner:
                 return s
         return pairs[-1][0]
 
-    def last_seen(self, provider: str, queued_past: float | None = None) -> int:
-        """The request that last saw ``provider``'s job end (with ``queued_past``: a job
-        queued longer than that, i.e. one a cutover would have cancelled); -1 if none."""
+    def last_seen(self, provider: str) -> int:
+        """The request that last watched a job of ``provider`` end, or run long enough to
+        show whether it hangs; -1 if none."""
+        hang_s = self._scaled((HANG_WATCH_S,))[0]
         for s in reversed(self.samples.get(provider, ())):
-            if s.outcome != "censored" and (queued_past is None or s.queue_lo > queued_past):
+            if s.outcome != "censored" or s.at >= hang_s:
                 return s.seq
         return -1
 
@@ -212,54 +253,95 @@ class Learner:
         usable = [h for h in self.hedges if not self.in_alarm(h)]
         unknown = [h for h in usable if len(self.samples.get(h, ())) < MIN_SAMPLES]
         if len(self.samples.get(self.primary, ())) < MIN_SAMPLES or unknown:
+            cut, safety = self._scaled(DEFAULT_PLAN_TIMES)
             if unknown:
                 # a hedge never seen runs beside the primary from the start: the only way to
-                # learn it (a few requests' worth, MIN_SAMPLES each)
+                # learn it (a few requests' worth, MIN_SAMPLES each); on a budget, only beside
+                # a primary that is stuck, where a token is worth spending
                 hedge = unknown[self.seq % len(unknown)]
-                self.plan, self.estimate = Plan(hedge, None, None, 0.0, None), None
+                first = Plan(hedge, None, None, 0.0) if self.budget is None else None
+                self.plan = first or Plan(hedge, None, cut, safety)
+                self.estimate = None
                 return
-            cut, safety = self._scaled(DEFAULT_PLAN_TIMES)
             self.plan, self.estimate = Plan(usable[0] if usable else None, None, cut, safety), None
             return
-        scene = self._scene(usable)
-        best: tuple[tuple[int, float, float], Plan, Estimate] | None = None
-        for plan in self._candidates(scene, usable):
-            est = estimate(scene, plan, self.budget)
-            key = self._rank(est)
-            if best is None or key < best[0]:
-                best = (key, plan, est)
-        assert best is not None  # the no-hedge plan is always a candidate
-        plan = best[1]
+        seen = [h for h in self.hedges if len(self.samples.get(h, ())) >= MIN_SAMPLES]
+        scene = self._scene(seen)
+        score = _Scores(scene, self._affordable(), self._rank)
+        self._candidates(scene, usable, score)
+        plan, est = score.best()
+        current = dataclasses.replace(self.plan, poll_s=None)
+        if (
+            self.estimate is not None
+            and current.hedge in usable
+            and (current.backup is None or current.backup in seen)
+            and self._close(score, current, plan)
+        ):
+            # plans this close differ by less than the estimate's noise: flapping between
+            # them only mixes their tails
+            plan, est = current, score(current)[1]
+        keeping = score.best(lambda p: p.cutover_s is not None and not p.cancel_queued)[0]
+        if (
+            keeping.hedge is not None
+            and keeping != plan
+            and score(plan)[0][0] == 0
+            and self._close(score, keeping, plan)
+        ):
+            # as good: keeping a queued primary can only make a request faster, and it shows
+            # what queued jobs do now
+            plan, est = keeping, score(keeping)[1]
+        self.keep_plan = self._keeping(score, plan)
         if plan.cutover_s is None and (scene.exact_queue or self._queue_seen()):
             # no cutover: still read the primary's state once, so the next fit knows it
             plan = dataclasses.replace(plan, poll_s=self._scaled(DEFAULT_PLAN_TIMES)[0])
-        self.plan, self.estimate = plan, best[2]
+        self.plan, self.estimate = plan, est
 
     def _queue_seen(self) -> bool:
         return any(s.queue_lo > 0 for s in self.samples.get(self.primary, ()))
 
-    def _rank(self, est: Estimate) -> tuple[int, float, float]:
+    @staticmethod
+    def _close(score: _Scores, other: Plan, best: Plan) -> bool:
+        """Whether ``other`` scores within ``SWITCH_MARGIN`` of ``best``."""
+        mine, top = score(other)[0], score(best)[0]
+        return mine[0] == top[0] and top[1] >= mine[1] * (1 - SWITCH_MARGIN)
+
+    @staticmethod
+    def _keeping(score: _Scores, plan: Plan) -> Plan:
+        """``plan`` keeping a queued primary beside its hedge, at the same times; a backup
+        cannot join beside it, so the better of its two hedges stays."""
+        if plan.hedge is None or plan.cutover_s is None:
+            return Plan()
+        kept = [dataclasses.replace(plan, cancel_queued=False, backup=None, backup_s=None)]
+        if plan.backup is not None:
+            kept.append(dataclasses.replace(kept[0], hedge=plan.backup))
+        return score.least(kept)
+
+    def _rank(self, est: Estimate) -> Rank:
         if est.miss_share <= MISS_SHARE:
             return (0, est.objective(self.usd_weight), est.miss_share)
         return (1, est.miss_share, est.objective(self.usd_weight))
 
-    def _scene(self, usable: Sequence[str]) -> Scene:
+    def _scene(self, hedges: Sequence[str]) -> Scene:
         primary = self._points(self.primary)
         exact = sorted(
             s.queue_lo
             for s in self.samples.get(self.primary, ())
             if s.queue_lo == s.queue_hi and s.queue_lo < INF
         )
-        hedges = {h: self._points(h) for h in usable}
+        points = {h: self._points(h) for h in hedges}
         return Scene(
             self.primary,
             primary,
             exact,
-            hedges,
+            points,
             self.rates,
             self.deadline_s,
             self.cancel_latency(self.primary),
+            {p: self._n_eff(p) for p in (self.primary, *hedges)},
         )
+
+    def _n_eff(self, provider: str) -> float:
+        return effective_size(self.samples.get(provider, []), HALF_LIFE)
 
     def _points(self, provider: str) -> list[Point]:
         # queue bounds to a tenth of a second at a 60 s deadline, finer on compressed time
@@ -267,8 +349,10 @@ class Learner:
         hang_s = self._scaled((HANG_WATCH_S,))[0]
         return to_points(self.samples.get(provider, []), HALF_LIFE, step, hang_s)
 
-    def _candidates(self, scene: Scene, usable: Sequence[str]) -> list[Plan]:
-        plans = [Plan()]
+    def _candidates(self, scene: Scene, usable: Sequence[str], score: _Scores) -> None:
+        """Score the plans worth trying: no hedge, and per hedge and backup a descent over
+        the grid's times."""
+        score(Plan())
         queue_signal = bool(scene.exact_queue) or any(
             p.queue_lo > 0 or p.queue_hi < INF for p in scene.primary_points
         )
@@ -294,50 +378,48 @@ class Learner:
         )
         for hedge in usable:
             valid = quantiles(scene.hedges[hedge])
-            backups: list[float | None] = [None]
+            backups: list[float | None] = [None, 0.0]  # 0: both hedges at once
             backups += grid(
                 [*self._scaled(BACKUP_GRID), *(t * 1.05 + self._scaled((0.5,))[0] for t in valid)],
                 self._scaled((1.0,))[0],
                 scene.deadline_s,
             )
-            for backup in [None, *(b for b in usable if b != hedge)]:
-                plans += self._descend(scene, hedge, backup, cuts, safeties, backups)
-        return plans
+            # a provider in alarm still backs up a hedge: its failures are in the estimate
+            for backup in [None, *(b for b in scene.hedges if b != hedge)]:
+                self._descend(score, hedge, backup, cuts, safeties, backups)
 
     def _descend(
         self,
-        scene: Scene,
+        score: _Scores,
         hedge: str,
         backup: str | None,
         cuts: Sequence[float | None],
         safeties: Sequence[float | None],
         backups: Sequence[float | None],
-    ) -> list[Plan]:
-        """The best plan for one hedge and backup, one time at a time (two passes)."""
+    ) -> None:
+        """Search one hedge and backup's times, one at a time (two passes)."""
         cut, safety = self._scaled(DEFAULT_PLAN_TIMES)
         plan = Plan(hedge, backup, cut if len(cuts) > 1 else None, safety, None)
-        tried = [plan]
         for _ in range(2):
             if backup is not None:
-                plan = self._best([dataclasses.replace(plan, backup_s=b) for b in backups], scene)
-                tried.append(plan)
-            plan = self._best(
-                [
-                    dataclasses.replace(plan, cutover_s=c, safety_s=s)
-                    for c in cuts
-                    for s in safeties
-                    if c is None or s is None or s >= c
-                ],
-                scene,
+                plan = score.least(dataclasses.replace(plan, backup_s=b) for b in backups)
+            plan = score.least(
+                dataclasses.replace(plan, cutover_s=c, safety_s=s, cancel_queued=k)
+                for c in cuts
+                for s in safeties
+                for k in ((True, False) if c is not None else (True,))
+                if c is None or s is None or s >= c
             )
-            tried.append(plan)
-        return tried
 
     def _scaled(self, times: Sequence[float]) -> list[float]:
         return [t * self.deadline_s / GRID_DEADLINE_S for t in times]
 
-    def _best(self, plans: Sequence[Plan], scene: Scene) -> Plan:
-        return min(plans, key=lambda p: self._rank(estimate(scene, p, self.budget)))
+    def _affordable(self) -> float | None:
+        """Launches per request the bucket can pay for over the time it takes to refill (the
+        budget, plus what it holds now spread over that time)."""
+        if self.budget is None:
+            return None
+        return self.budget * (1.0 + max(0.0, self.tokens) / CAPACITY)
 
     def _with_probe(self, plan: Plan) -> Plan:
         """The fitted plan, or once in a while one that watches what the plan never shows: a
@@ -348,11 +430,19 @@ class Learner:
             if hedge == plan.hedge or self.in_alarm(hedge):
                 continue
             if self._due(hedge, self.last_seen(hedge)):
-                backup = plan.backup if plan.backup != hedge else plan.hedge
-                return dataclasses.replace(plan, hedge=hedge, backup=backup)
-        if plan.cutover_s is not None and plan.cancel_queued and self.seq % PRIMARY_PROBE == 0:
-            # cheap: a queued job costs nothing, and it is cancelled when the hedge wins
-            return dataclasses.replace(plan, cancel_queued=False)
+                # beside the plan's hedge, not instead of it: the request keeps its usual
+                # latency, and a provider that got faster wins the race and shows it
+                return dataclasses.replace(plan, backup=hedge, backup_s=0.0, cancel_queued=True)
+        keep = self.keep_plan
+        if (
+            plan.cutover_s is not None
+            and plan.cancel_queued
+            and keep.hedge is not None
+            and self.seq % PRIMARY_PROBE == 0
+        ):
+            # the cheapest plan that keeps a queued primary beside its hedge (a queued job
+            # costs nothing, and it is cancelled when the hedge wins)
+            return keep
         return plan
 
     def _due(self, provider: str, last: int) -> bool:
@@ -377,6 +467,7 @@ class Learner:
                 "active_usd": est.active_usd,
                 "miss_share": est.miss_share,
                 "hedge_share": est.hedge_share,
+                "token_share": est.token_share,
                 "objective": est.objective(self.usd_weight),
             },
             "seq": self.seq,
@@ -405,6 +496,7 @@ class Learner:
             "alarm_until": dict(self.alarm_until),
             "alarm_for": dict(self.alarm_for),
             "plan": self.plan.to_dict(),
+            "keep_plan": self.keep_plan.to_dict(),
             "fitted_at": self.fitted_at,
             "races": self.races,
             "paired": self.paired,
@@ -437,6 +529,7 @@ class Learner:
             alarm_until={p: int(v) for p, v in data.get("alarm_until", {}).items()},
             alarm_for={p: int(v) for p, v in data.get("alarm_for", {}).items()},
             plan=Plan.from_dict(data.get("plan", {})),
+            keep_plan=Plan.from_dict(data.get("keep_plan", {})),
             fitted_at=int(data.get("fitted_at", -1)),
             races=int(data.get("races", 0)),
             paired=int(data.get("paired", 0)),
