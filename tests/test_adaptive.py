@@ -605,3 +605,28 @@ def test_a_plan_close_to_the_best_is_kept_rather_than_flapped() -> None:
     learner.plan = Plan("modal", None, 10.0, None, None)  # far worse on these rounds
     learner.fit()
     assert learner.plan != Plan("modal", None, 10.0, None, None)
+
+
+def test_a_stale_hedge_takes_the_hedges_place_where_the_hedge_joins_a_live_primary() -> None:
+    learner = Learner("p", ("h", "b"), 60.0, rates=PUBLISHED_RATES)
+    learner.plan, learner.seq, learner.fitted_at = Plan("h", None, None, 8.5, None), 100, 100
+    arms = {"p": Arm("p", 20.0), "h": Arm("h", 19.0), "b": Arm("b", 3.0)}
+    race = run_race(AdaptivePolicy("p", ("h", "b")).use(learner), arms)
+    assert [a.provider for a in race.attempts] == ["p", "b"]  # b was never watched
+    assert race.latency() == pytest.approx(11.5)
+    learner.feed(observe(int(race.state["seq"]), race.attempts, race.clock.now()))
+    assert learner.last_seen("b") == race.state["seq"]
+
+
+def test_a_probe_that_launched_nothing_is_tried_again_on_the_next_request() -> None:
+    learner = Learner("p", ("h", "b"), 60.0, rates=PUBLISHED_RATES)
+    learner.plan, learner.seq, learner.fitted_at = Plan("h", None, 2.0, None, None), 100, 100
+    policy = AdaptivePolicy("p", ("h", "b")).use(learner)
+    warm = {"p": Arm("p", 5.0, queue_delay_s=0.5), "h": Arm("h", 19.0), "b": Arm("b", 3.0)}
+    race = run_race(policy, warm)  # the primary ran at the cutover: no hedge, so no probe
+    assert [a.provider for a in race.attempts] == ["p"]
+    assert Plan.from_dict(race.state["plan"]).backup == "b"
+    learner.feed(observe(int(race.state["seq"]), race.attempts, race.clock.now()))
+    cold = {"p": Arm("p", 100.0, queue_delay_s=10.0), "h": Arm("h", 19.0), "b": Arm("b", 3.0)}
+    race = run_race(policy, cold)
+    assert [a.provider for a in race.attempts] == ["p", "h", "b"]

@@ -17,9 +17,11 @@ Rules, each a line of the docs' learning rule:
 * a provider whose last jobs mostly failed is in alarm: not used as the hedge for
   ``ALARM_COOLDOWN`` requests (the fit's average would take many more to move), though it may
   still back one up;
-* a hedge provider not watched for ``STALE_AGE`` requests races once beside the plan's hedge,
-  so a provider that recovered is noticed; every ``PRIMARY_PROBE``-th request whose plan
-  cancels a queued primary keeps it instead, so a change in what queued jobs do is noticed;
+* a hedge provider not watched for ``STALE_AGE`` requests races once beside the plan's hedge
+  (a plan with a cutover) or in its place (one whose hedge joins a live primary), so one that
+  recovered is noticed; a probe that launched nothing is due again; every
+  ``PRIMARY_PROBE``-th request whose plan cancels a queued primary keeps it instead, so a
+  change in what queued jobs do is noticed;
 * a hedge budget ``R`` is a token bucket: ``R`` tokens a request, at most ``CAPACITY``, one per
   hedge or backup launched; a plan that would launch more is scored as the bucket will run it
   (the requests beyond ``R`` run the primary alone), and a plan that spends its tokens only on
@@ -195,6 +197,9 @@ class Learner:
                 kept.append((seq, float(job["cancel_s"])))
                 del kept[:-KEEP]
         self.races += 1
+        ran = {str(job["provider"]) for job in observed.get("jobs", ())}
+        for provider in [p for p, at in self.probed_at.items() if at == seq and p not in ran]:
+            del self.probed_at[provider]  # its probe launched nothing: the next request's tries
         if alarmed:
             self.fit()
 
@@ -429,10 +434,17 @@ class Learner:
         for hedge in self.hedges:
             if hedge == plan.hedge or self.in_alarm(hedge):
                 continue
-            if self._due(hedge, self.last_seen(hedge)):
-                # beside the plan's hedge, not instead of it: the request keeps its usual
-                # latency, and a provider that got faster wins the race and shows it
+            if not self._due(hedge, self.last_seen(hedge)):
+                continue
+            if plan.cutover_s is not None:
+                # beside the plan's hedge when it cuts over, not instead of it: the request
+                # keeps its usual latency, and a provider that got faster wins and shows it
                 return dataclasses.replace(plan, backup=hedge, backup_s=0.0, cancel_queued=True)
+            # the hedge joins beside a live primary, where a backup waits for a failure: the
+            # probe takes the hedge's place, and the plan's hedge backs it up
+            backup = plan.backup if plan.backup not in (None, hedge) else plan.hedge
+            backup_s = plan.backup_s if plan.backup not in (None, hedge) else 0.0
+            return dataclasses.replace(plan, hedge=hedge, backup=backup, backup_s=backup_s)
         keep = self.keep_plan
         if (
             plan.cutover_s is not None
