@@ -630,3 +630,23 @@ def test_a_probe_that_launched_nothing_is_tried_again_on_the_next_request() -> N
     cold = {"p": Arm("p", 100.0, queue_delay_s=10.0), "h": Arm("h", 19.0), "b": Arm("b", 3.0)}
     race = run_race(policy, cold)
     assert [a.provider for a in race.attempts] == ["p", "h", "b"]
+
+
+@pytest.mark.parametrize(
+    ("unknown", "latency"),
+    [
+        (Arm("u", 1000.0), 45.0),  # never answers: the kept primary does
+        (Arm("u", 1.0, valid=False), 6.5),  # fails at once: the known hedge joins beside
+    ],
+)
+def test_on_a_budget_an_unknown_hedge_never_stakes_a_stuck_request_alone(
+    unknown: Arm, latency: float
+) -> None:
+    learner = Learner("p", ("h", "u"), 60.0, budget=0.2, rates=PUBLISHED_RATES)
+    for i in range(20):
+        learner.feed_paired(i, {"p": (2.0, True, 0.5), "h": (3.0, True, None)})
+    policy = AdaptivePolicy("p", ("h", "u"), 60.0, budget=0.2).use(learner)
+    arms = {"p": Arm("p", 45.0, queue_delay_s=40.0), "h": Arm("h", 3.0), "u": unknown}
+    race = run_race(policy, arms, cap_s=120)
+    assert Plan.from_dict(race.state["plan"]).hedge == "u"
+    assert race.latency() == pytest.approx(latency, abs=0.5)

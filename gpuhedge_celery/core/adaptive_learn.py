@@ -262,10 +262,13 @@ class Learner:
             if unknown:
                 # a hedge never seen runs beside the primary from the start: the only way to
                 # learn it (a few requests' worth, MIN_SAMPLES each); on a budget, only beside
-                # a primary that is stuck, where a token is worth spending
+                # a primary that is stuck, where a token is worth spending, and never instead
+                # of it (it may be dead): a known hedge joins if either fails
                 hedge = unknown[self.seq % len(unknown)]
+                known = [h for h in usable if h not in unknown]
+                backup, backup_s = (known[0], 0.0) if known else (None, None)
                 first = Plan(hedge, None, None, 0.0) if self.budget is None else None
-                self.plan = first or Plan(hedge, None, cut, safety)
+                self.plan = first or Plan(hedge, backup, cut, safety, backup_s, cancel_queued=False)
                 self.estimate = None
                 return
             self.plan, self.estimate = Plan(usable[0] if usable else None, None, cut, safety), None
