@@ -11,7 +11,7 @@ import pytest
 
 from gpuhedge_celery.core.adaptive import BUDGET_EMPTY, AdaptivePolicy, new_learner, observe
 from gpuhedge_celery.core.adaptive_fit import Plan, Point, Scene, estimate
-from gpuhedge_celery.core.adaptive_learn import Learner
+from gpuhedge_celery.core.adaptive_learn import PRIMARY_PROBE, Learner
 from gpuhedge_celery.core.policies import parse_policy, policy_from_dict
 from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.rates import PUBLISHED_RATES
@@ -650,3 +650,22 @@ def test_on_a_budget_an_unknown_hedge_never_stakes_a_stuck_request_alone(
     race = run_race(policy, arms, cap_s=120)
     assert Plan.from_dict(race.state["plan"]).hedge == "u"
     assert race.latency() == pytest.approx(latency, abs=0.5)
+
+
+def test_the_primary_probe_never_hedges_with_a_provider_in_alarm() -> None:
+    from gpuhedge_celery.core.adaptive_fit import Sample
+
+    rates = {p: PUBLISHED_RATES["modal"] for p in ("p", "h", "c")}
+    learner = Learner("p", ("h", "c"), 60.0, rates=rates)
+    for i in range(40):
+        queue = 20.0 if i % 4 == 0 else 0.5  # a quarter of the primaries queue 20 s
+        learner._add("p", Sample(i, queue + 10.0, "valid", queue, queue))
+        learner._add("h", Sample(i, 25.0, "valid"))
+        learner._add("c", Sample(i, 4.0, "valid" if i < 38 else "invalid"))
+    learner.seq = 40
+    assert learner._check_alarm("c") and learner.in_alarm("c")
+    learner.fit()
+    assert learner.plan.backup == "c"  # a provider in alarm may still back a hedge up
+    assert learner.keep_plan.hedge == "h"
+    hedges = {learner.next_request()[1].hedge for _ in range(PRIMARY_PROBE * 2)}
+    assert "c" not in hedges

@@ -313,16 +313,18 @@ class Learner:
         mine, top = score(other)[0], score(best)[0]
         return mine[0] == top[0] and top[1] >= mine[1] * (1 - SWITCH_MARGIN)
 
-    @staticmethod
-    def _keeping(score: _Scores, plan: Plan) -> Plan:
+    def _keeping(self, score: _Scores, plan: Plan) -> Plan:
         """``plan`` keeping a queued primary beside its hedge, at the same times; a backup
-        cannot join beside it, so the better of its two hedges stays."""
-        if plan.hedge is None or plan.cutover_s is None:
+        cannot join beside it, so the better of its two hedges not in alarm stays."""
+        if plan.cutover_s is None:
             return Plan()
-        kept = [dataclasses.replace(plan, cancel_queued=False, backup=None, backup_s=None)]
-        if plan.backup is not None:
-            kept.append(dataclasses.replace(kept[0], hedge=plan.backup))
-        return score.least(kept)
+        alone = dataclasses.replace(plan, cancel_queued=False, backup=None, backup_s=None)
+        kept = [
+            dataclasses.replace(alone, hedge=h)
+            for h in (plan.hedge, plan.backup)
+            if h is not None and not self.in_alarm(h)
+        ]
+        return score.least(kept) if kept else Plan()
 
     def _rank(self, est: Estimate) -> Rank:
         if est.miss_share <= MISS_SHARE:
@@ -453,6 +455,7 @@ class Learner:
             plan.cutover_s is not None
             and plan.cancel_queued
             and keep.hedge is not None
+            and not self.in_alarm(keep.hedge)
             and self.seq % PRIMARY_PROBE == 0
         ):
             # the cheapest plan that keeps a queued primary beside its hedge (a queued job
