@@ -4,6 +4,7 @@ budget that holds, and a replay that never uses what a race could not have obser
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -669,3 +670,19 @@ def test_the_primary_probe_never_hedges_with_a_provider_in_alarm() -> None:
     assert learner.keep_plan.hedge == "h"
     hedges = {learner.next_request()[1].hedge for _ in range(PRIMARY_PROBE * 2)}
     assert "c" not in hedges
+
+
+def test_a_copy_through_json_keeps_the_switch_margin() -> None:
+    own, learner = _own()
+    for rnd in load_rounds(MOSS)[:30]:
+        _feed(learner, rnd, run_race(own, rnd.arms), 18)
+    learner.fit()
+    best = learner.plan
+    near = dataclasses.replace(best, cutover_s=(best.cutover_s or 2.0) + 0.1, poll_s=None)
+    learner.plan = near
+    copy = Learner.from_dict(json.loads(json.dumps(learner.to_dict())), PUBLISHED_RATES)
+    assert copy.estimate == learner.estimate
+    copy.fit()  # as a fleet refits its copy
+    assert copy.plan in (near, copy.keep_plan)
+    older = {k: v for k, v in learner.to_dict().items() if k != "estimate"}
+    assert Learner.from_dict(older, PUBLISHED_RATES).estimate is None

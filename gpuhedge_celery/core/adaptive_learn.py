@@ -515,6 +515,8 @@ class Learner:
             "alarm_for": dict(self.alarm_for),
             "plan": self.plan.to_dict(),
             "keep_plan": self.keep_plan.to_dict(),
+            # the switch margin compares against it: a copy without it would switch freely
+            "estimate": None if self.estimate is None else dataclasses.asdict(self.estimate),
             "fitted_at": self.fitted_at,
             "races": self.races,
             "paired": self.paired,
@@ -531,6 +533,7 @@ class Learner:
             ]
             for p, kept in data.get("samples", {}).items()
         }
+        est = data.get("estimate")
         return cls(
             primary=str(data["primary"]),
             hedges=tuple(data["hedges"]),
@@ -548,6 +551,7 @@ class Learner:
             alarm_for={p: int(v) for p, v in data.get("alarm_for", {}).items()},
             plan=Plan.from_dict(data.get("plan", {})),
             keep_plan=Plan.from_dict(data.get("keep_plan", {})),
+            estimate=None if est is None else Estimate(**{k: float(v) for k, v in est.items()}),
             fitted_at=int(data.get("fitted_at", -1)),
             races=int(data.get("races", 0)),
             paired=int(data.get("paired", 0)),
