@@ -686,3 +686,22 @@ def test_a_copy_through_json_keeps_the_switch_margin() -> None:
     assert copy.plan in (near, copy.keep_plan)
     older = {k: v for k, v in learner.to_dict().items() if k != "estimate"}
     assert Learner.from_dict(older, PUBLISHED_RATES).estimate is None
+
+
+def test_naming_a_provider_that_never_launches_leaves_the_p95_as_it_was() -> None:
+    rates = {p: PUBLISHED_RATES["modal"] for p in ("p", "h", "b")}
+    scene = Scene(
+        "p",
+        [Point(20.0, True, 0.96), Point(50.0, True, 0.04)],
+        [],
+        {"h": [Point(5.0, True, 1.0)], "b": [Point(5.0, True, 1.0)]},
+        rates,
+        60.0,
+        n_eff={"p": 40.0, "h": 40.0, "b": 40.0},
+    )
+    # every primary ends before 59 s: neither hedge ever launches
+    plans = (Plan(), Plan("h", None, None, 59.0), Plan("h", "b", None, 59.0, 50.0))
+    found = [estimate(scene, plan) for plan in plans]
+    assert all(e.hedge_share == 0.0 for e in found)
+    assert found[1].p95_s == pytest.approx(found[0].p95_s)
+    assert found[2].p95_s == pytest.approx(found[0].p95_s)

@@ -434,10 +434,10 @@ def _summary(found: Outcomes, scene: Scene, plan: Plan) -> Estimate:
     outcomes.sort()
     late = bisect_right(outcomes, (scene.deadline_s, INF))
     miss = sum(w for _, w in outcomes[late:]) / total
-    used = [p for p in (scene.primary, plan.hedge, plan.backup) if p is not None]
-    known = [scene.n_eff[p] for p in used if p in scene.n_eff]
-    # one standard error of a 5 % share over every job the plan's estimate rests on
-    spread = math.sqrt(0.05 * 0.95 / max(1.0, sum(known))) if known else 0.0
+    n = sum(scene.n_eff.values())
+    # one standard error of a 5 % share over every job the scene rests on, the same for every
+    # plan: counting only the providers a plan names would favour naming more
+    spread = math.sqrt(0.05 * 0.95 / max(1.0, n)) if scene.n_eff else 0.0
     p95 = _quantile(outcomes, total, 0.95, spread, 2 * scene.deadline_s)
     return Estimate(p95, usd / total, miss, hedged / total, tokens / total)
 
