@@ -28,7 +28,7 @@ from tests.support.cerebrium_fake import FakeCerebrium
 from tests.support.fleet import fleet_cluster
 from tests.support.race_configs import cerebrium_provider, race_config, runpod_provider
 from tests.support.runpod_fake import KEY, FakeRunpod
-from tests.support.truth import compare_cluster
+from tests.support.truth import compare_cluster, product_failures
 
 pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -167,21 +167,5 @@ def test_money_reported_matches_what_the_providers_billed(cluster, races):
         failures.append(f"settled $: ledger {spend['ledger']} vs truth {spend['truth_billed']}")
     if report["open_reservations"]:
         failures.append(f"{report['open_reservations']} reservations open after every job ended")
-    product = (
-        "receipt billed != record billed",
-        "receipt billed != ledger settled",
-        "record billed != ledger settled",
-        "no record",
-        "no ledger settlement",
-    )
-    split = {
-        k: v
-        for k, v in report["disagreement_counts"].items()
-        if k in product or k.startswith("settled ")
-    }
-    if split:
-        failures.append(f"receipt/record/ledger disagree per attempt: {split}")
-    lying = [x for x in report["provider_ack_but_refused"] if not x["cancel_accepted_later"]]
-    if lying:
-        failures.append(f"{len(lying)} receipts say provider_ack for a cancel never accepted")
+    failures += product_failures(report)
     assert not failures, failures

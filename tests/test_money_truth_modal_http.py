@@ -40,6 +40,7 @@ from tests.support.truth import (
     compare,
     gather,
     merge_truth,
+    product_failures,
     rates_from_config,
     receipt_attempt_cost,
 )
@@ -237,22 +238,5 @@ def test_money_on_modal_and_http_matches_what_they_billed(cluster):
     got = report["wasted_usd"]["receipts"]
     if abs(got - expected) > TOLERANCE * expected:
         failures.append(f"wasted $: receipts {got} vs truth with Modal's queue {expected}")
-    product = (
-        "receipt billed != record billed",
-        "receipt billed != ledger settled",
-        "record billed != ledger settled",
-        "no record",
-        "no ledger settlement",
-        "job unknown to the fake",
-    )
-    split = {
-        k: v
-        for k, v in report["disagreement_counts"].items()
-        if k in product or k.startswith("settled ")
-    }
-    if split:
-        failures.append(f"receipt/record/ledger disagree per attempt: {split}")
-    lying = [x for x in report["provider_ack_but_refused"] if not x["cancel_accepted_later"]]
-    if lying:
-        failures.append(f"{len(lying)} receipts say provider_ack for a cancel never accepted")
+    failures += product_failures(report)
     assert not failures, failures
