@@ -12,8 +12,11 @@ same script as a race's keys: they are hints, written next to the script in a pi
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from .keys import under
 
@@ -29,6 +32,39 @@ def check_name(value: str, what: str) -> str:
             f"invalid {what} {value!r}: expected 1-200 letters, digits, '_', '-', '.' or ':'"
         )
     return value
+
+
+MAX_SHARDS = 64  # race shards a deployment may run (each a slot, so at most that many busy nodes)
+
+
+def shard_tags(base: str, count: int) -> tuple[str, ...]:
+    """The hash tags of ``count`` race shards named after ``base`` (the timer namespace).
+
+    One shard keeps ``base`` itself. With more, shard ``k`` is ``<base>-<k>.<n>`` with the
+    smallest ``n`` whose Cluster slot lies in the ``k``-th of ``count`` equal slot ranges, so
+    a cluster whose primaries own equal slot ranges (what ``redis-cli --cluster create`` and
+    ``rebalance`` give) gets an equal share of shards on each primary when ``count`` is a
+    multiple of the number of primaries.
+    """
+    check_name(base, "timer namespace")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise ValueError(f"race shards must be a whole number 1-{MAX_SHARDS}, got {count!r}")
+    if count == 1:
+        return (base,)
+    tags = []
+    width = REDIS_CLUSTER_HASH_SLOTS / count
+    for k in range(count):
+        low, high = int(k * width), int((k + 1) * width)
+        n = 0
+        while not low <= key_slot(f"{base}-{k}.{n}".encode()) < high:
+            n += 1
+        tags.append(f"{base}-{k}.{n}")
+    return tuple(tags)
+
+
+def shard_of(race_id: str, count: int) -> int:
+    """The shard (``0 <= k < count``) race ``race_id`` lives on, the same in every process."""
+    return zlib.crc32(race_id.encode()) % count
 
 
 @dataclass(frozen=True)
@@ -193,3 +229,24 @@ class ResultWrite(NamedTuple):
     key: str
     value: bytes | str
     expires_ms: int = 0
+
+
+class RaceShards:
+    """Where races live: ``count`` shards, each one hash tag holding its races' keys, its
+    timers and its indexes (live races, recently finished, records), so every script and
+    pipeline of a race touches one Cluster slot. A race's shard is fixed by its id
+    (:func:`shard_of`); every process of a deployment must use the same ``count``.
+    """
+
+    def __init__(self, prefix: str, namespace: str = "races", count: int = 1):
+        self.prefix = prefix
+        self.namespace = namespace
+        self.tags = shard_tags(namespace, count)
+
+    @property
+    def count(self) -> int:
+        return len(self.tags)
+
+    def tag_of(self, race_id: str) -> str:
+        """The hash tag of ``race_id``'s shard."""
+        return self.tags[shard_of(check_name(race_id, "race id"), len(self.tags))]
