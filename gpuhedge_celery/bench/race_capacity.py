@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.crc import key_slot
+
 from ..store.race_keys import race_keys
 from . import redis_probe
 from ._procs import cpu_s as _cpu_s
@@ -99,22 +101,27 @@ def cpu_snapshot(bench: Bench) -> dict[str, float]:
 
 
 def still_missing(client: Any, names: set[Any], key_of: Callable[[Any], Any]) -> set[Any]:
-    """The ``names`` whose key (``key_of(name)``) Redis does not hold yet, in one pipelined
-    round trip: how a row finds its races (receipts) or tasks (results) done."""
-    batch = list(names)
-    pipe = client.pipeline(transaction=False)
-    for name in batch:
-        pipe.exists(key_of(name))
-    return {name for name, done in zip(batch, pipe.execute(), strict=True) if not done}
+    """The ``names`` whose key (``key_of(name)``) Redis does not hold yet, one pipelined round
+    trip per slot (a cluster's pipelines keep to one): how a row finds its races (receipts) or
+    tasks (results) done."""
+    by_slot: dict[int, list[Any]] = {}
+    for name in names:
+        by_slot.setdefault(key_slot(str(key_of(name)).encode()), []).append(name)
+    missing: set[Any] = set()
+    for batch in by_slot.values():
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.exists(key_of(name))
+        missing.update(n for n, done in zip(batch, pipe.execute(), strict=True) if not done)
+    return missing
 
 
 def _traffic(bench: Bench) -> dict[str, Any]:
     """Redis's input bytes and commands so far, the workers' and this client's requests."""
-    stats = bench.client.info("stats")
     workers = redis_probe.read_totals(bench.probe_dir)
     return {
-        "net_input_bytes": int(stats["total_net_input_bytes"]),
-        "commands": int(stats["total_commands_processed"]),
+        "net_input_bytes": int(bench.redis_info_sum("stats", "total_net_input_bytes")),
+        "commands": int(bench.redis_info_sum("stats", "total_commands_processed")),
         "worker_round_trips": workers["round_trips"],
         "worker_bytes": workers["bytes"],
         "sim_round_trips": workers["sim_round_trips"],
@@ -186,7 +193,8 @@ def capacity_row(
         bench.client.ping()
         pings.append((time.perf_counter() - t0) * 1000.0)
     redis_probe.install()  # this client's own requests: its share of Redis's input bytes
-    used0 = int(bench.client.info("memory")["used_memory"])
+    used0 = int(bench.redis_info_sum("memory", "used_memory"))
+    nodes0 = bench.redis_cpu_by_node()
     rss0 = sum(_rss_bytes(p) for p in bench.worker_pids())
     from .races_runpod import receiver_cpu_s
 
@@ -232,13 +240,14 @@ def capacity_row(
         )
         if len(pending) > peak:
             peak = len(pending)
-            peak_used = int(bench.client.info("memory")["used_memory"])
+            peak_used = int(bench.redis_info_sum("memory", "used_memory"))
             peak_rss = sum(_rss_bytes(p) for p in bench.worker_pids())
         time.sleep(0.5)  # each look costs the client and Redis one EXISTS per race
     wall = time.perf_counter() - t_start
     time.sleep(2 * redis_probe.WRITE_INTERVAL_S)  # the workers' counts up to now, written
     traffic = traffic_fields(traffic0, _traffic(bench), races)
     parts = {k: v - cpu0[k] for k, v in cpu_snapshot(bench).items()}
+    by_node = [b - a for a, b in zip(nodes0, bench.redis_cpu_by_node(), strict=True)]
     if bench.receiver is not None:
         parts["receiver"] = receiver_cpu_s(bench.receiver) - receiver0
     cpu = sum(parts.values())
@@ -284,6 +293,9 @@ def capacity_row(
         "cpu_pct": round(100.0 * cpu / wall / (os.cpu_count() or 1), 1),
         "cpus": os.cpu_count(),
         "redis_ping_p50_ms": round(statistics.median(pings), 3),
+        "redis_nodes": len(by_node),
+        "redis_cpu_ms_per_race_by_node": [round(1000.0 * c / races, 3) for c in by_node],
+        "redis_busiest_node_share": round(max(by_node) / sum(by_node), 3) if sum(by_node) else None,
         "redis_memory_bytes_per_race": round((peak_used - used0) / max(peak, 1)),
         **traffic,
         "payload_bytes": None if runpod else payload_bytes(bench, "p"),

@@ -170,16 +170,15 @@ class Bench:
         for i in range(workers):
             self._start_worker(i)
         self._wait_ready()
-        import redis
-
         from ..config import load_config
         from ..providers.simledger import RedisLedger
+        from ..store.connection import redis_from_url
         from ..store.races import RaceStore
         from ..tasks.app import create_app
         from ..tasks.config import GlueConfig
 
         self.app = create_app(GlueConfig.from_env(self.env))
-        self.client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        self.client = redis_from_url(self.redis_url, decode_responses=True)
         self.store = RaceStore(self.client, self.prefix)
         self.ledger = RedisLedger(self.client, self.prefix)
         self.config = load_config(str(config))
@@ -275,9 +274,27 @@ class Bench:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.workers]
 
+    def redis_nodes(self) -> list[Any]:
+        """A plain client of each Redis primary holding the store (the one server, or every
+        primary of a cluster store)."""
+        from ..store.cluster import ClusterClient
+
+        if isinstance(self.client, ClusterClient):
+            cluster = self.client.cluster
+            return [cluster.get_redis_connection(n) for n in cluster.get_primaries()]
+        return [self.client]
+
+    def redis_info_sum(self, section: str, field: str) -> float:
+        """``field`` of INFO ``section`` summed over the store's primaries."""
+        return sum(float(node.info(section)[field]) for node in self.redis_nodes())
+
+    def redis_cpu_by_node(self) -> list[float]:
+        """CPU seconds each of the store's primaries has used so far."""
+        infos = [node.info("cpu") for node in self.redis_nodes()]
+        return [float(i["used_cpu_sys"]) + float(i["used_cpu_user"]) for i in infos]
+
     def redis_cpu_s(self) -> float:
-        info = self.client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return sum(self.redis_cpu_by_node())
 
     def send(self, request: dict[str, Any], **kwargs: Any) -> Any:
         return self.app.send_task(
