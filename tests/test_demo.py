@@ -120,6 +120,14 @@ def test_demo_with_unreachable_redis_is_one_line_exit_3():
     assert len(lines) == 1 and "unreachable" in lines[0]
 
 
+def test_demo_on_a_cluster_store_without_a_broker_is_one_line_exit_2(redis_cluster):
+    proc = _run_demo("--redis-url", redis_cluster.url, "demo")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GPUHEDGE_BROKER_URL" in lines[0], lines
+    assert redis_cluster.password not in proc.stderr
+
+
 def test_every_doc_states_the_demo_time_scale_its_config_has():
     """The demo's speed-up is written in many places; each must say what demo.yaml says."""
     import re

@@ -7,6 +7,7 @@ providers stood in by a simulated one (:mod:`gpuhedge_celery.demo.config_run`).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -79,6 +80,8 @@ def command(
     Without --redis-url / GPUHEDGE_REDIS_URL it runs on an embedded, simulated Redis (fakeredis),
     so nothing needs installing.
     """
+    from .. import envvars
+    from ..redis_url import is_cluster
     from ..store.connection import ping
     from ..store.embedded import spawn_embedded_redis
 
@@ -97,6 +100,12 @@ def command(
     if url:
         url = redis_url or root.obj.settings.redis_url
         ping(url)  # StoreUnavailable -> one line, exit code 3
+        if is_cluster(url) and not os.environ.get(envvars.BROKER_URL_VAR):
+            raise ConfigError(
+                "the demo's store is a Redis Cluster, which Celery cannot use: set it to a "
+                "Redis of its own for the broker and Celery's results",
+                key=envvars.BROKER_URL_VAR,
+            )
     else:
         embedded = spawn_embedded_redis()
         url = embedded.url

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import envvars
 from .. import settings as process_settings
 from ..core.stats import misses, nearest_rank
 from ..store.keys import all_keys
@@ -56,10 +57,14 @@ class DemoReport:
 
 
 def demo_env(redis_url: str, prefix: str) -> dict[str, str]:
-    """The environment every demo process runs with (packaged demo config, quick timers)."""
+    """The environment every demo process runs with (packaged demo config, quick timers).
+    A store on a Redis Cluster keeps the broker and race shards the caller's environment
+    names: Celery needs a Redis of its own there, and every process the same shard count."""
     from ..config import packaged_path
+    from ..redis_url import is_cluster
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUHEDGE_")}
+    keep = (envvars.BROKER_URL_VAR, "GPUHEDGE_RACE_SHARDS") if is_cluster(redis_url) else ()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUHEDGE_") or k in keep}
     env.update(
         {
             "GPUHEDGE_REDIS_URL": redis_url,
