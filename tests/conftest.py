@@ -123,12 +123,15 @@ def sentinel_group():
 
 @pytest.fixture(scope="module")
 def redis_url(broker, plain_redis_url, request):
-    """URL of the store's Redis: the plain redis-server, or a ``sentinel://`` URL of the run's
+    """URL of the store's Redis: the plain redis-server, a ``sentinel://`` URL of the run's
     Sentinel group when the module runs on the ``sentinel`` broker (store, results and broker
-    on the group: tests/support/fixtures_celery.py)."""
+    on the group: tests/support/fixtures_celery.py), or the run's Redis Cluster on ``cluster``
+    (its broker and results on the plain redis-server)."""
     from gpuhedge_celery.redis_url import with_sentinel_options
-    from tests.support.fixtures_celery import SENTINEL
+    from tests.support.fixtures_celery import CLUSTER, SENTINEL
 
+    if broker == CLUSTER:
+        return request.getfixturevalue("redis_cluster").url
     if broker != SENTINEL:
         return plain_redis_url
     group = request.getfixturevalue("sentinel_group")

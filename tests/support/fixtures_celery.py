@@ -15,7 +15,11 @@ Sentinels: tests/support/sentinel.py), reached through its ``sentinel://`` URL (
 (``GPUHEDGE_REDIS_WAIT_REPLICAS``, docs/operations.md, *Failover*). Modules that kill, restart
 or reconfigure their Redis are not marked. ``GPUHEDGE_TEST_BROKER=redis``, ``=rabbitmq`` or
 ``=sentinel`` runs every test on that one broker instead (``=sentinel`` also runs unmarked
-modules there: a way to try one before marking it).
+modules there: a way to try one before marking it). A module marked ``pytest.mark.cluster``
+runs once more, ``[cluster]``: the store on the run's three-master Redis Cluster
+(tests/support/redis_cluster.py; the ``redis_url`` fixture), the broker and Celery's results on
+the plain redis-server, as a cluster store requires; ``GPUHEDGE_TEST_BROKER=cluster`` runs
+every test so.
 
     def test_x(celery_cluster):
         celery_cluster.start_gpu(0)                 # GPU worker for GPU "<host>:0"
@@ -245,19 +249,23 @@ def forget_results(app) -> None:
 
 BROKERS = ("redis", "rabbitmq")
 SENTINEL = "sentinel"  # the store, results and broker on a Sentinel group
-BROKER_MARKS = ("brokers", SENTINEL)
+CLUSTER = "cluster"  # the store on a Redis Cluster, broker and results on the plain Redis
+BROKER_MARKS = ("brokers", SENTINEL, CLUSTER)
 
 
-def test_brokers(brokers: bool = True, sentinel: bool = False) -> tuple[str, ...]:
+def test_brokers(
+    brokers: bool = True, sentinel: bool = False, cluster: bool = False
+) -> tuple[str, ...]:
     """The brokers a module runs under: both when marked ``brokers``, else the first, and
-    ``sentinel`` too when marked so; ``GPUHEDGE_TEST_BROKER`` names the only one instead."""
+    ``sentinel`` and ``cluster`` too when marked so; ``GPUHEDGE_TEST_BROKER`` names the only
+    one instead."""
     chosen = os.environ.get("GPUHEDGE_TEST_BROKER", "").strip().lower()
     if not chosen:
-        return (*(BROKERS if brokers else BROKERS[:1]), *((SENTINEL,) if sentinel else ()))
-    if chosen not in (*BROKERS, SENTINEL):
-        raise pytest.UsageError(
-            f"GPUHEDGE_TEST_BROKER: expected one of {(*BROKERS, SENTINEL)}, got {chosen!r}"
-        )
+        extra = (*((SENTINEL,) if sentinel else ()), *((CLUSTER,) if cluster else ()))
+        return (*(BROKERS if brokers else BROKERS[:1]), *extra)
+    known = (*BROKERS, SENTINEL, CLUSTER)
+    if chosen not in known:
+        raise pytest.UsageError(f"GPUHEDGE_TEST_BROKER: expected one of {known}, got {chosen!r}")
     return (chosen,)
 
 
@@ -271,19 +279,23 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "sentinel: runs once more with the store, results and broker on Sentinel"
     )
+    config.addinivalue_line(
+        "markers", "cluster: runs once more with the store on a Redis Cluster (broker apart)"
+    )
 
 
 def pytest_generate_tests(metafunc):
     marked = {m: metafunc.definition.get_closest_marker(m) is not None for m in BROKER_MARKS}
     if "broker" in metafunc.fixturenames and any(marked.values()):
-        chosen = test_brokers(marked["brokers"], marked[SENTINEL])
+        chosen = test_brokers(marked["brokers"], marked[SENTINEL], marked[CLUSTER])
         metafunc.parametrize("broker", chosen, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
 def broker(request):
-    """``"redis"``, ``"rabbitmq"`` or ``"sentinel"``: where this module's clusters keep their
-    messages (and, on ``"sentinel"``, their store and results: the ``redis_url`` fixture)."""
+    """``"redis"``, ``"rabbitmq"``, ``"sentinel"`` or ``"cluster"``: where this module's
+    clusters keep their messages (and, on ``"sentinel"``, their store and results; on
+    ``"cluster"`` their store, on a Redis Cluster: the ``redis_url`` fixture)."""
     return getattr(request, "param", test_brokers()[0])
 
 
@@ -303,9 +315,11 @@ def amqp_vhosts():
 
 def broker_url_for(broker: str, request) -> str | None:
     """The broker URL a new cluster uses: None for the store's Redis (the plain one or the
-    Sentinel group), else a fresh vhost."""
+    Sentinel group), the plain redis-server beside a cluster store, else a fresh vhost."""
     if broker in ("redis", SENTINEL):
         return None
+    if broker == CLUSTER:
+        return request.getfixturevalue("plain_redis_url")
     return request.getfixturevalue("amqp_vhosts").new_url()
 
 
