@@ -229,3 +229,14 @@ def test_a_submit_claim_with_its_reservation_on_a_server_without_the_scripts(pri
     again.ride(trip)
     assert races.claim_submit("r1", "a1", {**intent, "at": 1.5}, trip) == intent
     assert again.result.granted and again.result.repeat
+
+
+def test_a_reservation_never_answered_is_not_held_and_is_sent_before_any_spend(ledger):
+    """On a cluster a reservation riding on a race save goes in a round trip of its own after
+    the save won; when that one is lost, nothing may be spent until it is sent and answered."""
+    rb = budget(ledger, BudgetCaps(ceiling_usd=10))
+    pending = rb.reservation("r1", attempt(), state())
+    assert pending.result is None and not pending.held
+    assert ledger.open_count() == 0
+    found = ledger.acknowledged(pending)
+    assert found.granted and pending.held and ledger.open_count() == 1

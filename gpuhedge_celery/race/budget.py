@@ -164,8 +164,10 @@ class RaceBudget:
         state: Mapping[str, Any],
         before: Mapping[str, Phase],
         saved: tuple[str, str],
-    ) -> tuple[Callable[[Any], None], Any] | None:
-        """Settlements of the attempts this step ended, to ride in its save (or None).
+    ) -> tuple[Callable[[Any, bool], None], Any] | None:
+        """Settlements of the attempts this step ended, to ride in its save (or None), as
+        :meth:`RoundTrip.ride_won <gpuhedge_celery.store.round_trip.RoundTrip.ride_won>`
+        takes them (on a cluster, after the save won, in a round trip of their own).
 
         ``saved``: the save's mark (:meth:`RaceStore.save_mark`): they settle only if that
         save wins. One that loses was computed from an old copy of the race, and a
@@ -186,8 +188,8 @@ class RaceBudget:
             return None
         now_ms = int(self.clock.now() * 1000)
 
-        def queue(pipe: Any) -> None:
-            self.store.queue_settle(pipe, race_id, items, now_ms, only_if=saved)
+        def queue(pipe: Any, known: bool) -> None:  # known: sent after the save won
+            self.store.queue_settle(pipe, race_id, items, now_ms, only_if=None if known else saved)
 
         return queue, self.store.settle_script
 

@@ -300,7 +300,7 @@ class RaceDriver:
             else None
         )
         if settle is not None:
-            trip.ride(settle[0], [settle[1]])
+            trip.ride_won(settle[0], [settle[1]])
         if step.wants(RaceFinished):
             step.receipt = self.outcome.ride_finish(trip, step, mark)
         # with replicas to wait for: the tell timer ahead of the save, a failure's WAIT last

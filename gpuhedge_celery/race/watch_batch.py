@@ -329,6 +329,8 @@ class WatchBatch:
                 if p.observed is not None:
                     back(p.timer, _restep(d, work.race_id, p, answer))
             return
+        if work.trip is not None:
+            work.trip.send_won(d.store.client)  # a cluster's budget settlements, after the save
         try:
             d.perform(step)
         except NotAcknowledged as e:

@@ -55,8 +55,7 @@ class PendingReservation:
     """A reservation queued on a pipeline; :meth:`take` reads its reply.
 
     ``cap_name(slot)`` names the cap of a slot (only asked when one refused). With replicas to
-    wait for, ``acked`` is the reply of the ``WAIT`` that followed it (:attr:`held`) and
-    ``saved`` the mark of the race save it rode with, if any (to send it again the same way).
+    wait for, ``acked`` is the reply of the ``WAIT`` that followed it (:attr:`held`).
     """
 
     store: BudgetStore
@@ -66,7 +65,6 @@ class PendingReservation:
     cap_name: Callable[[int], str]
     result: Reservation | None = None
     acked: Any = None
-    saved: SaveMark | None = None
 
     def queue(self, pipe: Any) -> None:
         queue_script(pipe, self.store.reserve_script, self.keys, self.args)
@@ -80,18 +78,25 @@ class PendingReservation:
 
     def ride(self, trip: RoundTrip, saved: SaveMark | None = None) -> None:
         """Ride in ``trip``: reserve with its round trip (``saved``: only if the race save it
-        rides with wins), the reply read into :attr:`result`; with replicas to wait for, a
-        ``WAIT`` after it, its reply read into :attr:`acked`."""
-        self.saved = saved
-        trip.ride(self.queue_held, (self.store.reserve_script,), self.took)
+        rides with wins; on a cluster, in a round trip of its own after the save won), the
+        reply read into :attr:`result`; with replicas to wait for, a ``WAIT`` after it, its
+        reply read into :attr:`acked`. Not sent, :attr:`result` stays None (not held)."""
+
+        def queue(pipe: Any, known: bool) -> None:
+            self._queue_held(pipe, None if known else saved)
+
+        trip.ride_won(queue, (self.store.reserve_script,), self.took)
 
     def queue_held(self, pipe: Any) -> None:
-        """The reservation as it rides (on its save or alone), then ``WAIT`` where replicas
-        must hold it; read the replies with :meth:`took`."""
-        if self.saved is None:
+        """The reservation alone, then ``WAIT`` where replicas must hold it; read the replies
+        with :meth:`took`."""
+        self._queue_held(pipe, None)
+
+    def _queue_held(self, pipe: Any, saved: SaveMark | None) -> None:
+        if saved is None:
             self.queue(pipe)
         else:
-            self.queue_on_save(pipe, self.saved)
+            self.queue_on_save(pipe, saved)
         if self.store.acks.on:
             self.store.acks.queue(pipe)
 
@@ -105,7 +110,9 @@ class PendingReservation:
         """Whether it may be spent on: replicas hold it, or none need to, or nothing was
         granted (nothing to spend)."""
         acks, found = self.store.acks, self.result
-        if not acks.on or found is None or not found.granted:
+        if found is None:  # never answered (its round trip after a won save was lost)
+            return False
+        if not acks.on or not found.granted:
             return True
         return acks.held(self.acked)
 

@@ -94,6 +94,7 @@ class RaceJobs:
         if with_request:
             request = codec.loads(replies[at + 3]) if replies[at + 3] is not None else None
         riders.answer(replies)
+        riders.send_won(self.client)
         # ``found == data``: our own intent, set by a first run of the pipeline that stopped at
         # a script the server had to load (run_pipeline runs it again): the claim is ours.
         if claimed or found is None or as_text(found) == data:

@@ -82,6 +82,7 @@ class RaceLiveness:
 
         with store_errors(f"touching race {race_id!r}"):
             trip.answer(run_pipeline(self.client, build, trip.scripts))
+        trip.send_won(self.client)
 
     def last_seen_ms(self, race_id: str) -> int | None:
         """The race's last heartbeat (epoch ms), None if it is not in the live index."""

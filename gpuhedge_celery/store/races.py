@@ -249,6 +249,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         replies = self._send_save(race_id, build, [self._save, *trip.scripts])
         version = self.saved(race_id, replies[at], data, expected_version, save_id)
         trip.answer(replies)
+        trip.send_won(self.client)
         return version
 
     def encode(self, race_id: str, state: dict[str, Any]) -> race_parts.EncodedState:
