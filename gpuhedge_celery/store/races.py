@@ -38,6 +38,7 @@ from .race_jobs import RaceJobs
 from .race_keys import (
     TOLD_FAILED,
     TOLD_FIELD,
+    RaceShards,
     ResultWrite,
     SaveMark,
     finished_races_key,
@@ -141,6 +142,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         *,
         clock: Clock | None = None,
         acks: ReplicaAcks | None = None,
+        shards: RaceShards | None = None,
     ):
         keeping = keeping or Keeping()
         receipt_ttl_s, state_ttl_s = keeping.receipt_ttl_s, keeping.state_ttl_s
@@ -149,6 +151,10 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
         self.client = client
         self.prefix = prefix
+        # where each race's keys and its shard's indexes live (one slot per shard)
+        self.shards = shards or RaceShards(prefix)
+        if self.shards.prefix != prefix:
+            raise ValueError(f"race shards under {self.shards.prefix!r}, store under {prefix!r}")
         self.receipt_ttl_s = receipt_ttl_s
         self.state_ttl_s = state_ttl_s
         self.clock = clock or WallClock()
