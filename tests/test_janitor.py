@@ -19,7 +19,7 @@ from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.receipts import CancelReceipt
 from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, JanitorOptions, apply_cleanup
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
@@ -92,7 +92,7 @@ def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory, 
         for worker in rc.cluster.workers:
             worker.kill()
             worker.process.wait(10)
-        timers = TimerStore(rc.client, rc.prefix, "races")
+        timers = RaceTimers(rc.client, rc.store.shards)
         effects = BackendEffects(rc.app)
 
         def providers(name):

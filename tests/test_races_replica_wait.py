@@ -238,7 +238,8 @@ def test_a_claim_whose_save_was_lost_is_not_confirmed(lone):
 
 def tell_timers(driver, race_id: str) -> list[str]:
     """The ids of the race's tell timers waiting."""
-    ids = driver.timers.client.zrange(driver.timers.keys.due, 0, -1)
+    timers = driver.timers.of(race_id)
+    ids = timers.client.zrange(timers.keys.due, 0, -1)
     return [t for t in ids if t.startswith(f"{race_id}|tell|")]
 
 
@@ -247,7 +248,7 @@ def fire(driver, kind: str, race_id: str) -> None:
     now = int(time.time() * 1000) + 3_600_000
     found = [
         t
-        for t in driver.timers.claim_due(now, 100, 10_000)
+        for t in driver.timers.of(race_id).claim_due(now, 100, 10_000)
         if t.payload["kind"] == kind and t.payload["race"] == race_id
     ]
     assert found, f"no {kind} timer of {race_id}"

@@ -22,9 +22,10 @@ from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch_batch import WatchBatch
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timer_service import TimerService
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timer_service import TimerService, TimerServices
+from gpuhedge_celery.store.timers import RaceTimers, TimerStore
 from tests.support.waiting import wait_for
 from tests.test_races_driver import Recorder, build_driver
 
@@ -53,9 +54,10 @@ def claim_watches(driver, count, timeout=5.0):
 
     def enough():
         now = int(driver.clock.now() * 1000)
-        for timer in driver.timers.claim(now, 100, 10_000).timers:
-            if timer.payload["kind"] == "watch":
-                held.append(timer)
+        for timers in driver.timers.stores:  # every race shard's
+            for timer in timers.claim(now, 100, 10_000).timers:
+                if timer.payload["kind"] == "watch":
+                    held.append(timer)
         return len(held) >= count
 
     wait_for(enough, timeout, f"{count} due watch timers")
@@ -64,8 +66,8 @@ def claim_watches(driver, count, timeout=5.0):
 
 def watch_timers(driver, race_id):
     """The ids of the race's armed watch timers (one per watched job, never two)."""
-    keys = driver.timers.keys
-    return [t for t in driver.timers.client.zrange(keys.due, 0, -1) if f"{race_id}:w:" in t]
+    timers = driver.timers.of(race_id)
+    return [t for t in timers.client.zrange(timers.keys.due, 0, -1) if f"{race_id}:w:" in t]
 
 
 def handled(batch, timers):
@@ -206,7 +208,7 @@ def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
     (timer,) = claim_watches(driver, 1)
     # another process saves the race after this one did: its copy here is now stale
     other = RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        RaceStore(redis_client, prefix), RaceTimers(redis_client, RaceShards(prefix)),
         providers.__getitem__, Recorder(), RaceSettings(),
     ))  # fmt: skip
     other.store.update("c1", lambda state: {**state, "note": "moved on"})
@@ -265,13 +267,14 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
     start(driver, cfg, races, {"sim": {"p": {"queue_s": 2, "run_s": 10}}})
     # a process claims the due polls with a 300 ms lease, then dies before handling them
     time.sleep(0.05)
-    lost = [t for t in driver.timers.claim_due(int(driver.clock.now() * 1000), 100, 300)
+    (timers,) = driver.timers.stores
+    lost = [t for t in timers.claim_due(int(driver.clock.now() * 1000), 100, 300)
             if t.payload["kind"] == "watch"]  # fmt: skip
     assert len(lost) == len(races)
     # another process (no copy of any race) runs the batched loop
     effects = Recorder()
     other = RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        RaceStore(redis_client, prefix), RaceTimers(redis_client, RaceShards(prefix)),
         providers.__getitem__, effects, RaceSettings(),
     ))  # fmt: skip
     batch, redelivered = WatchBatch(other), []
@@ -284,7 +287,7 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
 
         batch.handle(due, recording)
 
-    service = TimerService(other.timers, other.on_timer, threads=4, batch_handler=handle)
+    service = TimerServices(other.timers.stores, other.on_timer, threads=4, batch_handler=handle)
     service.start()
     try:
         # (a redelivered timer also resumes its race: the same result may be marked twice)

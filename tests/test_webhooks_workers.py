@@ -28,8 +28,9 @@ from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timers import RaceTimers
 from gpuhedge_celery.webhooks import token as tokens
 from gpuhedge_celery.webhooks.settings import WebhookSettings
 from tests.support.runpod_fake import KEY, FakeRunpod, default_config
@@ -108,7 +109,7 @@ def two(runpod_fake, redis_url, redis_client, prefix, tmp_path):
     cfg = parse_config_text(config.read_text())
     providers = {"rp": cfg.build("rp", env={"RUNPOD_TEST_KEY": KEY}, limiter=LocalLimiter())}
     hooks = WebhookSettings(f"{receivers.url}/hooks", SECRET, fallback_s=30.0)
-    store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
+    store, timers = RaceStore(redis_client, prefix), RaceTimers(redis_client, RaceShards(prefix))
     driver = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
                         webhooks=hooks))  # fmt: skip
     driver.cfg, driver.fake, driver.receivers = cfg, runpod_fake, receivers

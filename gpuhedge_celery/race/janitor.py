@@ -49,7 +49,7 @@ from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
 from ..store.replicas import NotAcknowledged
-from ..store.timers import TimerStore, as_text, store_errors
+from ..store.timers import RaceTimers, as_text, store_errors
 from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
 from .budget import RaceBudget
@@ -175,7 +175,7 @@ class Janitor:
     def __init__(
         self,
         store: RaceStore,
-        timers: TimerStore,
+        timers: RaceTimers,
         providers: Callable[[str], Provider],
         effects: Effects,
         options: JanitorOptions | None = None,
@@ -269,7 +269,7 @@ class Janitor:
         is running: it does not keep the race alive.
         """
         now = self.store.now_ms()
-        keys = self.timers.keys
+        keys = self.timers.of(race_id).keys
         with store_errors(f"reading the timers of race {race_id!r}"):
             for zset, floor in ((keys.due, now - self.stale_ms), (keys.inflight, now)):
                 for member, score in self.store.client.zscan_iter(
