@@ -121,7 +121,7 @@ def test_the_stream_is_capped_approximately(redis_client, prefix):
     stream = RecordStream(redis_client, prefix, maxlen=100)
     pipe = redis_client.pipeline(transaction=False)
     for i in range(1000):
-        stream.queue_append(pipe, {"kind": "race", "race_id": f"r{i}"})
+        stream.queue_append(pipe, f"r{i}", {"kind": "race", "race_id": f"r{i}"})
     pipe.execute()
     # MAXLEN ~ trims whole stream nodes (100 entries each by default): at least 100 are kept,
     # never much more, and the newest survive.
@@ -132,7 +132,7 @@ def test_the_stream_is_capped_approximately(redis_client, prefix):
 def test_read_pages_through_a_time_window(redis_client, prefix):
     stream = RecordStream(redis_client, prefix)
     for i, ms in enumerate((1000, 2000, 2000, 3000, 4000)):
-        redis_client.xadd(stream.key, {"r": json.dumps({"n": i})}, id=f"{ms}-{i}")
+        redis_client.xadd(stream.keys[0], {"r": json.dumps({"n": i})}, id=f"{ms}-{i}")
     every = [r["n"] for _, r in stream.read(page=2)]
     assert every == [0, 1, 2, 3, 4]
     assert [r["n"] for _, r in stream.read(2000, 3000, page=1)] == [1, 2, 3]
@@ -144,7 +144,7 @@ def test_export_writes_jsonl_between_since_and_until(redis_url, redis_client, pr
     stream = RecordStream(redis_client, prefix)
     # 2026-07-12T12:00:00Z is epoch 1783857600
     for i, s in enumerate((1783857599, 1783857600, 1783857660, 1783857720)):
-        redis_client.xadd(stream.key, {"r": json.dumps({"n": i})}, id=f"{s * 1000}-0")
+        redis_client.xadd(stream.keys[0], {"r": json.dumps({"n": i})}, id=f"{s * 1000}-0")
     base = ["--redis-url", redis_url, "--prefix", prefix, "records", "export"]
     result = CliRunner().invoke(cli, base, catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -77,4 +77,4 @@ def export(since: str | None, until: str | None) -> None:
         out.write("\n")
         count += 1
     out.flush()
-    click.echo(f"exported {count} record(s) from {stream.key}", err=True)
+    click.echo(f"exported {count} record(s) from {', '.join(stream.keys)}", err=True)

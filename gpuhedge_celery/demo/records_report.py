@@ -32,7 +32,7 @@ def records_report(
 
     stream = RecordStream(client_for(redis_url), prefix)
     found = RequestSet()
-    found.add((f"{stream.key} {entry_id}", record) for entry_id, record in stream.read())
+    found.add((f"{key} {entry_id}", record) for key, entry_id, record in stream.entries())
     requests = found.requests()
     echo("== 5. The report of every race above, from their records (gpuhedge-celery report) ==")
     if not requests:

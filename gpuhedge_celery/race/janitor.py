@@ -419,7 +419,7 @@ class Janitor:
         if holder is None or race.winner is None or holder == race.winner:
             return race, False
         told = Race.from_dict(race.to_dict(), self.clock)
-        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        stored = load_attempt_result(self.store.client, self.store.shards, race_id, holder)
         told.winner = holder if stored is not None else None
         return told, stored is None
 
@@ -459,7 +459,7 @@ class Janitor:
         elif holder != won.id:  # follow the claim: the result handed over is its holder's
             race = Race.from_dict(race.to_dict(), self.clock)
             race.winner = holder
-        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        stored = load_attempt_result(self.store.client, self.store.shards, race_id, holder)
         if stored is None and holder != won.id:
             message = (
                 f"race {race_id}: the result of {holder}, which holds the winner claim, is "
@@ -478,7 +478,7 @@ class Janitor:
             race,
             stored or {},
             inline_max=self.payload_inline_max,
-            ref=result_key(self.store.prefix, race_id, holder),
+            ref=result_key(self.store.shards, race_id, holder),
         )
         self.effects.won(race_id, result, caller)
         return False

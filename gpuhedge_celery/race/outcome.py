@@ -258,7 +258,7 @@ class Outcome:
             race,
             stored,
             inline_max=self.driver.settings.payload_inline_max,
-            ref=result_key(self.driver.store.prefix, race_id, attempt_id),
+            ref=result_key(self.driver.store.shards, race_id, attempt_id),
         )
 
     def declare(
@@ -295,7 +295,7 @@ class Outcome:
         if result is None:
             if stored is None:
                 stored = load_attempt_result(
-                    self.driver.store.client, self.driver.store.prefix, race_id, won.id
+                    self.driver.store.client, self.driver.store.shards, race_id, won.id
                 )
             result = self._winner_result(race_id, race, won.id, stored or {})
         caller = state.get("caller") or {}

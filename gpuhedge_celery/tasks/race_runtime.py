@@ -186,7 +186,9 @@ class CeleryEffects:
             return result
         if not getattr(backend, "stores_payload_by_reference", False):
             return result
-        return by_reference(result, result_key(self.prefix, race_id, result["attempt"]))
+        # the result key is on the race's shard, as the runtime's store places it
+        shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
+        return by_reference(result, result_key(shards, race_id, result["attempt"]))
 
     def failed(
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
