@@ -157,3 +157,19 @@ def test_the_janitors_scan_reads_every_shards_live_index(redis_client, prefix):
     assert stale[ids[1]].live_jobs == {"a1": {"provider": "p", "job_id": "j1"}}
     limited = fresh.stale_races(stale_ms=60_000, limit=2)
     assert len(limited) <= 2 and {s.race_id for s in limited} <= set(stale)
+
+
+def test_readers_outside_the_workers_take_the_deployments_shards_from_its_environment(
+    redis_client,
+):
+    from gpuhedge_celery.settings import ProcessSettings
+
+    env = {"GPUHEDGE_RACE_SHARDS": "3", "GPUHEDGE_TIMER_NAMESPACE": "ns"}
+    shards = ProcessSettings.from_env(env).race_shards("p")
+    assert (shards.prefix, shards.tags) == ("p", RaceShards("p", "ns", 3).tags)
+    plain = ProcessSettings.from_env({})
+    assert plain.race_shards("p").tags == ("races",)
+    # the Redis a caller was given decides the default count, as the workers' URL does theirs
+    assert plain.race_shards("p", "redis+cluster://127.0.0.1:7000").count == 12
+    gauges = RedisGauges(redis_client, "p", shards=shards)
+    assert gauges.namespaces == shards.tags  # every shard's timers

@@ -90,7 +90,7 @@ class RedisGauges:
         client: Any,
         prefix: str,
         *,
-        namespaces: Iterable[str] = ("races",),
+        namespaces: Iterable[str] | None = None,
         stale_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         budget: BudgetCaps | None = None,
@@ -100,7 +100,8 @@ class RedisGauges:
         self.client = client
         self.prefix = prefix
         self.shards = shards or RaceShards(prefix)  # whose live-race indexes are counted
-        self.namespaces = tuple(namespaces)
+        # timer namespaces reported: by default every race shard's (where races' timers are)
+        self.namespaces = self.shards.tags if namespaces is None else tuple(namespaces)
         self.timer_keys = {ns: timer_keys(prefix, ns) for ns in self.namespaces}
         self.stale_s = float(stale_s)
         self.clock = clock
