@@ -529,7 +529,9 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
         ``result``: the caller's result, written by the claim only if it makes the winner
         (first), so neither a losing save nor a resend of this one writes it. The result key
-        is in another hash slot than the race's: a single Redis primary (as for the finish).
+        is in another hash slot than the race's: only where the store's Redis also holds the
+        results (the backend's ``won_write`` decides; never on a Redis Cluster store, whose
+        results live on a Redis of their own and are written after the save).
 
         With replicas to wait for (:attr:`acks`) no result rides (it is published once they
         hold the claim) and a ``WAIT`` follows the claim (:meth:`~.replicas.ReplicaAcks.
