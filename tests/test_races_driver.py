@@ -9,11 +9,13 @@ the caller hears of the winner once per claim.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.jobs import JobHandle
+from gpuhedge_celery.envvars import race_shards
 from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
 from gpuhedge_celery.race.attempts import SubmitHow
@@ -59,18 +61,23 @@ class Recorder:
         self.events.append(name)
 
 
-def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG, shards=1):
+def race_stores(redis_client, prefix, shards=None) -> tuple[RaceStore, RaceTimers]:
+    """A race store and its races' timers on ``shards`` race shards (None: as many as
+    ``GPUHEDGE_RACE_SHARDS`` says, so scripts/cluster_compat.py runs them on a cluster's)."""
+    layout = RaceShards(prefix, count=shards or race_shards(os.environ))
+    return RaceStore(redis_client, prefix, shards=layout), RaceTimers(redis_client, layout)
+
+
+def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG, shards=None):
     """A driver on the test config's sim providers (a Redis ledger) with ``effects``; returns
     the driver, the effects, the config, the ledger and the providers by name. ``config``:
-    another YAML text; ``shards``: how many race shards."""
+    another YAML text; ``shards``: how many race shards (see :func:`race_stores`)."""
     cfg = parse_config_text(config)
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
-    layout = RaceShards(prefix, count=shards)
     driver = RaceDriver(
         RaceParts(
-            RaceStore(redis_client, prefix, shards=layout),
-            RaceTimers(redis_client, layout),
+            *race_stores(redis_client, prefix, shards),
             providers.__getitem__,
             effects,
             settings or RaceSettings(),
@@ -272,7 +279,7 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
 def _another_process(redis_client, prefix, providers) -> RaceDriver:
     """A second driver on the same Redis, as another coordination worker would have."""
     return RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), RaceTimers(redis_client, RaceShards(prefix)),
+        *race_stores(redis_client, prefix),
         providers.__getitem__, Recorder(), RaceSettings(),
     ))  # fmt: skip
 

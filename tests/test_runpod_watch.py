@@ -21,11 +21,8 @@ from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch import DECISION_LEAD_S
-from gpuhedge_celery.store.race_keys import RaceShards
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_races import RACE_CONFIG
-from tests.test_races_driver import Recorder
+from tests.test_races_driver import Recorder, race_stores
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,7 +59,7 @@ def driver(redis_client, prefix):
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     providers["p"] = Paced(providers["p"])
-    store, timers = RaceStore(redis_client, prefix), RaceTimers(redis_client, RaceShards(prefix))
+    store, timers = race_stores(redis_client, prefix)
     d = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings()))
     d.cfg, d.paced, d.client = cfg, providers["p"], redis_client
     return d
