@@ -11,6 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from gpuhedge_celery import settings
 from gpuhedge_celery.cli import cli
 from gpuhedge_celery.commands.records import BadInput, parse_time
 from gpuhedge_celery.errors import ConfigError
@@ -68,7 +69,8 @@ def finish_fast_race(redis_client, prefix, race_id, records_maxlen=100_000):
     """Run one zero-latency race to its end; return the driver's store and the counter."""
     counting = CountingClient(redis_client)
     driver, effects, cfg, _, _ = build_driver(counting, prefix, Recorder())
-    driver.store = RaceStore(counting, prefix, Keeping(records_maxlen=records_maxlen))
+    keeping = Keeping(records_maxlen=records_maxlen)
+    driver.store = RaceStore(counting, prefix, keeping, shards=driver.store.shards)
     driver.create(race_id, FAST, build_spec(cfg))
     counting.round_trips, counting.pipelined = 0, []
     driver.submit_attempt(race_id, "a1")  # submits, polls: terminal, concluded, finished inline
@@ -141,7 +143,8 @@ def test_read_pages_through_a_time_window(redis_client, prefix):
 
 
 def test_export_writes_jsonl_between_since_and_until(redis_url, redis_client, prefix):
-    stream = RecordStream(redis_client, prefix)
+    shards = settings.current().race_shards(prefix, redis_url)  # where the CLI reads them
+    stream = RecordStream(redis_client, prefix, shards=shards)
     # 2026-07-12T12:00:00Z is epoch 1783857600
     for i, s in enumerate((1783857599, 1783857600, 1783857660, 1783857720)):
         redis_client.xadd(stream.keys[0], {"r": json.dumps({"n": i})}, id=f"{s * 1000}-0")
