@@ -61,7 +61,7 @@ def _slots(keys: list[str]) -> set[int]:
 @pytest.fixture
 def sharded(redis_client, prefix):
     recorder = SlotRecorder(redis_client)
-    return RaceStore(recorder, prefix, shards=RaceShards(prefix, count=SHARDS)), recorder
+    return RaceStore(recorder, RaceShards(prefix, count=SHARDS)), recorder
 
 
 def _ids_on_every_shard(shards: RaceShards, per_shard: int = 2) -> list[str]:
@@ -76,7 +76,7 @@ def _ids_on_every_shard(shards: RaceShards, per_shard: int = 2) -> list[str]:
     return [race_id for ids in found.values() for race_id in ids]
 
 
-def test_the_shards_are_on_distinct_slots_and_a_race_keeps_its_shard(prefix):
+def test_the_shards_are_on_distinct_slots_and_a_race_keeps_its_shard(redis_client, prefix):
     shards = RaceShards(prefix, count=SHARDS)
     assert len(_slots([f"{{{tag}}}" for tag in shards.tags])) == SHARDS
     ids = _ids_on_every_shard(shards)
@@ -88,8 +88,7 @@ def test_the_shards_are_on_distinct_slots_and_a_race_keeps_its_shard(prefix):
     assert RaceShards(prefix).tags == ("races",)  # one shard: the namespace itself
     with pytest.raises(ValueError, match="race shards must be a whole number"):
         RaceShards(prefix, count=0)
-    with pytest.raises(ValueError, match="race shards under"):
-        RaceStore(None, prefix, shards=RaceShards(prefix + "x"))
+    assert RaceStore(redis_client, RaceShards(prefix + "x")).prefix == prefix + "x"
 
 
 def test_every_pipeline_of_a_race_keeps_to_its_shards_slot(sharded):
@@ -144,8 +143,8 @@ def test_readers_find_races_on_every_shard(sharded, redis_client, prefix):
 def test_the_janitors_scan_reads_every_shards_live_index(redis_client, prefix):
     shards = RaceShards(prefix, count=SHARDS)
     now = time.time()
-    old = RaceStore(redis_client, prefix, clock=VirtualClock(now - 120), shards=shards)
-    fresh = RaceStore(redis_client, prefix, shards=shards)
+    old = RaceStore(redis_client, shards, clock=VirtualClock(now - 120))
+    fresh = RaceStore(redis_client, shards)
     ids = _ids_on_every_shard(shards)
     for i, race_id in enumerate(ids):
         store = fresh if race_id == ids[-1] else old

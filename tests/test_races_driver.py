@@ -65,7 +65,7 @@ def race_stores(redis_client, prefix, shards=None) -> tuple[RaceStore, RaceTimer
     """A race store and its races' timers on ``shards`` race shards (None: as many as
     ``GPUHEDGE_RACE_SHARDS`` says, so scripts/cluster_compat.py runs them on a cluster's)."""
     layout = RaceShards(prefix, count=shards or race_shards(os.environ))
-    return RaceStore(redis_client, prefix, shards=layout), RaceTimers(redis_client, layout)
+    return RaceStore(redis_client, layout), RaceTimers(redis_client, layout)
 
 
 def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG, shards=None):

@@ -70,7 +70,7 @@ def finish_fast_race(redis_client, prefix, race_id, records_maxlen=100_000):
     counting = CountingClient(redis_client)
     driver, effects, cfg, _, _ = build_driver(counting, prefix, Recorder())
     keeping = Keeping(records_maxlen=records_maxlen)
-    driver.store = RaceStore(counting, prefix, keeping, shards=driver.store.shards)
+    driver.store = RaceStore(counting, driver.store.shards, keeping)
     driver.create(race_id, FAST, build_spec(cfg))
     counting.round_trips, counting.pipelined = 0, []
     driver.submit_attempt(race_id, "a1")  # submits, polls: terminal, concluded, finished inline

@@ -26,7 +26,7 @@ def _store() -> Any:
 
     root = root_settings()
     shards = current().race_shards(root.prefix, root.redis_url)
-    return RaceStore(cli_redis_client(), root.prefix, shards=shards)
+    return RaceStore(cli_redis_client(), shards)
 
 
 def _when(epoch_s: float | None) -> str:

@@ -29,7 +29,7 @@ def _store() -> Any:
 
     root = root_settings()
     shards = current().race_shards(root.prefix, root.redis_url)
-    return RaceStore(cli_redis_client(), root.prefix, shards=shards)
+    return RaceStore(cli_redis_client(), shards)
 
 
 def _row(

@@ -23,7 +23,7 @@ def _store(redis_url: str | None, prefix: str | None) -> Any:
 
     settings = Settings.from_env(redis_url=redis_url, prefix=prefix)
     shards = current().race_shards(settings.prefix, settings.redis_url)
-    return RaceStore(client_for(settings.redis_url), settings.prefix, shards=shards)
+    return RaceStore(client_for(settings.redis_url), shards)
 
 
 def receipt(

@@ -130,17 +130,17 @@ class Keeping:
 
 
 class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
-    """Races in Redis under ``prefix`` (keys from ``shards``: :class:`~.race_keys.RaceShards`)."""
+    """Races in Redis under ``prefix``: a key prefix (one shard) or the deployment's
+    :class:`~.race_keys.RaceShards`, which give every key."""
 
     def __init__(
         self,
         client: Any,
-        prefix: str = "gpuhedge",
+        prefix: str | RaceShards = "gpuhedge",
         keeping: Keeping | None = None,
         *,
         clock: Clock | None = None,
         acks: ReplicaAcks | None = None,
-        shards: RaceShards | None = None,
     ):
         keeping = keeping or Keeping()
         receipt_ttl_s, state_ttl_s = keeping.receipt_ttl_s, keeping.state_ttl_s
@@ -148,11 +148,10 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         if receipt_ttl_s <= 0:
             raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
         self.client = client
-        self.prefix = prefix
-        # where each race's keys and its shard's indexes live (one slot per shard)
-        self.shards = shards or RaceShards(prefix)
-        if self.shards.prefix != prefix:
-            raise ValueError(f"race shards under {self.shards.prefix!r}, store under {prefix!r}")
+        # where each race's keys and its shard's indexes live (one slot per shard): a key
+        # prefix alone is one shard under it (a single Redis's default)
+        self.shards = prefix if isinstance(prefix, RaceShards) else RaceShards(prefix)
+        self.prefix = prefix = self.shards.prefix
         self.receipt_ttl_s = receipt_ttl_s
         self.state_ttl_s = state_ttl_s
         self.clock = clock or WallClock()

@@ -385,9 +385,7 @@ class RaceRuntime:
         )
         # Races and their timers spread over the deployment's shards, a race's on one slot
         shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
-        self.store = RaceStore(
-            self.client, self.prefix, keeping, clock=self.clock, acks=acks, shards=shards
-        )
+        self.store = RaceStore(self.client, shards, keeping, clock=self.clock, acks=acks)
         self.timers = RaceTimers(self.client, shards)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()

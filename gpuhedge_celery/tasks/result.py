@@ -161,7 +161,7 @@ def _store(redis_url: str, prefix: str) -> Any:
     from ..store.races import RaceStore
 
     shards = settings.current().race_shards(prefix, redis_url)
-    return RaceStore(client_for(redis_url), prefix, shards=shards)
+    return RaceStore(client_for(redis_url), shards)
 
 
 @lru_cache(maxsize=4)

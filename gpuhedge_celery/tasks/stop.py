@@ -51,7 +51,7 @@ def _app_and_store(app: Any, redis_url: str | None, prefix: str | None) -> tuple
     from ..settings import current
 
     shards = current().race_shards(settings.prefix, settings.redis_url)
-    return app, RaceStore(client_for(settings.redis_url), settings.prefix, shards=shards)
+    return app, RaceStore(client_for(settings.redis_url), shards)
 
 
 def send_stop(app: Any, store: Any, race_id: str, by: str, wait_s: float) -> StopAnswer:
