@@ -171,7 +171,8 @@ def run_demo(
         from ..tasks.races import hedged_infer
 
         cfg = load_config(process_settings.current().core.config_path)
-        store = RaceStore(client_for(redis_url), prefix)
+        shards = process_settings.current().race_shards(prefix, redis_url)
+        store = RaceStore(client_for(redis_url), shards)
         workers.wait_ready()
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")
         _scenarios(hedged_infer, store, cfg.time_scale, echo, report)
