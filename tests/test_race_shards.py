@@ -172,3 +172,35 @@ def test_readers_outside_the_workers_take_the_deployments_shards_from_its_enviro
     assert plain.race_shards("p", "redis+cluster://127.0.0.1:7000").count == 12
     gauges = RedisGauges(redis_client, "p", shards=shards)
     assert gauges.namespaces == shards.tags  # every shard's timers
+
+
+class _Stepper:
+    """The part of a driver ``stop_revoked`` uses: its store, and the steps it is handed."""
+
+    def __init__(self, store):
+        self.store = store
+        self.steps: list[str] = []
+
+    def step(self, race_id, event):
+        self.steps.append(race_id)
+
+
+def test_batched_loads_and_revokes_find_races_on_every_shard_a_pipeline_a_slot(sharded):
+    from gpuhedge_celery.tasks.revokes import stop_revoked
+
+    races, recorder = sharded
+    ids = _ids_on_every_shard(races.shards, 1)
+    for race_id in ids:
+        races.create(race_id, {"n": race_id})
+    recorder.pipelines.clear()
+    wanted = [*reversed(ids), "nope"]
+    found = races.load_many(wanted)
+    assert [r.state if r else None for r in found] == [{"n": r} for r in reversed(ids)] + [None]
+    driver = _Stepper(races)
+    assert stop_revoked(driver, ["nope", ids[2], "bad{id", ids[0], ids[1]]) == [
+        ids[2], ids[0], ids[1],
+    ]  # fmt: skip
+    assert driver.steps == [ids[2], ids[0], ids[1]]
+    assert len(recorder.pipelines) == 2 * SHARDS  # one per shard for each
+    for keys in recorder.pipelines:
+        assert len(_slots(keys)) == 1, keys
