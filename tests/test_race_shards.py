@@ -204,3 +204,21 @@ def test_batched_loads_and_revokes_find_races_on_every_shard_a_pipeline_a_slot(s
     assert len(recorder.pipelines) == 2 * SHARDS  # one per shard for each
     for keys in recorder.pipelines:
         assert len(_slots(keys)) == 1, keys
+
+
+def test_the_record_streams_together_keep_about_the_cap(redis_client, prefix):
+    from gpuhedge_celery.store.records import RecordStream
+
+    shards = RaceShards(prefix, count=SHARDS)
+    stream = RecordStream(redis_client, prefix, maxlen=300, shards=shards)
+    assert stream.shard_maxlen == 100  # each shard's share
+    pipes = {tag: redis_client.pipeline(transaction=False) for tag in shards.tags}
+    for i in range(3000):
+        race_id = f"r{i}"
+        stream.queue_append(pipes[shards.tag_of(race_id)], race_id, {"race_id": race_id})
+    for pipe in pipes.values():
+        pipe.execute()
+    # MAXLEN ~ trims whole nodes (100 entries each): each shard keeps its 100, a little more
+    assert all(100 <= redis_client.xlen(key) <= 300 for key in stream.keys)
+    assert 300 <= stream.length() <= 900
+    assert RecordStream(redis_client, prefix, maxlen=7, shards=shards).shard_maxlen == 3

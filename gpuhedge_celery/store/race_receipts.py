@@ -108,7 +108,7 @@ class RaceReceipts:
                 race_id,
                 RECENT_FINISHED,
                 line,
-                self.records.maxlen,
+                self.records.shard_maxlen,
                 *drop_jobs,
             ],
         )

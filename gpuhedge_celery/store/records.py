@@ -8,7 +8,7 @@ race shard has a stream of its own on the shard's slot (:class:`~.race_keys.Race
 that script stays in the race's slot; readers merge every shard's stream in time order.
 :meth:`RecordStream.queue_append` appends alongside a receipt rewritten later. ``MAXLEN ~``
 trims whole stream nodes, so the stream may hold a little more than ``N`` entries; ``N = 0``
-turns records off.
+turns records off. With several shards each stream keeps ``N / shards`` (rounded up).
 
 Entry ids are Redis's own ``<ms>-<seq>``: the time the race finished on the Redis server's
 clock (with shards on several primaries, each one's clock). :meth:`RecordStream.read` pages
@@ -47,6 +47,8 @@ class RecordStream:
         self.prefix = prefix
         self.maxlen = maxlen
         self.shards = shards or RaceShards(prefix)
+        # each shard's stream keeps its share, so all of them together hold about ``maxlen``
+        self.shard_maxlen = -(-maxlen // self.shards.count)
         if self.shards.prefix != prefix:
             raise ValueError(f"race shards under {self.shards.prefix!r}, records under {prefix!r}")
         self.keys = tuple(index.records for index in self.shards.indexes)
@@ -66,7 +68,7 @@ class RecordStream:
             pipe.xadd(
                 self.key_of(race_id),
                 {FIELD: codec.dumps(record)},
-                maxlen=self.maxlen,
+                maxlen=self.shard_maxlen,
                 approximate=True,
             )
 
