@@ -384,7 +384,7 @@ def test_a_frozen_replica_holds_the_winner_back_until_it_answers_again(replicate
         os.kill(replica.process.pid, signal.SIGCONT)
     follower = client_of(replica)
     deadline = time.monotonic() + 10
-    while follower.get(RaceShards(PREFIX).race("r1").winner) != "a1":  # it catches up
+    while follower.get(driver.store.shards.race("r1").winner) != "a1":  # it catches up
         assert time.monotonic() < deadline, "the thawed replica never got the claim"
         time.sleep(0.02)
     driver.store.acks = ReplicaAcks(
@@ -467,7 +467,7 @@ def test_a_winner_the_replicas_held_late_is_told_by_the_tell_timer(replicated):
         fire(driver, "tell", "r1")  # still frozen: told again later
         assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|1"]
     finally:
-        thawed(replica, RaceShards(PREFIX).race("r1").winner, "a1")
+        thawed(replica, driver.store.shards.race("r1").winner, "a1")
     driver.store.acks = ReplicaAcks(
         1, 2000, **COUNTED
     )  # a loaded machine's replica may answer slowly
@@ -522,7 +522,7 @@ def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(re
         logged = [r.getMessage() for r in caplog.records if r.name.endswith("webhooks.apply")]
         assert len(logged) == 2 and all("not held by the Redis replicas" in m for m in logged)
     finally:
-        thawed(replica, RaceShards(PREFIX).race("r4").winner, "a1")
+        thawed(replica, driver.store.shards.race("r4").winner, "a1")
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     status, answer = apply_delivery(driver, "r4", "a1", {})  # and its next one
     assert status == 200 and "declared again" in answer["ignored"]
@@ -534,7 +534,7 @@ def test_the_janitor_claims_again_a_winner_whose_claim_a_failover_lost(replicate
     driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
     abandoned_with_a_winner(driver, cfg, "r5")
     published = len(effects.results)
-    client.delete(RaceShards(PREFIX).race("r5").winner)  # a failover kept the save, not the claim
+    client.delete(driver.store.shards.race("r5").winner)  # a failover kept the save, not the claim
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r5").action == "ended"
@@ -549,10 +549,10 @@ def test_the_janitor_follows_the_attempt_that_holds_the_claim(replicated):
     published = len(effects.results)
     # The claim names another attempt than the state (no step makes that: a failover's
     # leftovers), whose result is stored: that one is handed over, and only that one
-    client.set(RaceShards(PREFIX).race("r6").winner, "a1")
+    client.set(driver.store.shards.race("r6").winner, "a1")
     client.set(
-        result_key(RaceShards(PREFIX), "r6", "a1"),
-        client.get(result_key(RaceShards(PREFIX), "r6", "a2")),
+        result_key(driver.store.shards, "r6", "a1"),
+        client.get(result_key(driver.store.shards, "r6", "a2")),
     )
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
@@ -568,7 +568,7 @@ def test_the_janitor_fails_the_caller_when_the_claims_holder_has_no_result(repli
     driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
     abandoned_with_a_winner(driver, cfg, "r9")
     published = len(effects.results)
-    client.set(RaceShards(PREFIX).race("r9").winner, "a1")  # a holder whose result is gone
+    client.set(driver.store.shards.race("r9").winner, "a1")  # a holder whose result is gone
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     cleanup = janitor.clean("r9")
