@@ -10,9 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gpuhedge_celery.race.base import RaceParts
+from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch_batch import WatchBatch
 from gpuhedge_celery.store.race_keys import RaceShards, shard_of
+from gpuhedge_celery.store.races import RaceStore
 from gpuhedge_celery.store.timer_service import TimerServices
 from gpuhedge_celery.store.timers import RaceTimers, Timer, TimerStore
 from tests.support.waiting import wait_for
@@ -171,3 +174,10 @@ def test_a_batch_of_polls_on_several_shards_is_saved_in_one_round_trip_per_shard
         assert driver.store.load(race_id).version == versions[race_id] + 1
         assert len(watch_timers(driver, race_id)) == 1  # its next poll, on its shard
     assert effects.events.count("running") == len(races)
+
+
+def test_a_driver_whose_timers_are_sharded_unlike_its_races_is_refused(redis_client, prefix):
+    store = RaceStore(redis_client, RaceShards(prefix, count=SHARDS))
+    timers = RaceTimers(redis_client, RaceShards(prefix))  # one shard: its timers elsewhere
+    with pytest.raises(ValueError, match="race store shards .* differ from the timers'"):
+        RaceDriver(RaceParts(store, timers, {}.__getitem__, Recorder()))
