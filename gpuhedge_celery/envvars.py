@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .errors import ConfigError
-from .redis_url import with_sentinel_options
+from .redis_url import is_cluster, with_sentinel_options
 
 N = TypeVar("N", int, float)
 D = TypeVar("D")
@@ -118,6 +118,24 @@ def receipt_ttl_s(env: Mapping[str, str]) -> float:
 
 
 PLUGINS_VAR = "GPUHEDGE_PLUGINS"
+RACE_SHARDS_VAR = "GPUHEDGE_RACE_SHARDS"
+MAX_RACE_SHARDS = 64  # store/race_keys.py MAX_SHARDS (this module imports none of the package)
+CLUSTER_RACE_SHARDS = 12  # a Redis Cluster's default: 4 per primary of a 3-primary cluster
+
+
+def race_shards(env: Mapping[str, str]) -> int:
+    """``GPUHEDGE_RACE_SHARDS``: how many shards races and their timers are spread over; by
+    default 1, or ``CLUSTER_RACE_SHARDS`` when ``GPUHEDGE_REDIS_URL`` names a Redis Cluster."""
+    url = env.get(REDIS_URL_VAR) or DEFAULT_REDIS_URL
+    return env_number(
+        env,
+        RACE_SHARDS_VAR,
+        CLUSTER_RACE_SHARDS if is_cluster(url) else 1,
+        cast=int,
+        kind="a whole number",
+        valid=lambda v: 1 <= v <= MAX_RACE_SHARDS,
+        bound=f"a whole number from 1 to {MAX_RACE_SHARDS}",
+    )
 
 
 def race_values(env: Mapping[str, str]) -> dict[str, Any]:
@@ -140,6 +158,7 @@ def race_values(env: Mapping[str, str]) -> dict[str, Any]:
         event_linger_ms=_float(env, "GPUHEDGE_EVENT_LINGER_MS", 100.0, minimum=-1),
         ack_linger_ms=_float(env, "GPUHEDGE_ACK_LINGER_MS", 250.0, minimum=-1),
         timer_namespace=namespace,
+        race_shards=race_shards(env),
         launch_backstop_s=_float(env, "GPUHEDGE_LAUNCH_BACKSTOP_S", 60.0),
         timer_threads=_count(env, "GPUHEDGE_TIMER_THREADS", 16),
         timer_ahead_ms=int(_float(env, "GPUHEDGE_TIMER_AHEAD_MS", 25.0, minimum=-1)),

@@ -24,6 +24,7 @@ from . import envvars
 from .envvars import DEFAULT_PREFIX, DEFAULT_REDIS_URL, broker_prefix
 from .race.settings import RaceSettings
 from .shared_settings import Settings, redact_url, validate_redis_url
+from .store.race_keys import RaceShards
 from .tasks.config import GlueConfig
 from .tasks.message_signing import Signing
 from .webhooks.settings import WebhookSettings
@@ -100,6 +101,13 @@ class ProcessSettings:
         """``GPUHEDGE_RECEIPT_TTL_S`` alone (also Celery's result lifetime): an app that never
         runs a race is not refused for the race section's other variables."""
         return envvars.receipt_ttl_s(self.env)
+
+    def race_shards(self, prefix: str, redis_url: str | None = None) -> RaceShards:
+        """Where the races under ``prefix`` live (``GPUHEDGE_TIMER_NAMESPACE``,
+        ``GPUHEDGE_RACE_SHARDS``), for a process that reads races (callers, the CLI):
+        ``redis_url``, the Redis it was given, decides the count's default."""
+        env = self.env if redis_url is None else {**self.env, envvars.REDIS_URL_VAR: redis_url}
+        return RaceShards(prefix, self.race.timer_namespace, envvars.race_shards(env))
 
     @cached_property
     def pool_direct(self) -> bool:

@@ -42,10 +42,10 @@ from gpuhedge_celery.race.driver import RaceDriver  # noqa: E402
 from gpuhedge_celery.race.settings import RaceSettings  # noqa: E402
 from gpuhedge_celery.race.spec import build_spec  # noqa: E402
 from gpuhedge_celery.store.budget import BudgetStore  # noqa: E402
-from gpuhedge_celery.store.race_keys import ResultWrite  # noqa: E402
+from gpuhedge_celery.store.race_keys import RaceShards, ResultWrite  # noqa: E402
 from gpuhedge_celery.store.races import RaceStore  # noqa: E402
 from gpuhedge_celery.store.replicas import ReplicaAcks  # noqa: E402
-from gpuhedge_celery.store.timers import TimerStore  # noqa: E402
+from gpuhedge_celery.store.timers import RaceTimers  # noqa: E402
 
 CONFIG = """
 time_scale: 1.0
@@ -121,7 +121,7 @@ def driver_for(client: redis.Redis, prefix: str, acks: ReplicaAcks) -> tuple[Rac
     effects = Effects(client, prefix)
     parts = RaceParts(
         RaceStore(client, prefix, acks=acks),
-        TimerStore(client, prefix, "races"),
+        RaceTimers(client, RaceShards(prefix)),
         providers.__getitem__,
         effects,
         RaceSettings(events=False),

@@ -7,7 +7,8 @@ Redis at it (``GPUHEDGE_TEST_REDIS_URL``, a ``redis+cluster://`` URL: every clie
 builds from it is the cluster client of ``store/cluster.py``) and Celery's broker and results
 at a plain ``redis-server`` of their own (``GPUHEDGE_BROKER_URL``, as a cluster store requires),
 and runs the modules below, or those given, in the ``redis`` tier without Celery workers. A test
-that builds its own client with ``redis.Redis.from_url`` gets the cluster client too. Prints
+that builds its own client with ``redis.Redis.from_url`` gets the cluster client too. The
+tests' races run on ``GPUHEDGE_RACE_SHARDS`` race shards, by default a cluster's (12). Prints
 JSON: how many passed and failed, the failures grouped by kind (with a few tests of each), and
 for cross-slot pipelines the key pairs that met.
 
@@ -31,6 +32,7 @@ MODULES = [
     "tests/test_race_store.py",
     "tests/test_race_parts.py",
     "tests/test_races_driver.py",
+    "tests/test_race_timer_shards.py",
     "tests/test_race_stop.py",
     "tests/test_races_replica_wait.py",
     "tests/test_watch_batch.py",
@@ -122,14 +124,18 @@ def _pairs(text: str) -> str | None:
 
 def main(modules: list[str]) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
+    from gpuhedge_celery.envvars import REDIS_URL_VAR, race_shards
     from tests.support.redis_cluster import LocalCluster
     from tests.support.redis_server import start_redis_server
 
     broker = start_redis_server()
     with LocalCluster() as cluster, tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.jsonl"
+        # as many race shards as a deployment on this cluster would run (the tests' drivers)
+        shards = race_shards({**os.environ, REDIS_URL_VAR: cluster.url})
         env = {
             **os.environ,
+            "GPUHEDGE_RACE_SHARDS": str(shards),
             "GPUHEDGE_TEST_REDIS_URL": cluster.url,
             "GPUHEDGE_BROKER_URL": broker.url,
             RESULTS_VAR: str(results),
@@ -160,6 +166,7 @@ def main(modules: list[str]) -> dict[str, object]:
             if pair:
                 pairs[pair] += 1
     return {
+        "race_shards": shards,
         "tests": len(rows),
         "passed": outcomes["passed"],
         "failed": outcomes["failed"],

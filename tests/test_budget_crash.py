@@ -21,7 +21,7 @@ from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.janitor import Janitor, JanitorOptions
 from gpuhedge_celery.store.budget import BudgetStore
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
@@ -54,7 +54,7 @@ def test_the_janitor_settles_a_killed_workers_reservations(redis_url, tmp_path, 
         budget = RaceBudget(ledger, rc.config.budget)
         janitor = Janitor(
             rc.store,
-            TimerStore(rc.client, rc.prefix, "races"),
+            RaceTimers(rc.client, rc.store.shards),
             lambda name: rc.config.build(name, ledger=rc.ledger),
             BackendEffects(rc.app),
             JanitorOptions(stale_ms=300, coordinators_alive=lambda: False, budget=budget),

@@ -15,7 +15,7 @@ from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
-from gpuhedge_celery.store.race_keys import race_keys
+from gpuhedge_celery.store.race_keys import RaceShards
 from tests.test_races_driver import Recorder, build_driver
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,7 +101,7 @@ def test_the_first_submits_claim_rides_in_the_create_and_only_a_create_that_wins
     # A redelivered create loses to the first: it claims and reserves nothing, though the
     # claim and the reservation were in its pipeline. (Both made by the first are taken away,
     # so that one made now would show.)
-    redis_client.hdel(race_keys(prefix, "c1").jobs, "a1")
+    redis_client.hdel(RaceShards(prefix).race("c1").jobs, "a1")
     redis_client.delete(budget.keys.reservation("c1/a1"))
     redis_client.zrem(budget.keys.open, "c1/a1")
     entries = len(list(budget.entries()))

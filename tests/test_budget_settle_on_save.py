@@ -28,8 +28,7 @@ from gpuhedge_celery.store.race_keys import reservation_id
 from gpuhedge_celery.store.races import RaceStore, VersionConflict, new_save_id
 from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.store.scripts import run_pipeline
-from gpuhedge_celery.store.timers import TimerStore
-from tests.test_races_driver import Recorder, build_driver
+from tests.test_races_driver import Recorder, build_driver, race_stores
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -127,7 +126,7 @@ def test_a_step_on_a_stale_copy_settles_what_the_saved_race_implies(redis_client
     caps, ledger = BudgetCaps(ceiling_usd=1000), BudgetStore(redis_client, prefix)
     here, effects, cfg, _, providers = build_driver(redis_client, prefix, Recorder())
     other = RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        *race_stores(redis_client, prefix),
         providers.__getitem__, Recorder(), RaceSettings(),
     ))  # fmt: skip
     here.budget = other.budget = RaceBudget(ledger, caps)

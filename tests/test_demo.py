@@ -105,7 +105,7 @@ def test_demo_on_a_real_redis_leaves_only_its_receipts_with_a_ttl(private_redis,
     assert len(left) == races == report["cleanup"]["receipts_kept"], left
     assert report["cleanup"]["deleted"] > races  # everything else it wrote is gone
     for key in left:
-        assert key.startswith(f"{prefix}:race:{{") and key.endswith("}:receipt"), key
+        assert key.startswith(f"{prefix}:race:{{") and key.endswith(":receipt"), key
         assert 0 < client.pttl(key) <= RECEIPT_TTL_S * 1000, key
     # and each can be read as the demo says, by the short id watch shows
     race_id = report["scenarios"][0]["race_id"]

@@ -106,7 +106,7 @@ def check_races(cluster, outcomes, *, expect_all_won: bool) -> dict[str, int]:
         assert kind in ("won", "failed"), f"race {race_id}: .get() raised {kind}: {value}"
         counts[kind] += 1
         receipt = wait_until(lambda r=race_id: store.receipt(r), 60, what=f"receipt of {race_id}")
-        winner = cluster.client.get(f"{cluster.prefix}:race:{{{race_id}}}:winner")
+        winner = cluster.client.get(store.shards.race(race_id).winner)
         if kind == "won":
             assert value["attempt"] == receipt["winner"] == winner, (race_id, value, receipt)
         else:

@@ -19,7 +19,7 @@ from gpuhedge_celery.core.race import Race
 from gpuhedge_celery.core.receipts import CancelReceipt
 from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.race.janitor import ABANDONED_NOTE, Janitor, JanitorOptions, apply_cleanup
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
@@ -92,7 +92,7 @@ def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory, 
         for worker in rc.cluster.workers:
             worker.kill()
             worker.process.wait(10)
-        timers = TimerStore(rc.client, rc.prefix, "races")
+        timers = RaceTimers(rc.client, rc.store.shards)
         effects = BackendEffects(rc.app)
 
         def providers(name):
@@ -129,11 +129,11 @@ def test_janitor_ends_races_whose_workers_all_died(redis_url, tmp_path_factory, 
             "skipped: advanced since the scan",
         )
 
-        # The other race through the beat task on a fresh worker. It serves another timer
-        # namespace (shard), so nothing else will ever advance this race: only the janitor can.
-        rc.cluster.start_coordinator(
-            GPUHEDGE_TIMER_NAMESPACE="other-shard", GPUHEDGE_JANITOR_STALE_S="0.3"
-        )
+        # The other race through the beat task on a fresh worker. Its timers are gone (as with
+        # a Redis that lost them), so nothing else will ever advance it: only the janitor can.
+        keys = timers.of(via_task.id).keys
+        rc.client.delete(keys.due, keys.inflight, keys.data, keys.chains)
+        rc.cluster.start_coordinator(GPUHEDGE_JANITOR_STALE_S="0.3")
         report = rc.app.send_task("gpuhedge.janitor", queue="gpuhedge.coord").get(timeout=30)
         mine = [r for r in report["races"] if r["race_id"] == via_task.id]
         assert mine and mine[0]["action"] == "ended" and mine[0]["failed"] is True, report

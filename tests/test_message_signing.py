@@ -85,6 +85,7 @@ def test_signing_is_all_three_paths_or_none(tmp_path):
 
 
 def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, kombu_registry):
+    from gpuhedge_celery.store.race_keys import race_keys_pattern
     from gpuhedge_celery.store.races import RaceStore
     from gpuhedge_celery.tasks.app import create_app
 
@@ -161,7 +162,7 @@ def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, 
         store = RaceStore(cluster.client, cluster.prefix)
         for refused_id in (forged_id, rogue_id):
             assert store.receipt(refused_id) is None, f"{refused_id} ran"
-            assert not list(cluster.client.scan_iter(f"{cluster.prefix}:race:{{{refused_id}}}*"))
+            assert not list(cluster.client.scan_iter(race_keys_pattern(cluster.prefix, refused_id)))
             assert signed.AsyncResult(refused_id).state == "PENDING"
         assert worker.alive() and "Unrecoverable error" not in worker.log()
         # each refusal names the message's size, not its body (a caller's request)

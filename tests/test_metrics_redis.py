@@ -19,7 +19,7 @@ from gpuhedge_celery.metrics.definitions import REDIS_METRICS
 from gpuhedge_celery.metrics.redis_gauges import RedisGauges
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.store.budget import BudgetStore, budget_report
-from gpuhedge_celery.store.race_keys import live_races_key
+from gpuhedge_celery.store.race_keys import shard_indexes
 from gpuhedge_celery.store.timers import TimerStore
 from gpuhedge_celery.store.waiter import LeaseWaiter
 from tests.support.fixtures_leases import add_pool, wait_until
@@ -64,7 +64,7 @@ def test_gpus_by_state_waiters_races_and_timers(lease_store, redis_client, prefi
     timers = TimerStore(redis_client, prefix, "races")
     timers.arm("late", int((now - 2.0) * 1000), {"kind": "policy"})
     timers.arm("later", int((now + 60) * 1000), {"kind": "policy"})
-    live = live_races_key(prefix)
+    live = shard_indexes(prefix, "races").live
     redis_client.zadd(live, {"r-fresh": int(now * 1000), "r-old": int((now - 60) * 1000)})
     assert wait_until(lambda: not lease_store.host_live("h2"), 5)
 

@@ -11,10 +11,13 @@ import re
 from gpuhedge_celery import names
 from gpuhedge_celery.store.keys import Keys, all_keys
 from gpuhedge_celery.store.race_keys import (
+    RaceShards,
     budget_keys,
     race_key_head,
     race_key_part,
     race_keys,
+    race_keys_pattern,
+    shard_indexes,
     timer_keys,
 )
 
@@ -132,9 +135,17 @@ def test_the_names_every_deployment_and_other_apps_rely_on_are_unchanged():
         "p:stop:t", "p:janitor:lock", "p:reconcile:dead_since",
     )  # fmt: skip
     assert all_keys("p") == "p:*"
-    assert race_keys("p", "r1").receipt == "p:race:{r1}:receipt"
+    assert race_keys("p", "races", "r1").receipt == "p:race:{races}:r1:receipt"
+    assert RaceShards("p").race("r1").receipt == "p:race:{races}:r1:receipt"
+    assert RaceShards("p").index_of("r1") == shard_indexes("p", "races")
+    assert (shard_indexes("p", "races").live, shard_indexes("p", "races").records) == (
+        "p:{races}:live", "p:{races}:records",
+    )  # fmt: skip
     assert timer_keys("p", "races").due == "p:{races}:due"
     assert budget_keys("p").reservation("r/a") == "p:{budget}:res:r/a"
     assert race_key_head("p") == "p:race:{"
-    assert race_key_part("p", "p:race:{r1}:state") == ("r1", "state")
+    assert race_key_part("p", "p:race:{races}:r1:state") == ("r1", "state")
+    assert race_key_part("p", "p:race:{races-2.7}:a:b:owner_seq") == ("a:b", "owner_seq")
+    assert race_key_part("p", "p:race:{r1}:state") is None  # no race id
     assert race_key_part("p", "p:{races}:live") is None
+    assert race_keys_pattern("p", "ab") == "p:race:{*}:ab*"

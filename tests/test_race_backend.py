@@ -157,3 +157,14 @@ def test_a_pool_that_does_not_say_where_it_connects_is_never_the_same_database(b
     unknown.connection_pool.connection_kwargs.pop("host", None)
     assert not same_database(unknown, unknown)
     assert same_database(backend.client, backend.client)
+
+
+def test_a_store_on_a_redis_cluster_never_takes_the_caller_result_into_its_claim(backend):
+    """Celery's results live on a Redis of their own beside a cluster store: the claim keeps
+    to the race's slot and the backend writes the result after the save."""
+    from gpuhedge_celery.redis_url import parse_cluster_url
+    from gpuhedge_celery.store.cluster import ClusterClient
+
+    store_client = ClusterClient(None, parse_cluster_url("redis+cluster://127.0.0.1:7000"))
+    result = {"winner": "p", "attempt": "a1"}
+    assert backend.won_write("race-9", result, store_client) is None

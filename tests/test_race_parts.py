@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from gpuhedge_celery.store import race_parts
-from gpuhedge_celery.store.race_keys import race_keys
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.races import RaceStore, VersionConflict
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,7 +90,7 @@ def test_a_state_of_thousands_of_parts_is_saved_and_shrunk(redis_client, prefix)
     assert races.save("r1", many, 2) == 3  # a delta of 4,999 parts
     assert races.save("r1", few, 3) == 4  # a delta deleting them
     assert RaceStore(redis_client, prefix).load("r1").state == few
-    assert len(redis_client.hkeys(race_keys(prefix, "r1").state)) < 20
+    assert len(redis_client.hkeys(RaceShards(prefix).race("r1").state)) < 20
 
 
 def test_a_state_that_is_not_json_is_named_in_the_error():
@@ -122,7 +122,7 @@ def test_results_and_attempts_that_leave_the_state_leave_redis(redis_client, pre
     races = RaceStore(redis_client, prefix)
     races.create("r1", race_state(3, {"a0": {"ok": True}, "a1": {"ok": False}}))
     races.save("r1", race_state(1, {"a1": {"ok": False}}), 1)
-    fields = redis_client.hgetall(race_keys(prefix, "r1").state)
+    fields = redis_client.hgetall(RaceShards(prefix).race("r1").state)
     assert sorted(f for f in fields if f.startswith("p:a:") or f.startswith("p:x:")) == [
         "p:a:0",
         "p:x:a1",
@@ -156,7 +156,7 @@ def test_a_save_without_a_copy_writes_every_part_and_drops_the_rest(redis_client
     fresh = RaceStore(redis_client, prefix)  # never read it: no base, a full write
     assert fresh.save("r1", race_state(1), 1) == 2
     assert RaceStore(redis_client, prefix).load("r1").state == race_state(1)
-    fields = redis_client.hgetall(race_keys(prefix, "r1").state)
+    fields = redis_client.hgetall(RaceShards(prefix).race("r1").state)
     assert not [f for f in fields if f.startswith(("p:a:1", "p:a:2", "p:x:"))]
 
 
@@ -173,7 +173,7 @@ def test_a_save_from_a_copy_read_from_redis_sends_a_delta(counted, prefix):
 
 
 def test_a_state_saved_whole_by_an_older_version_is_read_and_replaced(redis_client, prefix):
-    key = race_keys(prefix, "r1").state
+    key = RaceShards(prefix).race("r1").state
     old = race_state(1)
     redis_client.hset(key, mapping={"v": 4, "s": "4:abc", "data": race_parts.codec.dumps(old)})
     races = RaceStore(redis_client, prefix)
@@ -207,7 +207,7 @@ def test_an_empty_state_is_a_state(redis_client, prefix):
 def test_a_whole_state_an_older_version_saved_over_the_parts_is_the_one_read(redis_client, prefix):
     """During a rolling upgrade an older worker saves the whole state (``data``) and leaves the
     parts: its state is the current one, and the next save here replaces both."""
-    key = race_keys(prefix, "r1").state
+    key = RaceShards(prefix).race("r1").state
     mine = RaceStore(redis_client, prefix)
     mine.create("r1", race_state(1))
     create_id = redis_client.hget(key, "s").split(":")[1]

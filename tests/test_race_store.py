@@ -13,7 +13,7 @@ import redis
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
 from gpuhedge_celery.store.race_copies import Copy
-from gpuhedge_celery.store.race_keys import race_keys
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.race_liveness import OwnershipLost
 from gpuhedge_celery.store.race_receipts import Finish
 from gpuhedge_celery.store.races import Keeping, RaceStore, VersionConflict, WinnerClaim
@@ -66,12 +66,11 @@ def test_a_conflict_whose_state_does_not_decode_leaves_the_read_to_the_caller(
     # refusal still raises VersionConflict, without a state, so the caller reads the race
     # itself (and meets the error there) instead of a decode error escaping a batch of saves.
     from gpuhedge_celery.store import race_parts
-    from gpuhedge_celery.store.race_keys import race_keys
 
     races.create("rb", {"race": {"attempts": [{"id": "a1"}, {"id": "a2"}]}})
     record = races.load("rb")
     races.save("rb", {"race": {"attempts": [{"id": "a1"}, {"id": "a2"}], "n": 1}}, 1)
-    redis_client.hdel(race_keys(prefix, "rb").state, f"{race_parts.ATTEMPT}1")
+    redis_client.hdel(RaceShards(prefix).race("rb").state, f"{race_parts.ATTEMPT}1")
     with pytest.raises(VersionConflict) as info:
         races.save("rb", {"race": {"attempts": []}}, record.version)
     assert (info.value.expected, info.value.current) == (1, 2)
@@ -109,7 +108,7 @@ def test_a_winner_claim_riding_in_a_save_claims_only_if_the_save_wins(races):
 def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
     races, redis_client, prefix
 ):
-    keys = race_keys(prefix, "r1")
+    keys = RaceShards(prefix).race("r1")
     races.create("r1", {"n": 0})
     redis_client.set(keys.request, "{}")
     races.add_job("r1", "a1", {"provider": "p", "job_id": "j1"})
@@ -151,7 +150,7 @@ def test_a_finish_riding_in_a_save_finishes_only_if_the_save_wins_and_once(
 def test_state_keys_expire_eventually(redis_client, prefix):
     store = RaceStore(redis_client, prefix, Keeping(state_ttl_s=120))
     store.create("r1", {})
-    assert 100_000 < redis_client.pttl(race_keys(prefix, "r1").state) <= 120_000
+    assert 100_000 < redis_client.pttl(RaceShards(prefix).race("r1").state) <= 120_000
 
 
 def _increment(url: str, prefix: str, race_id: str, times: int, barrier) -> None:
@@ -264,7 +263,7 @@ def test_ownership_lease_with_fencing_tokens(races):
 
 
 def test_owner_tokens_never_go_back_when_a_failover_loses_the_counter(races, redis_client, prefix):
-    keys = race_keys(prefix, "r")
+    keys = RaceShards(prefix).race("r")
     old = races.claim_owner("r", "coord-a", lease_ms=60_000)
     # a lossy failover: the new primary has neither the lease nor the counter's last writes
     redis_client.delete(keys.owner, keys.owner_seq)
@@ -280,13 +279,12 @@ def test_owner_tokens_never_go_back_when_a_failover_loses_the_counter(races, red
 
 
 def test_the_fencing_counter_expires_with_its_race_never_before_its_lease(redis_client, prefix):
-    from gpuhedge_celery.store.race_keys import race_keys
 
     races = RaceStore(redis_client, prefix, Keeping(receipt_ttl_s=60, state_ttl_s=3600))
     races.create("live", {"n": 1})
     races.claim_owner("live", "coord", lease_ms=1000)
-    seq = race_keys(prefix, "live").owner_seq
-    state_ttl = redis_client.pttl(race_keys(prefix, "live").state)
+    seq = RaceShards(prefix).race("live").owner_seq
+    state_ttl = redis_client.pttl(RaceShards(prefix).race("live").state)
     # as the state's: the script reads the state's PTTL and then sets the counter's, and Redis's
     # clock may tick a millisecond between the two, so the counter can outlive the state by
     # 1 ms (the safe side: a live race never sees its fencing counter start again)
@@ -294,9 +292,9 @@ def test_the_fencing_counter_expires_with_its_race_never_before_its_lease(redis_
     # a janitor claiming a race whose keys expired already (its finish dropped them): the
     # counter it creates must not stay for ever
     races.claim_owner("gone", "janitor", lease_ms=1000)
-    assert 59_000 < redis_client.pttl(race_keys(prefix, "gone").owner_seq) <= 60_000
+    assert 59_000 < redis_client.pttl(RaceShards(prefix).race("gone").owner_seq) <= 60_000
     races.claim_owner("brief", "janitor", lease_ms=90_000)  # never before the lease
-    assert redis_client.pttl(race_keys(prefix, "brief").owner_seq) > 89_000
+    assert redis_client.pttl(RaceShards(prefix).race("brief").owner_seq) > 89_000
 
 
 def test_stale_races_are_found_and_owned_or_fresh_ones_are_not(redis_client, prefix):
@@ -374,7 +372,7 @@ def test_finish_keeps_the_receipt_for_its_ttl_then_everything_expires(redis_clie
     assert races.finish("r", receipt, ttl_s=2.0) == 0  # long enough for a loaded machine
     assert races.receipt("r") == receipt
     assert races.last_seen_ms("r") is None  # nothing live left: out of the janitor's index
-    keys = race_keys(races.prefix, "r")
+    keys = RaceShards(races.prefix).race("r")
     assert 0 < redis_client.pttl(keys.receipt) <= 2000
     assert 0 < redis_client.pttl(keys.state) <= 2000
     wait_for(lambda: races.receipt("r") is None, 10, "the receipt to expire")
@@ -403,7 +401,7 @@ def test_the_request_is_stored_once_beside_the_state_and_dropped_at_finish(redis
     store = RaceStore(redis_client, prefix, Keeping(state_ttl_s=120))
     request = {"text": "x" * 10_000, "n": [1, 2]}
     assert store.create("r", {"phase": "primary"}, request) == 1
-    keys = race_keys(prefix, "r")
+    keys = RaceShards(prefix).race("r")
     assert store.load("r").state == {"phase": "primary"}  # not in the state steps rewrite
     assert redis_client.get(keys.request) == '{"text":"' + "x" * 10_000 + '","n":[1,2]}'
     assert 100_000 < redis_client.pttl(keys.request) <= 120_000
@@ -437,7 +435,7 @@ def test_finish_lists_the_race_among_the_recently_finished(redis_client, races, 
         races.finish(f"r{i}", {"race_id": f"r{i}"}, ttl_s=60)
     newest = [race_id for race_id, _ in recently_finished(races)]
     assert newest == ["r4", "r3", "r2"]  # the newest three, newest first
-    assert 0 < redis_client.pttl(races.finished_key) <= 60_000
+    assert 0 < redis_client.pttl(races.shards.index_of("r").finished) <= 60_000
     assert races_starting_with(races, "r") == ["r2", "r3", "r4"]  # the index answers first
     assert races_starting_with(races, "r0") == ["r0"]  # else the keys still in Redis
     assert races_starting_with(races, "nope") == []
@@ -456,7 +454,7 @@ def test_load_with_jobs_reads_state_and_jobs_together(races):
 def test_receipt_ttl_is_configurable(redis_client, prefix):
     store = RaceStore(redis_client, prefix, Keeping(receipt_ttl_s=300))
     store.put_receipt("r", {"ok": True})
-    assert 290_000 < redis_client.pttl(race_keys(prefix, "r").receipt) <= 300_000
+    assert 290_000 < redis_client.pttl(RaceShards(prefix).race("r").receipt) <= 300_000
     assert store.receipt("r") == {"ok": True}
     assert store.receipt("missing") is None
     with pytest.raises(ValueError, match="receipt_ttl_s"):
@@ -464,11 +462,6 @@ def test_receipt_ttl_is_configurable(redis_client, prefix):
 
 
 # -- keys and input ------------------------------------------------------------------------------
-
-
-def test_all_keys_of_a_race_share_one_cluster_slot(prefix):
-    keys = race_keys(prefix, "abc-123")
-    assert all("{abc-123}" in key for key in keys.all())
 
 
 @pytest.mark.parametrize("race_id", ["", "a{b}", "with space", "x" * 201])

@@ -20,7 +20,6 @@ from gpuhedge_celery.cli import cli
 from gpuhedge_celery.core.validators import validate
 from gpuhedge_celery.errors import ConfigError
 from gpuhedge_celery.race.settings import RaceSettings
-from gpuhedge_celery.store.race_keys import race_keys
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for, wait_until_subscribed
 
@@ -73,7 +72,7 @@ def test_a_request_over_the_size_limit_fails_at_once_and_submits_nothing(api_clu
     message = str(info.value)
     assert message.startswith("request: ") and "\n" not in message
     assert f"over the {limit:,}-byte limit (GPUHEDGE_REQUEST_MAX_BYTES)" in message
-    keys = race_keys(api_cluster.prefix, res.id)
+    keys = api_cluster.store.shards.race(res.id)
     assert api_cluster.store.load(res.id) is None  # no race, so no provider was called
     assert not api_cluster.client.exists(keys.request)
 
@@ -85,7 +84,7 @@ def test_a_large_request_is_stored_once_and_dropped_when_the_race_ends(api_clust
     sim = {"p": {"queue_s": 0, "run_s": 60}, "h": {"queue_s": 0, "run_s": 1, "outcome": "failed"}}
     request = {"text": "x" * (limit - 1000), "sim": sim}
     res = api_cluster.send(request)
-    keys = race_keys(api_cluster.prefix, res.id)
+    keys = api_cluster.store.shards.race(res.id)
     wait_for(lambda: api_cluster.store.load(res.id) is not None, 20, "the race to start")
     size = len(json.dumps(request, separators=(",", ":")))
     assert api_cluster.client.strlen(keys.request) == size  # compact JSON, once
@@ -110,7 +109,8 @@ def test_large_payload_comes_back_as_a_reference(api_cluster):
     res = api_cluster.send({"sim": {"p": {"queue_s": 0.5, "run_s": 1}}})
     result = res.get(timeout=20)
     assert "payload" not in result and result["payload_bytes"] > 1000
-    assert result["payload_ref"].startswith(f"{api_cluster.prefix}:race:{{{res.id}}}:")
+    state_key = api_cluster.store.shards.race(res.id).state  # the race's own keys hold it
+    assert result["payload_ref"].startswith(state_key.removesuffix("state"))
     payload = load_payload(result, redis_url=api_cluster.redis_url, prefix=api_cluster.prefix)
     assert validate("wav", payload).ok
 

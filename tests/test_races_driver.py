@@ -9,11 +9,13 @@ the caller hears of the winner once per claim.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from gpuhedge_celery.config import parse_config_text
 from gpuhedge_celery.core.jobs import JobHandle
+from gpuhedge_celery.envvars import race_shards
 from gpuhedge_celery.errors import StoreUnavailable
 from gpuhedge_celery.providers.simledger import RedisLedger, seq_key
 from gpuhedge_celery.race.attempts import SubmitHow
@@ -22,9 +24,9 @@ from gpuhedge_celery.race.base import JobRef, RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
-from gpuhedge_celery.store.race_keys import ResultWrite
+from gpuhedge_celery.store.race_keys import RaceShards, ResultWrite
 from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import TimerStore
+from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_races import RACE_CONFIG
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,17 +61,23 @@ class Recorder:
         self.events.append(name)
 
 
-def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG):
+def race_stores(redis_client, prefix, shards=None) -> tuple[RaceStore, RaceTimers]:
+    """A race store and its races' timers on ``shards`` race shards (None: as many as
+    ``GPUHEDGE_RACE_SHARDS`` says, so scripts/cluster_compat.py runs them on a cluster's)."""
+    layout = RaceShards(prefix, count=shards or race_shards(os.environ))
+    return RaceStore(redis_client, layout), RaceTimers(redis_client, layout)
+
+
+def build_driver(redis_client, prefix, effects, settings=None, config=RACE_CONFIG, shards=None):
     """A driver on the test config's sim providers (a Redis ledger) with ``effects``; returns
     the driver, the effects, the config, the ledger and the providers by name. ``config``:
-    another YAML text."""
+    another YAML text; ``shards``: how many race shards (see :func:`race_stores`)."""
     cfg = parse_config_text(config)
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     driver = RaceDriver(
         RaceParts(
-            RaceStore(redis_client, prefix),
-            TimerStore(redis_client, prefix, "races"),
+            *race_stores(redis_client, prefix, shards),
             providers.__getitem__,
             effects,
             settings or RaceSettings(),
@@ -259,18 +267,19 @@ def test_a_redelivered_submit_re_performs_what_a_dead_step_left_undone(setup, re
     driver.create("r8", SLOW, build_spec(cfg))
     driver.submit_attempt("r8", "a1")
     # the race's deadline, the hedge timer and the job's next watch poll
-    assert driver.timers.pending() == 3
+    timers = driver.timers.of("r8")
+    assert timers.pending() == 3
     # the worker died after saving AttemptSubmitted, before arming anything
-    redis_client.delete(driver.timers.keys.due, driver.timers.keys.data)
+    redis_client.delete(timers.keys.due, timers.keys.data)
     driver.submit_attempt("r8", "a1")  # the redelivery
-    assert driver.timers.pending() == 3
+    assert timers.pending() == 3
     assert driver.store.live_jobs("r8").keys() == {"a1"}
 
 
 def _another_process(redis_client, prefix, providers) -> RaceDriver:
     """A second driver on the same Redis, as another coordination worker would have."""
     return RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        *race_stores(redis_client, prefix),
         providers.__getitem__, Recorder(), RaceSettings(),
     ))  # fmt: skip
 
@@ -342,29 +351,31 @@ def test_a_redelivered_watch_poll_leaves_its_job_one_chain_of_polls(setup):
     driver.submit_attempt("rw2", "a1")
     time.sleep(0.05)  # the queued -> running poll is due
 
+    timers = driver.timers.of("rw2")
+
     def watch_ids():
-        keys = driver.timers.keys
-        ids = driver.timers.client.zrange(keys.due, 0, -1)
-        ids += driver.timers.client.zrange(keys.inflight, 0, -1)
+        keys = timers.keys
+        ids = timers.client.zrange(keys.due, 0, -1)
+        ids += timers.client.zrange(keys.inflight, 0, -1)
         return [t for t in ids if t.startswith("rw2:w:")]
 
     now = int(driver.clock.now() * 1000)
-    (first,) = [t for t in driver.timers.claim_due(now, 10, 50) if t.payload["kind"] == "watch"]
+    (first,) = [t for t in timers.claim_due(now, 10, 50) if t.payload["kind"] == "watch"]
     time.sleep(0.1)  # its claimer died: the lease runs out
     now = int(driver.clock.now() * 1000)
-    (again,) = [t for t in driver.timers.claim_due(now, 10, 10_000)
+    (again,) = [t for t in timers.claim_due(now, 10, 10_000)
                 if t.payload["kind"] == "watch"]  # fmt: skip
     assert again.id == first.id and again.deliveries == 2
     driver.on_timer(again)
-    driver.timers.ack(again)
+    timers.ack(again)
     assert len(watch_ids()) == 1, watch_ids()
 
 
 def _watch_timers(driver, race_id):
     """The ids of the race's watch polls waiting or in flight."""
-    keys = driver.timers.keys
-    ids = driver.timers.client.zrange(keys.due, 0, -1)
-    ids += driver.timers.client.zrange(keys.inflight, 0, -1)
+    timers = driver.timers.of(race_id)
+    ids = timers.client.zrange(timers.keys.due, 0, -1)
+    ids += timers.client.zrange(timers.keys.inflight, 0, -1)
     return sorted(t for t in ids if t.startswith(f"{race_id}:w:"))
 
 
@@ -382,12 +393,12 @@ def test_a_resume_arms_a_poll_only_for_a_job_whose_chain_of_polls_is_gone(setup)
     assert _watch_timers(driver, "rc1") == [chain]
     # its poll in flight (a claimer at work on it) is alive too
     now = int(driver.clock.now() * 1000) + 10_000
-    (claimed,) = [t for t in driver.timers.claim_due(now, 10, 10_000) if t.id == chain]
+    (claimed,) = [t for t in driver.timers.of("rc1").claim_due(now, 10, 10_000) if t.id == chain]
     driver.resume("rc1")
     assert _watch_timers(driver, "rc1") == [chain]
     # the chain lost (its poll dropped after its last failed delivery, or Redis lost it):
     # the resume arms a new one, once
-    assert driver.timers.ack(claimed)
+    assert driver.timers.of("rc1").ack(claimed)
     assert _watch_timers(driver, "rc1") == []
     driver.resume("rc1")
     (again,) = _watch_timers(driver, "rc1")
@@ -426,10 +437,10 @@ def test_reports_that_drop_a_backstop_survive_a_server_that_forgot_its_scripts(p
     failing = {"sim": {"p": {"outcome": "submit_error"}, "h": {"queue_s": 0, "run_s": 0}}}
     driver.create("s1", failing, build_spec(cfg, policy="hedge:p->h@10s"))
     key, due, payload, backstop = driver.submitter.launch_backstop("s1", "a1")
-    driver.timers.arm(key, due, payload, timer_id=backstop)  # as an inline launch does
+    driver.timers.of("s1").arm(key, due, payload, timer_id=backstop)  # as an inline launch does
     client.script_flush()
     driver.submit_attempt("s1", "a1", SubmitHow(decided_here=True, backstop=backstop))
-    assert driver.timers.due_time(backstop) is None  # dropped with the report
+    assert driver.timers.of("s1").due_time(backstop) is None  # dropped with the report
     assert effects.launched == [("s1", "a1"), ("s1", "a2")]  # its failure launched the hedge
     hedged = {"sim": {"p": {"queue_s": 0, "run_s": 100}, "h": {"queue_s": 0, "run_s": 0}}}
     driver.create("s2", hedged, build_spec(cfg, policy="hedge:p->h@0s"))
@@ -438,6 +449,6 @@ def test_reports_that_drop_a_backstop_survive_a_server_that_forgot_its_scripts(p
     assert effects.cancelled == [("s2", "a1")]
     client.script_flush()
     driver.cancel_attempt("s2", "a1")
-    assert driver.timers.due_time(cancel_backstop_id("s2", "a1")) is None
+    assert driver.timers.of("s2").due_time(cancel_backstop_id("s2", "a1")) is None
     assert driver.store.receipt("s2")["winner"] == "a2"
     assert "loser_cancelled" in effects.events

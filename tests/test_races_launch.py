@@ -64,13 +64,14 @@ def test_a_launch_arms_its_backstop_and_the_watched_submit_drops_it(setup):
     start(driver, cfg, "l1")
     assert effects.launched == [("l1", "a2")]  # the primary was submitted by create itself
     backstop = launch_backstop_id("l1", "a2")
-    due = driver.timers.due_time(backstop)
+    timers = driver.timers.of("l1")
+    due = timers.due_time(backstop)
     assert due is not None and abs(due / 1000 - (time.time() + 60)) < 5
     driver.submit_attempt("l1", "a2", SubmitHow(backstop=backstop))  # what the launch thread runs
     assert submits(ledger) == 1 and hedge(driver, "l1")["phase"] == "running"
-    assert driver.timers.due_time(backstop) is None  # dropped with the first watch poll's arm
+    assert timers.due_time(backstop) is None  # dropped with the first watch poll's arm
     watch = "l1:w:a2|"
-    waiting = driver.timers.client.zrange(driver.timers.keys.due, 0, -1)
+    waiting = timers.client.zrange(timers.keys.due, 0, -1)
     assert any(w.startswith(watch) for w in waiting), waiting
 
 
@@ -82,8 +83,9 @@ def test_the_attempt_create_submits_itself_gets_no_launch_backstop(setup):
     start(driver, cfg, "l0")
     primary = driver.store.load("l0").state["race"]["attempts"][0]
     assert submits(ledger, "p") == 1 and primary["phase"] == "running"
-    assert driver.timers.due_time(launch_backstop_id("l0", "a1")) is None
-    assert driver.timers.due_time(launch_backstop_id("l0", "a2")) is not None  # launched here
+    timers = driver.timers.of("l0")
+    assert timers.due_time(launch_backstop_id("l0", "a1")) is None
+    assert timers.due_time(launch_backstop_id("l0", "a2")) is not None  # launched here
     assert effects.launched == [("l0", "a2")]
 
 
@@ -126,7 +128,8 @@ def test_a_submit_in_flight_elsewhere_is_left_to_it_and_looked_at_again_after_it
     fire_backstop(driver, "l4")
     assert submits(ledger) == 0 and hedge(driver, "l4")["phase"] == "launching"
     again = f"{launch_backstop_id('l4', 'a2')}|"
-    waiting = [w for w in driver.timers.client.zrange(driver.timers.keys.due, 0, -1)]
+    timers = driver.timers.of("l4")
+    waiting = [w for w in timers.client.zrange(timers.keys.due, 0, -1)]
     rearmed = [w for w in waiting if w.startswith(again)]
     assert len(rearmed) == 1 and abs(int(rearmed[0].rsplit("|", 1)[1]) / 1000 - (now + 5)) < 1
 
@@ -172,7 +175,7 @@ def test_a_submit_that_returns_after_its_attempt_ended_cancels_its_job(setup):
         time.sleep(0.01)
     assert not sim_job_running(providers["h"], handle.to_dict())
     assert ledger.get(f"sim:cancel:h:{handle.job_id}")  # stopped by its native cancel
-    assert driver.timers.due_time(launch_backstop_id("l7", "a2")) is None
+    assert driver.timers.of("l7").due_time(launch_backstop_id("l7", "a2")) is None
 
 
 def test_a_watch_reports_a_job_whose_submit_report_was_lost(setup):
@@ -214,7 +217,7 @@ def test_a_launch_from_a_stale_copy_finds_the_job_another_process_submitted(
         "l10", "a2", SubmitHow(backstop=launch_backstop_id("l10", "a2"), decided_here=True)
     )
     assert submits(ledger) == 1 and hedge(driver, "l10")["phase"] == "running"
-    assert driver.timers.due_time(launch_backstop_id("l10", "a2")) is None
+    assert driver.timers.of("l10").due_time(launch_backstop_id("l10", "a2")) is None
 
 
 def test_a_launch_resumed_where_the_race_was_last_saved_before_it_keeps_its_backstop(
@@ -237,11 +240,11 @@ def test_a_launch_resumed_where_the_race_was_last_saved_before_it_keeps_its_back
         is None
     )
     backstop = launch_backstop_id("l12", "a2")
-    assert driver.timers.due_time(backstop) is not None
+    assert driver.timers.of("l12").due_time(backstop) is not None
     driver.submit_attempt(
         "l12", "a2", SubmitHow(backstop=backstop, decided_here=True)
     )  # a resumed launch
-    assert driver.timers.due_time(backstop) is not None  # left to finish the launch
+    assert driver.timers.of("l12").due_time(backstop) is not None  # left to finish the launch
     assert submits(ledger) == 0 and hedge(driver, "l12")["phase"] == "launching"
 
 

@@ -13,6 +13,7 @@ from gpuhedge_celery.core.validators import validate
 from gpuhedge_celery.race import load_payload
 from gpuhedge_celery.race.receipt import PAYLOAD_INLINE, result_key
 from gpuhedge_celery.store import codec
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.tasks.result import RaceResult
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
@@ -35,7 +36,9 @@ def test_the_payload_is_stored_once_and_the_caller_gets_it_inline(race_cluster):
     result = res.get(timeout=20)
     assert result["winner"] == "p" and validate("wav", result["payload"]).ok
     assert "payload_ref" not in result and PAYLOAD_INLINE not in result
-    stored = codec.loads(rc.client.get(result_key(rc.prefix, res.id, result["attempt"])))
+    stored = codec.loads(
+        rc.client.get(result_key(RaceShards(rc.prefix), res.id, result["attempt"]))
+    )
     assert stored["payload"] == result["payload"]
     # the same result, key for key and in order, through hedged_infer's own AsyncResult
     again = RaceResult(res.id, app=rc.app).get(timeout=20)
@@ -43,7 +46,7 @@ def test_the_payload_is_stored_once_and_the_caller_gets_it_inline(race_cluster):
     # Celery's result key refers to the stored result instead of holding a second copy
     meta_key = rc.app.backend.get_key_for_task(res.id).decode()
     raw = codec.loads(rc.client.get(meta_key))["result"]
-    ref = result_key(rc.prefix, res.id, result["attempt"])
+    ref = result_key(RaceShards(rc.prefix), res.id, result["attempt"])
     assert raw["payload_ref"] == ref and raw[PAYLOAD_INLINE] is True
     assert raw["payload_bytes"] == codec.size(result["payload"])
     assert "payload" not in raw and rc.client.strlen(meta_key) < 2_000
@@ -63,12 +66,12 @@ def test_an_expired_payload_reads_back_as_a_reference(race_cluster):
     rc = race_cluster
     res = rc.send(FAST)
     result = res.get(timeout=20)
-    rc.client.delete(result_key(rc.prefix, res.id, result["attempt"]))
+    rc.client.delete(result_key(RaceShards(rc.prefix), res.id, result["attempt"]))
     meta = rc.app.backend.get_task_meta(res.id)
     assert meta["status"] == "SUCCESS"
     late = meta["result"]
     assert "payload" not in late and PAYLOAD_INLINE not in late
-    assert late["payload_ref"] == result_key(rc.prefix, res.id, result["attempt"])
+    assert late["payload_ref"] == result_key(RaceShards(rc.prefix), res.id, result["attempt"])
     assert late["payload_bytes"] == codec.size(result["payload"])
     with pytest.raises(LookupError, match="expired"):
         load_payload(late, redis_url=rc.redis_url, prefix=rc.prefix)
@@ -86,7 +89,9 @@ def test_the_reference_is_a_setting_and_small_payloads_stay_inline():
     small = {"race_id": "r", "attempt": "a1", "payload": "x" * 100}
     on = CeleryEffects(RaceSettings(), prefix="p")
     stored = on._to_store(_Backend(), "r", big)
-    assert stored["payload_ref"] == result_key("p", "r", "a1") and "payload" not in stored
+    assert (
+        stored["payload_ref"] == result_key(RaceShards("p"), "r", "a1") and "payload" not in stored
+    )
     assert on._to_store(_Backend(), "r", small) == small
     assert on._to_store(object(), "r", big) == big  # a backend that cannot read it back
     off = CeleryEffects(RaceSettings.from_env({"GPUHEDGE_PAYLOAD_BY_REF": "0"}), prefix="p")

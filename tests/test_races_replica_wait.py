@@ -39,7 +39,7 @@ from gpuhedge_celery.race.receipt import result_key
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch_batch import WatchBatch
 from gpuhedge_celery.store.budget import BudgetStore
-from gpuhedge_celery.store.race_keys import SaveMark, race_keys
+from gpuhedge_celery.store.race_keys import RaceShards, SaveMark
 from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 from gpuhedge_celery.store.replicas import NotAcknowledged, ReplicaAcks
 from gpuhedge_celery.webhooks.apply import apply_delivery
@@ -229,7 +229,7 @@ def test_the_janitor_hands_over_no_winner_the_replicas_do_not_hold(lone):
 
 def test_a_claim_whose_save_was_lost_is_not_confirmed(lone):
     store = RaceStore(lone, PREFIX, acks=SHORT)
-    state_key = race_keys(PREFIX, "gone").state
+    state_key = RaceShards(PREFIX).race("gone").state
     ridden = WinnerClaim(won=True, winner="a1", first=True)
     with pytest.raises(NotAcknowledged, match="no longer in Redis"):
         store.confirm_winner("gone", "a1", SaveMark(state_key, "3:lost"), ridden, 0)
@@ -238,7 +238,8 @@ def test_a_claim_whose_save_was_lost_is_not_confirmed(lone):
 
 def tell_timers(driver, race_id: str) -> list[str]:
     """The ids of the race's tell timers waiting."""
-    ids = driver.timers.client.zrange(driver.timers.keys.due, 0, -1)
+    timers = driver.timers.of(race_id)
+    ids = timers.client.zrange(timers.keys.due, 0, -1)
     return [t for t in ids if t.startswith(f"{race_id}|tell|")]
 
 
@@ -247,7 +248,7 @@ def fire(driver, kind: str, race_id: str) -> None:
     now = int(time.time() * 1000) + 3_600_000
     found = [
         t
-        for t in driver.timers.claim_due(now, 100, 10_000)
+        for t in driver.timers.of(race_id).claim_due(now, 100, 10_000)
         if t.payload["kind"] == kind and t.payload["race"] == race_id
     ]
     assert found, f"no {kind} timer of {race_id}"
@@ -383,7 +384,7 @@ def test_a_frozen_replica_holds_the_winner_back_until_it_answers_again(replicate
         os.kill(replica.process.pid, signal.SIGCONT)
     follower = client_of(replica)
     deadline = time.monotonic() + 10
-    while follower.get(race_keys(PREFIX, "r1").winner) != "a1":  # it catches up
+    while follower.get(driver.store.shards.race("r1").winner) != "a1":  # it catches up
         assert time.monotonic() < deadline, "the thawed replica never got the claim"
         time.sleep(0.02)
     driver.store.acks = ReplicaAcks(
@@ -461,12 +462,12 @@ def test_a_winner_the_replicas_held_late_is_told_by_the_tell_timer(replicated):
             driver.submit_attempt("r1", "a1")
         # the same step finished the race: out of the live index, the janitor never sees it
         assert driver.store.receipt("r1")["finished"] is True
-        assert client.zscore(driver.store.live_key, "r1") is None
+        assert client.zscore(driver.store.shards.index_of("r1").live, "r1") is None
         assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|0"]
         fire(driver, "tell", "r1")  # still frozen: told again later
         assert effects.results == [] and tell_timers(driver, "r1") == ["r1|tell|1"]
     finally:
-        thawed(replica, race_keys(PREFIX, "r1").winner, "a1")
+        thawed(replica, driver.store.shards.race("r1").winner, "a1")
     driver.store.acks = ReplicaAcks(
         1, 2000, **COUNTED
     )  # a loaded machine's replica may answer slowly
@@ -521,7 +522,7 @@ def test_a_webhook_retry_declares_a_winner_the_replicas_did_not_hold_at_first(re
         logged = [r.getMessage() for r in caplog.records if r.name.endswith("webhooks.apply")]
         assert len(logged) == 2 and all("not held by the Redis replicas" in m for m in logged)
     finally:
-        thawed(replica, race_keys(PREFIX, "r4").winner, "a1")
+        thawed(replica, driver.store.shards.race("r4").winner, "a1")
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     status, answer = apply_delivery(driver, "r4", "a1", {})  # and its next one
     assert status == 200 and "declared again" in answer["ignored"]
@@ -533,7 +534,7 @@ def test_the_janitor_claims_again_a_winner_whose_claim_a_failover_lost(replicate
     driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
     abandoned_with_a_winner(driver, cfg, "r5")
     published = len(effects.results)
-    client.delete(race_keys(PREFIX, "r5").winner)  # a failover kept the save, not the claim
+    client.delete(driver.store.shards.race("r5").winner)  # a failover kept the save, not the claim
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r5").action == "ended"
@@ -548,8 +549,11 @@ def test_the_janitor_follows_the_attempt_that_holds_the_claim(replicated):
     published = len(effects.results)
     # The claim names another attempt than the state (no step makes that: a failover's
     # leftovers), whose result is stored: that one is handed over, and only that one
-    client.set(race_keys(PREFIX, "r6").winner, "a1")
-    client.set(result_key(PREFIX, "r6", "a1"), client.get(result_key(PREFIX, "r6", "a2")))
+    client.set(driver.store.shards.race("r6").winner, "a1")
+    client.set(
+        result_key(driver.store.shards, "r6", "a1"),
+        client.get(result_key(driver.store.shards, "r6", "a2")),
+    )
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     assert janitor.clean("r6").action == "ended"
@@ -564,7 +568,7 @@ def test_the_janitor_fails_the_caller_when_the_claims_holder_has_no_result(repli
     driver, effects, cfg, ledger = replicated_driver(client, ReplicaAcks())
     abandoned_with_a_winner(driver, cfg, "r9")
     published = len(effects.results)
-    client.set(race_keys(PREFIX, "r9").winner, "a1")  # a holder whose result is gone
+    client.set(driver.store.shards.race("r9").winner, "a1")  # a holder whose result is gone
     driver.store.acks = ReplicaAcks(1, 2000, **COUNTED)
     janitor = janitor_of(driver, ledger, cfg, effects)
     cleanup = janitor.clean("r9")
@@ -684,7 +688,7 @@ def test_a_failure_is_decided_for_the_caller_only_once_the_replicas_hold_the_dec
     teller.join(10)
     assert decided == ["failed"]
     follower = client_of(replica)
-    assert follower.hget(race_keys(PREFIX, "d1").state, "told") == "failed"
+    assert follower.hget(RaceShards(PREFIX).race("d1").state, "told") == "failed"
     follower.close()
     # a winner decided after it is refused, and needs no wait of its own
     assert store.tell_once("d1", "won") == "failed"

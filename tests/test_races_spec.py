@@ -111,6 +111,9 @@ def test_settings_defaults_and_values():
         ({"GPUHEDGE_PLUGINS": "not a module"}, "GPUHEDGE_PLUGINS: expected a module path"),
         ({"GPUHEDGE_TIMER_NAMESPACE": "a b"}, "GPUHEDGE_TIMER_NAMESPACE: expected letters"),
         ({"GPUHEDGE_ACK_LINGER_MS": "-5"}, "GPUHEDGE_ACK_LINGER_MS: expected a number"),
+        ({"GPUHEDGE_RACE_SHARDS": "65"}, "GPUHEDGE_RACE_SHARDS: expected a whole number from 1 to"),
+        ({"GPUHEDGE_RACE_SHARDS": "0"}, "GPUHEDGE_RACE_SHARDS: expected a whole number from 1 to"),
+        ({"GPUHEDGE_RACE_SHARDS": "2.5"}, "GPUHEDGE_RACE_SHARDS: expected a whole number"),
     ],
 )
 def test_settings_errors_name_the_variable(env, fragment):
@@ -169,3 +172,25 @@ def test_the_packaged_default_injects_no_faults_and_the_demo_does():
     cheap, steady = default.provider("sim-cheap").spec, default.provider("sim-steady").spec
     slowest = 10 + cheap.slow.queue_s.b + cheap.slow.run_s.b + steady.longest_job_s()
     assert longest_race_s(default, slack_s=0) == pytest.approx(slowest)
+
+
+@pytest.mark.parametrize(
+    ("env", "shards"),
+    [
+        ({}, 1),
+        ({"GPUHEDGE_REDIS_URL": "redis://h:6379/0"}, 1),
+        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000,h2:7001/0"}, 12),
+        ({"GPUHEDGE_REDIS_URL": "rediss+cluster://h1:7000/0"}, 12),
+        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000/0", "GPUHEDGE_RACE_SHARDS": "3"}, 3),
+        ({"GPUHEDGE_RACE_SHARDS": "64"}, 64),
+    ],
+)
+def test_race_shards_default_to_one_and_to_twelve_on_a_cluster(env, shards):
+    assert RaceSettings.from_env(env).race_shards == shards
+
+
+def test_the_shard_bound_is_the_key_layouts():
+    from gpuhedge_celery import envvars
+    from gpuhedge_celery.store.race_keys import MAX_SHARDS
+
+    assert envvars.MAX_RACE_SHARDS == MAX_SHARDS

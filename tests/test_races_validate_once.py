@@ -16,6 +16,7 @@ from gpuhedge_celery.race.base import JobRef
 from gpuhedge_celery.race.receipt import load_attempt_result, result_key
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store import codec
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.races import RaceStore
 from tests.test_races_driver import FAST, Recorder, build_driver
 
@@ -42,7 +43,7 @@ def test_a_winning_result_is_validated_once_and_stored_with_its_verdict(setup):
     driver.submit_attempt("v1", "a1")  # submits, polls at once: terminal, concluded inline
     assert len(CALLS) == 1
     [result] = effects.results
-    stored = load_attempt_result(driver.store.client, driver.prefix, "v1", "a1")
+    stored = load_attempt_result(driver.store.client, RaceShards(driver.prefix), "v1", "a1")
     assert stored["verdict"]["ok"] is True and stored["verdict"]["reasons"] == []
     assert stored["verdict"]["details"]["duration_s"] == pytest.approx(1.0)
     assert stored["payload_bytes"] == codec.size(stored["payload"])
@@ -51,11 +52,11 @@ def test_a_winning_result_is_validated_once_and_stored_with_its_verdict(setup):
     assert summary["valid"] is True and "payload" not in summary
 
     # A second watch's answer for the ended attempt: not decoded, not stored again.
-    driver.store.client.delete(result_key(driver.prefix, "v1", "a1"))
+    driver.store.client.delete(result_key(RaceShards(driver.prefix), "v1", "a1"))
     handle = JobHandle.from_dict(driver.store.receipt("v1")["attempts"][0]["handle"])
     driver.conclude(JobRef("v1", "a1", "p", handle.to_dict(), 180.0))
     assert len(CALLS) == 1
-    assert not driver.store.client.exists(result_key(driver.prefix, "v1", "a1"))
+    assert not driver.store.client.exists(result_key(RaceShards(driver.prefix), "v1", "a1"))
     assert len(effects.results) == 1
 
 
@@ -66,7 +67,7 @@ def test_an_invalid_result_is_validated_once_and_not_stored(setup):
     driver.submit_attempt("v2", "a1")
     assert len(CALLS) == 1
     assert effects.results == [] and len(effects.failures) == 1
-    assert not driver.store.client.exists(result_key(driver.prefix, "v2", "a1"))
+    assert not driver.store.client.exists(result_key(RaceShards(driver.prefix), "v2", "a1"))
     summary = driver.store.load("v2").state["results"]["a1"]
     assert summary["valid"] is False and any("near-silent" in r for r in summary["reasons"])
 
@@ -101,5 +102,5 @@ def test_a_step_retried_after_a_version_conflict_does_not_send_the_result_again(
     driver.conclude(JobRef("v3", "a1", "p", handle.to_dict(), 180.0), None, result)
     assert queued == [1, 0]  # the result rode in the conflicting save only
     assert [r["payload"] for r in effects.results] == [payload]
-    stored = load_attempt_result(driver.store.client, driver.prefix, "v3", "a1")
+    stored = load_attempt_result(driver.store.client, RaceShards(driver.prefix), "v3", "a1")
     assert stored["payload"] == payload and stored["verdict"]["ok"] is True

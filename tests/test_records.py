@@ -11,6 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from gpuhedge_celery import settings
 from gpuhedge_celery.cli import cli
 from gpuhedge_celery.commands.records import BadInput, parse_time
 from gpuhedge_celery.errors import ConfigError
@@ -68,7 +69,8 @@ def finish_fast_race(redis_client, prefix, race_id, records_maxlen=100_000):
     """Run one zero-latency race to its end; return the driver's store and the counter."""
     counting = CountingClient(redis_client)
     driver, effects, cfg, _, _ = build_driver(counting, prefix, Recorder())
-    driver.store = RaceStore(counting, prefix, Keeping(records_maxlen=records_maxlen))
+    keeping = Keeping(records_maxlen=records_maxlen)
+    driver.store = RaceStore(counting, driver.store.shards, keeping)
     driver.create(race_id, FAST, build_spec(cfg))
     counting.round_trips, counting.pipelined = 0, []
     driver.submit_attempt(race_id, "a1")  # submits, polls: terminal, concluded, finished inline
@@ -121,7 +123,7 @@ def test_the_stream_is_capped_approximately(redis_client, prefix):
     stream = RecordStream(redis_client, prefix, maxlen=100)
     pipe = redis_client.pipeline(transaction=False)
     for i in range(1000):
-        stream.queue_append(pipe, {"kind": "race", "race_id": f"r{i}"})
+        stream.queue_append(pipe, f"r{i}", {"kind": "race", "race_id": f"r{i}"})
     pipe.execute()
     # MAXLEN ~ trims whole stream nodes (100 entries each by default): at least 100 are kept,
     # never much more, and the newest survive.
@@ -132,7 +134,7 @@ def test_the_stream_is_capped_approximately(redis_client, prefix):
 def test_read_pages_through_a_time_window(redis_client, prefix):
     stream = RecordStream(redis_client, prefix)
     for i, ms in enumerate((1000, 2000, 2000, 3000, 4000)):
-        redis_client.xadd(stream.key, {"r": json.dumps({"n": i})}, id=f"{ms}-{i}")
+        redis_client.xadd(stream.keys[0], {"r": json.dumps({"n": i})}, id=f"{ms}-{i}")
     every = [r["n"] for _, r in stream.read(page=2)]
     assert every == [0, 1, 2, 3, 4]
     assert [r["n"] for _, r in stream.read(2000, 3000, page=1)] == [1, 2, 3]
@@ -141,10 +143,11 @@ def test_read_pages_through_a_time_window(redis_client, prefix):
 
 
 def test_export_writes_jsonl_between_since_and_until(redis_url, redis_client, prefix):
-    stream = RecordStream(redis_client, prefix)
+    shards = settings.current().race_shards(prefix, redis_url)  # where the CLI reads them
+    stream = RecordStream(redis_client, prefix, shards=shards)
     # 2026-07-12T12:00:00Z is epoch 1783857600
     for i, s in enumerate((1783857599, 1783857600, 1783857660, 1783857720)):
-        redis_client.xadd(stream.key, {"r": json.dumps({"n": i})}, id=f"{s * 1000}-0")
+        redis_client.xadd(stream.keys[0], {"r": json.dumps({"n": i})}, id=f"{s * 1000}-0")
     base = ["--redis-url", redis_url, "--prefix", prefix, "records", "export"]
     result = CliRunner().invoke(cli, base, catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -21,10 +21,8 @@ from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch import DECISION_LEAD_S
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import TimerStore
 from tests.support.fixtures_races import RACE_CONFIG
-from tests.test_races_driver import Recorder
+from tests.test_races_driver import Recorder, race_stores
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +59,7 @@ def driver(redis_client, prefix):
     ledger = RedisLedger(redis_client, prefix)
     providers = {name: cfg.build(name, ledger=ledger) for name in cfg.providers}
     providers["p"] = Paced(providers["p"])
-    store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
+    store, timers = race_stores(redis_client, prefix)
     d = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings()))
     d.cfg, d.paced, d.client = cfg, providers["p"], redis_client
     return d
@@ -70,11 +68,12 @@ def driver(redis_client, prefix):
 def watch_timer(d, race_id):
     """(due epoch s, payload) of the race's pending watch timer, taken (as a firing process
     would: the next one armed is then the only one)."""
-    data = d.client.hgetall(d.timers.keys.data)
+    keys = d.timers.of(race_id).keys
+    data = d.client.hgetall(keys.data)
     found = [json.loads(v) for v in data.values() if json.loads(v)["payload"]["race"] == race_id]
     found = [t for t in found if t["payload"]["kind"] == "watch"]
     assert len(found) == 1, found
-    d.client.delete(d.timers.keys.due, d.timers.keys.data)
+    d.client.delete(keys.due, keys.data)
     return found[0]["due"] / 1000.0, found[0]["payload"]
 
 

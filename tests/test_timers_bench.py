@@ -54,6 +54,19 @@ def test_bench_timers_threads_option_reaches_the_services(redis_url, prefix):
     assert out["results"][1]["killed"] == 1
 
 
+def test_bench_timers_spread_over_shards_fire_every_timer_once(redis_url, prefix):
+    env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
+    args = ("bench", "timers", "--json", "--timers", "60", "--window", "0.5", "--lease-ms", "300")
+    proc = run_cli(*args, "--shards", "3", "--threads", "4", env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["setup"]["shards"] == 3
+    for row in out["results"]:
+        assert row["shards"] == 3
+        assert row["fired"] == 60 and row["lost"] == 0  # the killed row too
+    assert out["results"][1]["killed"] == 1
+
+
 def test_bench_timers_rejects_zero_threads(redis_url):
     proc = run_cli("bench", "timers", "--threads", "0", env={"GPUHEDGE_REDIS_URL": redis_url})
     assert proc.returncode == 2 and "--threads" in proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from gpuhedge_celery.store.connection import redis_from_url
 from gpuhedge_celery.store.timer_service import TimerService
 from gpuhedge_celery.store.timers import Timer, TimerStore
 from tests.support.waiting import wait_for
@@ -44,7 +45,7 @@ class Recorder:
 
 def _serve_into_file(url: str, prefix: str, path: str, lease_ms: int) -> None:
     """Child process: fire timers, appending ``id deliveries`` lines to ``path`` (unbuffered)."""
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = redis_from_url(url, decode_responses=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
     def handler(timer: Timer) -> None:
@@ -56,7 +57,7 @@ def _serve_into_file(url: str, prefix: str, path: str, lease_ms: int) -> None:
 
 def _claim_then_hang(url: str, prefix: str, lease_ms: int, claimed) -> None:
     """Child process: a service whose handler hangs, so its claimed timers stay in flight."""
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = redis_from_url(url, decode_responses=True)
 
     def handler(timer: Timer) -> None:
         claimed.set()
@@ -67,7 +68,7 @@ def _claim_then_hang(url: str, prefix: str, lease_ms: int, claimed) -> None:
 
 
 def _arm_and_die(url: str, prefix: str, due_ms: int) -> None:
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = redis_from_url(url, decode_responses=True)
     TimerStore(client, prefix).arm("orphan|safety", due_ms, {"from": "dead armer"})
     os._exit(0)
 

@@ -150,7 +150,7 @@ def test_receipt_by_prefix_says_when_a_prefix_is_ambiguous_or_unknown(watch_clus
     code, out, err = receipt("zz" + base)
     assert code == 1 and "no race 'zz" in err and "no race id starts with it" in err
     # found by the SCAN fallback once the index no longer lists it
-    rc.client.zrem(rc.store.finished_key, ids[2])
+    rc.client.zrem(rc.store.shards.index_of(ids[2]).finished, ids[2])
     code, out, _ = receipt(f"{base}-2")
     assert code == 0 and json.loads(out)["race_id"] == ids[2]
     code, out, err = receipt(base[:14] + "-x")  # nothing starts with it: the SCAN finds none
@@ -262,14 +262,13 @@ def test_a_race_whose_state_hash_holds_only_its_deadline_shows_as_expired(redis_
     """What is left when the state expired and a late caller's deadline write made the hash
     again: no version, so no state; the race shows with its live job, not an error."""
     from gpuhedge_celery.commands.watch import snapshot
-    from gpuhedge_celery.store.race_keys import race_keys
     from gpuhedge_celery.store.races import RaceStore
 
     store = RaceStore(redis_client, prefix)
-    keys = race_keys(prefix, "r-gone")
+    keys = store.shards.race("r-gone")
     redis_client.hset(keys.state, "deadline", "123.0")
     redis_client.hset(keys.jobs, "a1", json.dumps({"provider": "p", "job_id": "j1"}))
-    redis_client.zadd(store.live_key, {"r-gone": 1})
+    redis_client.zadd(store.shards.index_of("r-gone").live, {"r-gone": 1})
     rows = snapshot(store)["races"]
     assert [r["race_id"] for r in rows] == ["r-gone"]
     assert rows[0]["status"] == "expired"

@@ -22,11 +22,10 @@ from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.race.watch_batch import WatchBatch
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timer_service import TimerService
+from gpuhedge_celery.store.timer_service import TimerService, TimerServices
 from gpuhedge_celery.store.timers import TimerStore
 from tests.support.waiting import wait_for
-from tests.test_races_driver import Recorder, build_driver
+from tests.test_races_driver import Recorder, build_driver, race_stores
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,9 +52,10 @@ def claim_watches(driver, count, timeout=5.0):
 
     def enough():
         now = int(driver.clock.now() * 1000)
-        for timer in driver.timers.claim(now, 100, 10_000).timers:
-            if timer.payload["kind"] == "watch":
-                held.append(timer)
+        for timers in driver.timers.stores:  # every race shard's
+            for timer in timers.claim(now, 100, 10_000).timers:
+                if timer.payload["kind"] == "watch":
+                    held.append(timer)
         return len(held) >= count
 
     wait_for(enough, timeout, f"{count} due watch timers")
@@ -64,8 +64,8 @@ def claim_watches(driver, count, timeout=5.0):
 
 def watch_timers(driver, race_id):
     """The ids of the race's armed watch timers (one per watched job, never two)."""
-    keys = driver.timers.keys
-    return [t for t in driver.timers.client.zrange(keys.due, 0, -1) if f"{race_id}:w:" in t]
+    timers = driver.timers.of(race_id)
+    return [t for t in timers.client.zrange(timers.keys.due, 0, -1) if f"{race_id}:w:" in t]
 
 
 def handled(batch, timers):
@@ -96,8 +96,9 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
     trips = RoundTrips(monkeypatch)
     batch = WatchBatch(driver)
     assert handled(batch, timers) == []  # nothing handed back
-    # the sim's ledger read for all twelve polls, then every save, heartbeat and next arm
-    assert trips.count == 2
+    # the sim's ledger read for all twelve polls, then every save, heartbeat and next arm (a
+    # pipeline per race shard)
+    assert trips.count == 1 + shards_of(driver, races)
     for r in races:
         record = driver.store.load(r)
         assert record.version == versions[r] + 1
@@ -105,6 +106,11 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
         assert len(watch_timers(driver, r)) == 1  # the next poll, once
     assert effects.events.count("running") == len(races)
     assert (batch.batches, batch.polls) == (1, len(races))
+
+
+def shards_of(driver, races) -> int:
+    """How many race shards ``races`` are on (a batch writes one pipeline per shard)."""
+    return len({driver.timers.shards.tag_of(r) for r in races})
 
 
 def started_and_due(driver, cfg, races):
@@ -139,7 +145,8 @@ def test_a_batch_whose_answer_was_lost_is_sent_again_with_the_same_ids(setup, mo
     monkeypatch.setattr(wb, "run_pipeline", lost_once)
     monkeypatch.setattr(wb, "WRITE_RETRY_INTERVAL_S", 0.01)
     assert handled(WatchBatch(driver), timers) == []
-    assert len(calls) == 2  # sent again: the saves answer "saved" (their ids), not a conflict
+    # sent again: the saves answer "saved" (their ids), not a conflict
+    assert len(calls) == 1 + shards_of(driver, races)
     _assert_stepped_once(driver, effects, races, versions)
 
 
@@ -180,7 +187,7 @@ def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatc
     ]
     trips = RoundTrips(monkeypatch)
     assert handled(WatchBatch(driver), timers) == []
-    assert trips.count == 2
+    assert trips.count == 1 + shards_of(driver, ["u1", "u2"])
     for r in ("u1", "u2"):
         assert driver.store.load(r).version == versions[r]  # nothing saved
         assert len(watch_timers(driver, r)) == 1  # the next poll, at the job's end
@@ -206,7 +213,7 @@ def test_a_save_that_lost_its_version_check_is_stepped_again_from_redis(
     (timer,) = claim_watches(driver, 1)
     # another process saves the race after this one did: its copy here is now stale
     other = RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        *race_stores(redis_client, prefix),
         providers.__getitem__, Recorder(), RaceSettings(),
     ))  # fmt: skip
     other.store.update("c1", lambda state: {**state, "note": "moved on"})
@@ -265,13 +272,14 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
     start(driver, cfg, races, {"sim": {"p": {"queue_s": 2, "run_s": 10}}})
     # a process claims the due polls with a 300 ms lease, then dies before handling them
     time.sleep(0.05)
-    lost = [t for t in driver.timers.claim_due(int(driver.clock.now() * 1000), 100, 300)
+    now = int(driver.clock.now() * 1000)
+    lost = [t for timers in driver.timers.stores for t in timers.claim_due(now, 100, 300)
             if t.payload["kind"] == "watch"]  # fmt: skip
     assert len(lost) == len(races)
     # another process (no copy of any race) runs the batched loop
     effects = Recorder()
     other = RaceDriver(RaceParts(
-        RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races"),
+        *race_stores(redis_client, prefix),
         providers.__getitem__, effects, RaceSettings(),
     ))  # fmt: skip
     batch, redelivered = WatchBatch(other), []
@@ -284,7 +292,7 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
 
         batch.handle(due, recording)
 
-    service = TimerService(other.timers, other.on_timer, threads=4, batch_handler=handle)
+    service = TimerServices(other.timers.stores, other.on_timer, threads=4, batch_handler=handle)
     service.start()
     try:
         # (a redelivered timer also resumes its race: the same result may be marked twice)

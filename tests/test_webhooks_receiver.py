@@ -20,15 +20,13 @@ from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import TimerStore
 from gpuhedge_celery.webhooks import token as tokens
 from gpuhedge_celery.webhooks.app import WebhookApp
 from gpuhedge_celery.webhooks.apply import apply_delivery
 from gpuhedge_celery.webhooks.settings import WebhookSettings
 from tests.support.runpod_fake import KEY, FakeRunpod
 from tests.support.webhook_server import Served
-from tests.test_races_driver import Recorder
+from tests.test_races_driver import Recorder, race_stores
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +218,7 @@ def race_env(runpod_fake, redis_client, prefix):
                      lambda r, a, b: apply_delivery(holder["driver"], r, a, b))  # fmt: skip
     served = Served(app)
     hooks = WebhookSettings(f"{served.url}/hooks", SECRET, fallback_s=30.0)
-    store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
+    store, timers = race_stores(redis_client, prefix)
     driver = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
                         webhooks=hooks))  # fmt: skip
     holder["driver"] = driver
@@ -259,7 +257,7 @@ def test_a_webhook_wins_the_race_with_one_status_read_that_verifies_it(race_env)
 
 
 def watch_due(d, race_id):
-    data = d.client.hgetall(d.timers.keys.data)
+    data = d.client.hgetall(d.timers.of(race_id).keys.data)
     found = [json.loads(v) for v in data.values()]
     return [t["due"] / 1000.0 for t in found
             if t["payload"]["race"] == race_id and t["payload"]["kind"] == "watch"]  # fmt: skip

@@ -28,13 +28,11 @@ from gpuhedge_celery.race.base import RaceParts
 from gpuhedge_celery.race.driver import RaceDriver
 from gpuhedge_celery.race.settings import RaceSettings
 from gpuhedge_celery.race.spec import build_spec
-from gpuhedge_celery.store.races import RaceStore
-from gpuhedge_celery.store.timers import TimerStore
 from gpuhedge_celery.webhooks import token as tokens
 from gpuhedge_celery.webhooks.settings import WebhookSettings
 from tests.support.runpod_fake import KEY, FakeRunpod, default_config
 from tests.support.webhook_server import free_port
-from tests.test_races_driver import Recorder
+from tests.test_races_driver import Recorder, race_stores
 from tests.test_webhooks_receiver import CONFIG, request, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
@@ -108,7 +106,7 @@ def two(runpod_fake, redis_url, redis_client, prefix, tmp_path):
     cfg = parse_config_text(config.read_text())
     providers = {"rp": cfg.build("rp", env={"RUNPOD_TEST_KEY": KEY}, limiter=LocalLimiter())}
     hooks = WebhookSettings(f"{receivers.url}/hooks", SECRET, fallback_s=30.0)
-    store, timers = RaceStore(redis_client, prefix), TimerStore(redis_client, prefix, "races")
+    store, timers = race_stores(redis_client, prefix)
     driver = RaceDriver(RaceParts(store, timers, providers.__getitem__, Recorder(), RaceSettings(),
                         webhooks=hooks))  # fmt: skip
     driver.cfg, driver.fake, driver.receivers = cfg, runpod_fake, receivers

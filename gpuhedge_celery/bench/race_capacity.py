@@ -27,7 +27,6 @@ from typing import Any
 
 from redis.crc import key_slot
 
-from ..store.race_keys import race_keys
 from . import redis_probe
 from ._procs import cpu_s as _cpu_s
 from ._procs import rss_bytes as _rss_bytes
@@ -236,7 +235,7 @@ def capacity_row(
     pending = set(ids)
     while pending and time.monotonic() < deadline:
         pending = still_missing(
-            bench.client, pending, lambda race_id: race_keys(bench.prefix, race_id).receipt
+            bench.client, pending, lambda race_id: bench.store.shards.race(race_id).receipt
         )
         if len(pending) > peak:
             peak = len(pending)

@@ -4,10 +4,10 @@ Races with a given request size run on the bench's real workers (policy ``hedge:
 primary runs 3 H, the hedge launched at H wins at 2 H and the primary is cancelled). The row
 samples Redis three times: while the primary runs alone (hedge timer armed), while both
 attempts run, and once every race has finished. Each time it reads ``MEMORY USAGE key SAMPLES
-0`` of every key that names a race (``race:{id}:*`` and Celery's ``celery-task-meta-<id>``),
-grouped by what the key is, and ``INFO memory``'s ``used_memory`` growth over the baseline
-(which also counts what races share: the timer and heartbeat sets, broker messages), each
-divided by the races in that phase.
+0`` of every key that names a race (``race:{<shard>}:<id>:*`` and Celery's
+``celery-task-meta-<id>``), grouped by what the key is, and ``INFO memory``'s ``used_memory``
+growth over the baseline (which also counts what races share: the timer and heartbeat sets,
+broker messages), each divided by the races in that phase.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections import defaultdict
 from typing import Any
 
 from ..store.keys import all_keys
-from ..store.race_keys import race_keys
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -28,7 +27,7 @@ def _kind(key: str, race_id: str) -> str:
     """What a key of race ``race_id`` holds: ``state``, ``jobs``, ``result``, ``celery-meta``..."""
     if "celery-task-meta-" in key:
         return "celery-meta"
-    tail = key.split(f"{{{race_id}}}:", 1)[-1]
+    tail = key.split(f"}}:{race_id}:", 1)[-1]
     return tail.split(":", 1)[0]
 
 
@@ -108,7 +107,7 @@ def memory_row(bench: Any, races: int, request_bytes: int, scale: float) -> dict
     for want, at in (("primary_running", 0.5), ("both_running", 1.5)):
         time.sleep(max(0.0, t0 + at * hedge_s + sent_s - time.monotonic()))
         phases[want] = sample(bench, ids, used0, want)
-        request_size = request_size or bench.client.strlen(race_keys(bench.prefix, ids[0]).request)
+        request_size = request_size or bench.client.strlen(bench.store.shards.race(ids[0]).request)
     for race_id in ids:
         bench.app.AsyncResult(race_id).get(timeout=60 + 4 * hedge_s)
     deadline = time.monotonic() + 60

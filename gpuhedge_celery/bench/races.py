@@ -179,7 +179,9 @@ class Bench:
 
         self.app = create_app(GlueConfig.from_env(self.env))
         self.client = redis_from_url(self.redis_url, decode_responses=True)
-        self.store = RaceStore(self.client, self.prefix)
+        self.store = RaceStore(
+            self.client, ProcessSettings.from_env(self.env).race_shards(self.prefix)
+        )  # the shards the workers put races on
         self.ledger = RedisLedger(self.client, self.prefix)
         self.config = load_config(str(config))
 

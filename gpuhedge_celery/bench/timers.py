@@ -5,11 +5,13 @@ each armed 50 ms to 10 s before it is due (races of 5-30 s arm timers that far a
 number waiting at once is ``pending_peak``), while ``--concurrency`` processes run a
 :class:`TimerService` whose handler appends ``id due fired deliveries`` to a per-process file
 (unbuffered, so the lines of a killed process survive); ``--threads`` is each service's number
-of handler threads (1: handlers run one after another in the service thread). Lag is fire time
-minus due time. The ``kill`` row SIGKILLs one firing process half-way through; its claimed
-timers must fire elsewhere after their lease (``lost`` must be 0; ``duplicates`` counts timers
-whose handler ran in the killed process just before it died and ran again elsewhere: delivery
-is at least once).
+of handler threads (1: handlers run one after another in the service thread). With
+``--shards`` the races' timers are spread over that many race shards (a namespace each, as
+``GPUHEDGE_RACE_SHARDS`` spreads a deployment's) and each process runs one service per shard,
+sharing its ``--threads``. Lag is fire time minus due time. The ``kill`` row SIGKILLs one
+firing process half-way through; its claimed timers must fire elsewhere after their lease
+(``lost`` must be 0; ``duplicates`` counts timers whose handler ran in the killed process just
+before it died and ran again elsewhere: delivery is at least once).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any, cast
 import click
 
 from ..store.connection import client_for, ping, translate_errors
-from ..store.timer_service import TimerService
-from ..store.timers import Timer, TimerStore
+from ..store.race_keys import MAX_SHARDS, RaceShards
+from ..store.timer_service import TimerServices
+from ..store.timers import RaceTimers, Timer, TimerStore
 
 _NAMES = ("hedge", "cutover", "safety")
 
@@ -45,6 +48,7 @@ def _serve(
     stop: str,
     hang: str,
     threads: int = 1,
+    shards: int = 1,
 ) -> None:
     """A firing process: fire until told to stop, then append its CPU seconds.
 
@@ -63,8 +67,8 @@ def _serve(
             time.sleep(3600)
         os.write(fd, f"{timer.id} {timer.due_ms} {fired:.3f} {timer.deliveries}\n".encode())
 
-    store = TimerStore(client, prefix, namespace)
-    service = TimerService(store, handler, lease_ms=lease_ms, threads=threads)
+    timers = RaceTimers(client, RaceShards(prefix, namespace, shards))
+    service = TimerServices(timers.stores, handler, lease_ms=lease_ms, threads=threads)
     service.start()
     # A stop file, not a multiprocessing.Event: Event.set() blocks forever once a process
     # that was waiting on it has been SIGKILLed (its condition waits for every sleeper).
@@ -82,15 +86,14 @@ def _redis_cpu_s(client: Any) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _bytes_per_timer(client: Any, store: TimerStore) -> float | None:
-    """Redis memory of the due ZSET and the record hash, per waiting timer (all elements)."""
+def _bytes_per_timer(client: Any, timers: RaceTimers) -> float | None:
+    """Redis memory of the due ZSETs and the record hashes, per waiting timer (all elements)."""
+    keys = [k for store in timers.stores for k in (store.keys.due, store.keys.data)]
     with translate_errors():
-        waiting = client.zcard(store.keys.due)
+        waiting = timers.pending()
         if not waiting:
             return None
-        used = sum(
-            client.memory_usage(key, samples=0) or 0 for key in (store.keys.due, store.keys.data)
-        )
+        used = sum(client.memory_usage(key, samples=0) or 0 for key in keys)
     return round(used / waiting, 1)
 
 
@@ -122,11 +125,12 @@ def run_row(
     lease_ms: int,
     kill: bool,
     threads: int = 1,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """Run one row of the benchmark and return its measured figures."""
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     client = client_for(url)
-    store = TimerStore(client, prefix, namespace)
+    timers = RaceTimers(client, RaceShards(prefix, namespace, shards))
     workdir = Path(tempfile.mkdtemp(prefix="gpuhedge-bench-timers-"))
     ctx = multiprocessing.get_context("fork")
     stop = str(workdir / "stop")
@@ -135,7 +139,17 @@ def run_row(
     procs = [
         ctx.Process(
             target=_serve,
-            args=(url, prefix, namespace, str(p), lease_ms, stop, hang if i == 0 else "", threads),
+            args=(
+                url,
+                prefix,
+                namespace,
+                str(p),
+                lease_ms,
+                stop,
+                hang if i == 0 else "",
+                threads,
+                shards,
+            ),
         )
         for i, p in enumerate(paths)
     ]
@@ -166,16 +180,19 @@ def run_row(
         next_sample = 0.0
         while i < len(plan):
             now = time.time() * 1000
-            batch = []
+            batches: dict[TimerStore, list[tuple[str, int, dict[str, Any]]]] = {}
             while i < len(plan) and plan[i][0] <= now:
-                batch.append((plan[i][1], plan[i][2], {"race": plan[i][1].split("|")[0]}))
+                race = plan[i][1].split("|")[0]
+                batches.setdefault(timers.of(race), []).append(
+                    (plan[i][1], plan[i][2], {"race": race})
+                )
                 i += 1
-            if batch:
-                store.arm_many(batch)
-                if bytes_per_timer is None:  # after the first (largest) batch: near the peak
-                    bytes_per_timer = _bytes_per_timer(client, store)
+            for store, armed in batches.items():  # each shard's in one round trip, on its slot
+                store.arm_many(armed)
+            if batches and bytes_per_timer is None:  # after the first (largest) batch
+                bytes_per_timer = _bytes_per_timer(client, timers)
             if now >= next_sample:
-                pending_peak = max(pending_peak, store.pending())
+                pending_peak = max(pending_peak, timers.pending())
                 next_sample = now + 100
             killed = killed or kill_if_hung()
             time.sleep(0.002)
@@ -183,7 +200,7 @@ def run_row(
         deadline = time.monotonic() + (plan[-1][2] - time.time() * 1000) / 1000 + 1.0
         if kill:
             deadline += lease_ms / 1000 + 5
-        while time.monotonic() < deadline and (store.pending() or store.in_flight()):
+        while time.monotonic() < deadline and (timers.pending() or timers.in_flight()):
             killed = killed or kill_if_hung()
             time.sleep(0.05)
         time.sleep(0.3)
@@ -213,8 +230,9 @@ def run_row(
                 first[timer_id] = (fired, fired - due, int(deliveries))
     shutil.rmtree(workdir, ignore_errors=True)
     with translate_errors(url):
-        k = store.keys
-        client.delete(k.due, k.inflight, k.data, k.deliveries, k.seq)
+        for store in timers.stores:  # one slot each: one delete per shard
+            k = store.keys
+            client.delete(k.due, k.inflight, k.data, k.deliveries, k.seq, k.chains)
     lags = [lag for _, lag, _ in first.values()]
     plain = [lag for _, lag, d in first.values() if d == 1]
     return {
@@ -222,6 +240,7 @@ def run_row(
         "races": (n + 2) // 3,
         "processes": processes,
         "threads": threads,
+        "shards": shards,
         "window_s": window_s,
         "lease_ms": lease_ms,
         "killed": killed,
@@ -256,8 +275,20 @@ def run_row(
     default=1,
     help="Handler threads per firing process (TimerService threads).",
 )
+@click.option(
+    "--shards",
+    type=click.IntRange(1, MAX_SHARDS),
+    default=1,
+    help="Race shards the timers are spread over (a timer service per shard in each process).",
+)
 def command(
-    as_json: bool, n: int | None, concurrency: int, window: float, lease_ms: int, threads: int
+    as_json: bool,
+    n: int | None,
+    concurrency: int,
+    window: float,
+    lease_ms: int,
+    threads: int,
+    shards: int,
 ):
     """Firing lag p50/p99 of durable timers with many races, and with a claimer killed."""
     settings = click.get_current_context().find_root().obj.settings
@@ -269,13 +300,21 @@ def command(
     results = []
     for timers, processes, kill in rows:
         row = run_row(
-            settings.redis_url, settings.prefix, timers, processes, window, lease_ms, kill, threads
+            settings.redis_url,
+            settings.prefix,
+            timers,
+            processes,
+            window,
+            lease_ms,
+            kill,
+            threads,
+            shards,
         )
         results.append(row)
         if not as_json:
             click.echo(
                 f"timers={row['timers']} processes={row['processes']} "
-                f"threads={row['threads']} killed={row['killed']}: "
+                f"threads={row['threads']} shards={row['shards']} killed={row['killed']}: "
                 f"lag p50 {row['lag_p50_ms']} ms, p99 {row['lag_p99_ms']} ms, "
                 f"max {row['lag_max_ms']} ms; fired {row['fired']}, lost {row['lost']}, "
                 f"duplicates {row['duplicates']}, redelivered {row['redelivered']}"
@@ -284,6 +323,7 @@ def command(
         setup = {
             "concurrency": concurrency,
             "threads": threads,
+            "shards": shards,
             "window_s": window,
             "lease_ms": lease_ms,
         }

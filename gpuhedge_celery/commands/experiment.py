@@ -124,10 +124,13 @@ def redis_now_ms() -> int:
 def collect_records(race_ids: list[str], since_ms: int) -> dict[str, dict[str, Any]]:
     """The latest record of each race, read from the records stream (waits for late ones)."""
     from ..cli import cli_redis_client, root_settings
+    from ..settings import current
     from ..store.connection import translate_errors
     from ..store.records import RecordStream
 
-    stream = RecordStream(cli_redis_client(), root_settings().prefix)
+    root = root_settings()
+    shards = current().race_shards(root.prefix, root.redis_url)  # every shard's stream
+    stream = RecordStream(cli_redis_client(), root.prefix, shards=shards)
     wanted, found = set(race_ids), {}
     deadline = time.monotonic() + RECORD_WAIT_S
     with translate_errors():

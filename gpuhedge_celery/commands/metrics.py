@@ -42,8 +42,9 @@ def command() -> None:
     "--timer-namespace",
     "namespaces",
     multiple=True,
-    default=("races",),
-    help="Durable-timer namespace to report (GPUHEDGE_TIMER_NAMESPACE); repeat for several.",
+    default=(),
+    help="Durable-timer namespace to report; repeat for several (default: every race shard's, "
+    "from GPUHEDGE_TIMER_NAMESPACE and GPUHEDGE_RACE_SHARDS).",
 )
 def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> None:
     """Serve the gauges Redis holds on /metrics, read at each scrape, until interrupted."""
@@ -51,17 +52,20 @@ def serve(port: int, addr: str, stale_s: float, namespaces: tuple[str, ...]) -> 
     from ..errors import ConfigError
     from ..metrics.exposition import INSTALL_HINT, make_http_server
     from ..metrics.redis_gauges import RedisGauges
+    from ..settings import current
 
     try:
         from prometheus_client import CollectorRegistry
     except ImportError:
         raise ConfigError(f"metrics need prometheus_client: {INSTALL_HINT}") from None
     cfg = root_config()  # its budget caps and providers (the budget gauges)
+    root = root_settings()
     try:
         collector = RedisGauges(
             cli_redis_client(),
-            root_settings().prefix,
-            namespaces=namespaces,
+            root.prefix,
+            namespaces=namespaces or None,
+            shards=current().race_shards(root.prefix, root.redis_url),
             stale_s=stale_s,
             budget=cfg.budget,
             providers=list(cfg.providers),

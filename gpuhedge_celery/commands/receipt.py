@@ -21,9 +21,12 @@ from ..errors import ConfigError, GpuHedgeError
 def _store() -> Any:
     """A race store for the CLI (fails fast when Redis is down)."""
     from ..cli import cli_redis_client, root_settings
+    from ..settings import current
     from ..store.races import RaceStore
 
-    return RaceStore(cli_redis_client(), root_settings().prefix)
+    root = root_settings()
+    shards = current().race_shards(root.prefix, root.redis_url)
+    return RaceStore(cli_redis_client(), shards)
 
 
 def _when(epoch_s: float | None) -> str:

@@ -59,6 +59,7 @@ def command() -> None:
 )
 def export(since: str | None, until: str | None) -> None:
     """Write the stream's records as JSONL to stdout (oldest first; a count to stderr)."""
+    from ..settings import current
     from ..store import codec
     from ..store.records import RecordStream
 
@@ -66,7 +67,9 @@ def export(since: str | None, until: str | None) -> None:
     until_s = None if until is None else parse_time(until, "--until")
     if since_s is not None and until_s is not None and until_s < since_s:
         raise BadInput(f"--until {until!r} is before --since {since!r}")
-    stream = RecordStream(cli_redis_client(), root_settings().prefix)
+    root = root_settings()
+    shards = current().race_shards(root.prefix, root.redis_url)  # every shard's stream
+    stream = RecordStream(cli_redis_client(), root.prefix, shards=shards)
     out = sys.stdout
     count = 0
     for _, record in stream.read(
@@ -77,4 +80,4 @@ def export(since: str | None, until: str | None) -> None:
         out.write("\n")
         count += 1
     out.flush()
-    click.echo(f"exported {count} record(s) from {stream.key}", err=True)
+    click.echo(f"exported {count} record(s) from {', '.join(stream.keys)}", err=True)

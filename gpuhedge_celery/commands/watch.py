@@ -1,11 +1,12 @@
 """``gpuhedge-celery watch [--once] [--json]``: a live terminal table of hedged races in flight.
 
 Reads what any coordinator writes to Redis, so it watches the whole deployment from anywhere:
-the heartbeat index (``<prefix>:{races}:live``) lists the races (with ``--all``, also the
-recently finished ones of ``<prefix>:{races}:finished``), each race's state gives its
-attempts (provider, phase, last provider state), pending policy timers and winner, and its live
-job index and cancel receipts give the leaks. ``--once`` prints one snapshot (for scripts and
-tests); without it the table is redrawn in place every ``--interval`` seconds until Ctrl-C.
+the heartbeat indexes of every race shard (``<prefix>:{<shard>}:live``) list the races (with
+``--all``, also the recently finished ones of ``<prefix>:{<shard>}:finished``), each race's
+state gives its attempts (provider, phase, last provider state), pending policy timers and
+winner, and its live job index and cancel receipts give the leaks. ``--once`` prints one
+snapshot (for scripts and tests); without it the table is redrawn in place every
+``--interval`` seconds until Ctrl-C.
 Exit codes: 0 ok, 2 bad option, 3 Redis unreachable.
 """
 
@@ -23,9 +24,12 @@ from ..store.timers import as_text
 def _store() -> Any:
     """A race store for the CLI (fails fast when Redis is down)."""
     from ..cli import cli_redis_client, root_settings
+    from ..settings import current
     from ..store.races import RaceStore
 
-    return RaceStore(cli_redis_client(), root_settings().prefix)
+    root = root_settings()
+    shards = current().race_shards(root.prefix, root.redis_url)
+    return RaceStore(cli_redis_client(), shards)
 
 
 def _row(
@@ -89,30 +93,34 @@ def _row(
 def snapshot(store: Any, limit: int = 100, *, include_finished: bool = False) -> dict[str, Any]:
     """The races of the heartbeat index (most recent first) as JSON-ready rows; with
     ``include_finished`` also the recently finished ones (their receipts' index)."""
-    from ..store.race_keys import race_keys
     from ..store.race_lookup import recently_finished
     from ..store.race_parts import decode_fields, field
     from ..store.timers import store_errors
 
     now = time.time()
+    latest: dict[str, int] = {}
     with store_errors("reading races in flight"):
-        live = store.client.zrevrange(store.live_key, 0, limit - 1, withscores=True)
-    latest = {as_text(race_id): int(score) for race_id, score in live}
+        for index in store.shards.indexes:  # every shard's heartbeat index
+            live = store.client.zrevrange(index.live, 0, limit - 1, withscores=True)
+            latest.update((as_text(race_id), int(score)) for race_id, score in live)
     if include_finished:
         for race_id, finished_ms in recently_finished(store, limit):
             latest[race_id] = max(latest.get(race_id, 0), finished_ms)
     found = sorted(latest.items(), key=lambda item: item[1], reverse=True)[:limit]
+    answers: dict[str, list[Any]] = {}
     with store_errors("reading races in flight"):
-        pipe = store.client.pipeline(transaction=False)
-        for race_id, _ in found:
-            keys = race_keys(store.prefix, race_id)
-            pipe.hgetall(keys.state)
-            pipe.hgetall(keys.jobs)
-            pipe.exists(keys.receipt)
-        answers = pipe.execute()
+        for group in store.shards.by_shard(r for r, _ in found).values():  # a pipeline a slot
+            pipe = store.client.pipeline(transaction=False)
+            for race_id in group:
+                keys = store.shards.race(race_id)
+                pipe.hgetall(keys.state)
+                pipe.hgetall(keys.jobs)
+                pipe.exists(keys.receipt)
+            replies = pipe.execute()
+            answers.update((r, replies[3 * i : 3 * i + 3]) for i, r in enumerate(group))
     rows = []
-    for i, (race_id, score) in enumerate(found):
-        fields, jobs, done = answers[3 * i : 3 * i + 3]
+    for race_id, score in found:
+        fields, jobs, done = answers[race_id]
         has_state = fields and field(fields, "v") is not None  # else: expired
         state = decode_fields(fields) if has_state else None
         if state is None and not jobs:

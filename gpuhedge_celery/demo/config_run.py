@@ -274,7 +274,8 @@ def run_config_demo(
         from ..store.races import RaceStore
         from ..tasks.races import hedged_infer
 
-        store = RaceStore(client_for(redis_url), prefix)
+        shards = process_settings.current().race_shards(prefix, redis_url)
+        store = RaceStore(client_for(redis_url), shards)
         workers.wait_ready()
         echo(f"coordination worker ready after {time.monotonic() - t0:.1f} s\n")
         echo(f"== {races} races, all in flight at once (times in simulated seconds) ==")

@@ -27,12 +27,14 @@ def records_report(
     """Print the report table of the races recorded under ``prefix``; return its rows (JSON)."""
     from ..commands.report import finite_json, format_table, write_plots
     from ..core.report import RequestSet, summarise
+    from ..settings import current
     from ..store.connection import client_for
     from ..store.records import RecordStream
 
-    stream = RecordStream(client_for(redis_url), prefix)
+    shards = current().race_shards(prefix, redis_url)  # where the demo's workers wrote them
+    stream = RecordStream(client_for(redis_url), prefix, shards=shards)
     found = RequestSet()
-    found.add((f"{stream.key} {entry_id}", record) for entry_id, record in stream.read())
+    found.add((f"{key} {entry_id}", record) for key, entry_id, record in stream.entries())
     requests = found.requests()
     echo("== 5. The report of every race above, from their records (gpuhedge-celery report) ==")
     if not requests:

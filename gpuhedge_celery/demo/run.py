@@ -63,7 +63,7 @@ def demo_env(redis_url: str, prefix: str) -> dict[str, str]:
     from ..config import packaged_path
     from ..redis_url import is_cluster
 
-    keep = (envvars.BROKER_URL_VAR, "GPUHEDGE_RACE_SHARDS") if is_cluster(redis_url) else ()
+    keep = (envvars.BROKER_URL_VAR, envvars.RACE_SHARDS_VAR) if is_cluster(redis_url) else ()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUHEDGE_") or k in keep}
     env.update(
         {
@@ -176,7 +176,8 @@ def run_demo(
         from ..tasks.races import hedged_infer
 
         cfg = load_config(process_settings.current().core.config_path)
-        store = RaceStore(client_for(redis_url), prefix)
+        shards = process_settings.current().race_shards(prefix, redis_url)
+        store = RaceStore(client_for(redis_url), shards)
         workers.wait_ready()
         echo(f"workers ready after {time.monotonic() - t0:.1f} s\n")
         _scenarios(hedged_infer, store, cfg.time_scale, echo, report)

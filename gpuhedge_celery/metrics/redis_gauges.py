@@ -3,7 +3,7 @@ budgets.
 
 These are facts of the whole deployment, not of one process, so no worker counts them: the
 ``gpuhedge-celery metrics serve`` process reads them from Redis each time Prometheus scrapes it
-(a handful of commands, pipelined; one run per scrape, never in the background).
+(a handful of commands, pipelined per slot; one run per scrape, never in the background).
 
 * ``gpuhedge_pool_gpus{pool, state}``: every registered GPU in one of ``free`` (no lease, its
   host heartbeating), ``busy`` (a current lease: ``held`` in ``gpuhedge-celery leases``),
@@ -12,9 +12,10 @@ These are facts of the whole deployment, not of one process, so no worker counts
   included, so a query for ``state="busy"`` is 0 rather than absent.
 * ``gpuhedge_pool_waiters{pool}``: the pool's FIFO wait queue (waiters that died are dropped
   from it by the next waiter's check).
-* ``gpuhedge_races_in_flight``: the live-race index: races running, plus finished races that
-  still have a registered job (a cancel not yet confirmed); ``gpuhedge_races_stale``: those
-  whose heartbeat is older than ``stale_s`` (what the janitor looks at).
+* ``gpuhedge_races_in_flight``: the live-race indexes of every race shard: races running, plus
+  finished races that still have a registered job (a cancel not yet confirmed);
+  ``gpuhedge_races_stale``: those whose heartbeat is older than ``stale_s`` (what the janitor
+  looks at).
 * ``gpuhedge_timers_*{namespace}``: durable timers waiting, overdue (due, not yet claimed), in
   flight (claimed, not acknowledged) and the age of the oldest overdue one: when no worker fires
   timers, the lag histogram has no samples, but this grows.
@@ -45,7 +46,7 @@ from ..core.lease_rules import FREE, HELD, STALE
 from ..store.adaptive import AdaptiveStore
 from ..store.budget import BudgetStore, budget_report
 from ..store.leases import LeaseStore
-from ..store.race_keys import live_races_key, timer_keys
+from ..store.race_keys import RaceShards, timer_keys
 from .definitions import REDIS_METRICS
 
 log = logging.getLogger(__name__)
@@ -89,15 +90,18 @@ class RedisGauges:
         client: Any,
         prefix: str,
         *,
-        namespaces: Iterable[str] = ("races",),
+        namespaces: Iterable[str] | None = None,
         stale_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         budget: BudgetCaps | None = None,
         providers: Iterable[str] = (),
+        shards: RaceShards | None = None,
     ):
         self.client = client
         self.prefix = prefix
-        self.namespaces = tuple(namespaces)
+        self.shards = shards or RaceShards(prefix)  # whose live-race indexes are counted
+        # timer namespaces reported: by default every race shard's (where races' timers are)
+        self.namespaces = self.shards.tags if namespaces is None else tuple(namespaces)
         self.timer_keys = {ns: timer_keys(prefix, ns) for ns in self.namespaces}
         self.stale_s = float(stale_s)
         self.clock = clock
@@ -120,21 +124,31 @@ class RedisGauges:
         for pool in pools:
             reading.add("gpuhedge_pool_waiters", len(self.leases.queue(pool)), pool)
         now_ms = int(self.clock() * 1000)
-        live = live_races_key(self.prefix)
+        cutoff = now_ms - int(self.stale_s * 1000)
+        # one pipeline per hash tag: a shard's live index and its namespace's timers share one
+        live_of = {index.tag: index.live for index in self.shards.indexes}
+        tags = dict.fromkeys([*live_of, *self.namespaces])
+        answers: dict[str, list[Any]] = {}
         with self.leases.guard():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zcard(live)
-            pipe.zcount(live, "-inf", now_ms - int(self.stale_s * 1000))
-            for keys in self.timer_keys.values():
-                pipe.zcard(keys.due)
-                pipe.zcount(keys.due, "-inf", now_ms)
-                pipe.zcard(keys.inflight)
-                pipe.zrange(keys.due, 0, 0, withscores=True)
-            answers = pipe.execute()
-        reading.add("gpuhedge_races_in_flight", answers[0])
-        reading.add("gpuhedge_races_stale", answers[1])
-        for i, ns in enumerate(self.namespaces):
-            due, overdue, inflight, first = answers[2 + 4 * i : 6 + 4 * i]
+            for tag in tags:
+                pipe = self.client.pipeline(transaction=False)
+                if tag in live_of:
+                    pipe.zcard(live_of[tag])
+                    pipe.zcount(live_of[tag], "-inf", cutoff)
+                if tag in self.timer_keys:
+                    keys = self.timer_keys[tag]
+                    pipe.zcard(keys.due)
+                    pipe.zcount(keys.due, "-inf", now_ms)
+                    pipe.zcard(keys.inflight)
+                    pipe.zrange(keys.due, 0, 0, withscores=True)
+                answers[tag] = pipe.execute()
+        in_flight = stale = 0
+        for tag in live_of:
+            in_flight, stale = in_flight + answers[tag][0], stale + answers[tag][1]
+        reading.add("gpuhedge_races_in_flight", in_flight)
+        reading.add("gpuhedge_races_stale", stale)
+        for ns in self.namespaces:
+            due, overdue, inflight, first = answers[ns][-4:]
             reading.add("gpuhedge_timers_pending", due, ns)
             reading.add("gpuhedge_timers_overdue", overdue, ns)
             reading.add("gpuhedge_timers_in_flight", inflight, ns)

@@ -17,12 +17,13 @@ __all__ = ["load_payload", "receipt"]
 
 
 def _store(redis_url: str | None, prefix: str | None) -> Any:
-    from ..settings import Settings
+    from ..settings import Settings, current
     from ..store.connection import client_for
     from ..store.races import RaceStore
 
     settings = Settings.from_env(redis_url=redis_url, prefix=prefix)
-    return RaceStore(client_for(settings.redis_url), settings.prefix)
+    shards = current().race_shards(settings.prefix, settings.redis_url)
+    return RaceStore(client_for(settings.redis_url), shards)
 
 
 def receipt(

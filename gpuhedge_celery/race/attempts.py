@@ -122,7 +122,7 @@ class Submitter:
         the submit intent) and the other leaves it to the first. ``how``: :class:`SubmitHow`.
         """
         how = how or SubmitHow()
-        drop = BackstopDrop(self.driver.timers, how.backstop)
+        drop = BackstopDrop(self.driver.timers.of(race_id), how.backstop)
         found = self._attempt_to_submit(race_id, attempt_id, how.decided_here, drop)
         if found is None:
             return
@@ -356,7 +356,8 @@ class Submitter:
         at = until + MIN_WATCH_GAP_S
         payload = {"race": race_id, "kind": "launch", "attempt": attempt_id}
         timer_id = f"{launch_backstop_id(race_id, attempt_id)}|{due_ms(at)}"
-        self.driver.timers.arm(f"{race_id}:l:{attempt_id}", due_ms(at), payload, timer_id=timer_id)
+        timers = self.driver.timers.of(race_id)
+        timers.arm(f"{race_id}:l:{attempt_id}", due_ms(at), payload, timer_id=timer_id)
 
     def launch_backstop(
         self, race_id: str, attempt_id: str

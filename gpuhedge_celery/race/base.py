@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..providers.base import Provider
     from ..store.races import RaceStore
     from ..store.round_trip import RoundTrip
-    from ..store.timers import TimerStore
+    from ..store.timers import RaceTimers
     from ..webhooks.settings import WebhookSettings
 
 
@@ -57,13 +57,14 @@ class Effects(Protocol):
 
 @dataclass
 class RaceParts:
-    """What a :class:`~.driver.RaceDriver` is built from: the race and timer stores, the
-    providers by name, the effects, and the optional parts (``webhooks`` None: the process's
-    settings; ``budget`` None: no caps; ``adaptive`` None: adaptive policies learn only in
-    this process)."""
+    """What a :class:`~.driver.RaceDriver` is built from: the race store and the races' timers
+    (a race's on its shard's timer store: ``timers.of(race_id)``), the providers by name,
+    the effects, and the optional parts (``webhooks`` None: the process's settings;
+    ``budget`` None: no caps; ``adaptive`` None: adaptive policies learn only in this
+    process)."""
 
     store: RaceStore
-    timers: TimerStore
+    timers: RaceTimers
     providers: Callable[[str], Provider]
     effects: Effects
     settings: RaceSettings = field(default_factory=RaceSettings)
@@ -132,7 +133,7 @@ class Driver(Protocol):
     step. Typed here so that none of them imports the driver module (no import cycle)."""
 
     store: RaceStore
-    timers: TimerStore
+    timers: RaceTimers
     providers: Callable[[str], Provider]
     effects: Effects
     settings: RaceSettings

@@ -83,7 +83,7 @@ class Canceller:
         # (its watch keeps the race's heartbeat fresh, so the janitor would not step in).
         if step is None or not step.armed:
             key, due, payload, timer_id = self.backstop(race_id, attempt_id)
-            d.timers.arm(key, due, payload, timer_id=timer_id)
+            d.timers.of(race_id).arm(key, due, payload, timer_id=timer_id)
         d.effects.cancel(race_id, attempt_id, provider)
 
     def backstop(self, race_id: str, attempt_id: str) -> tuple[str, int, dict[str, Any], str]:
@@ -100,7 +100,8 @@ class Canceller:
         attempt's backstop timer is dropped in that save's round trip (or after it), so a crash
         before it leaves the timer to finish the job elsewhere.
         """
-        drop = BackstopDrop(self.driver.timers, cancel_backstop_id(race_id, attempt_id))
+        timers = self.driver.timers.of(race_id)
+        drop = BackstopDrop(timers, cancel_backstop_id(race_id, attempt_id))
         self._cancel_attempt(race_id, attempt_id, drop)
         drop.now()  # unless the report's save carried it
 

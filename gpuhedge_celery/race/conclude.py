@@ -95,7 +95,7 @@ class Concluder:
             for other in race.attempts:
                 if other.id == attempt_id or not other.valid:
                     continue
-                stored = load_attempt_result(d.store.client, d.store.prefix, race.race_id, other.id)
+                stored = load_attempt_result(d.store.client, d.store.shards, race.race_id, other.id)
                 if stored is not None and signature_of(stored.get("payload"), spec) == mine:
                     log.warning(
                         "race %s: %s delivered a copy of %s's signed result: not its end",
@@ -141,7 +141,7 @@ class Concluder:
         # Validated when the race takes the report, and only then (a late or duplicate result
         # of an attempt that already ended is never decoded): once, whatever the step retries.
         checked: list[tuple[bool, list[str], dict[str, Any] | None, str | None]] = []
-        key = result_key(d.store.prefix, race_id, attempt_id)
+        key = result_key(d.store.shards, race_id, attempt_id)
 
         def check() -> tuple[bool, list[str], dict[str, Any] | None, str | None]:
             if not checked:

@@ -68,7 +68,12 @@ class RaceDriver:
 
     def __init__(self, parts: RaceParts) -> None:
         self.store = parts.store
-        self.timers = parts.timers
+        self.timers = parts.timers  # a race's timers: self.timers.of(race_id)
+        if parts.store.shards.tags != parts.timers.shards.tags:  # a race's timers share its slot
+            raise ValueError(
+                f"race store shards {parts.store.shards.tags} differ from the timers' "
+                f"{parts.timers.shards.tags}"
+            )
         self.providers = parts.providers
         self.effects = parts.effects
         self.settings = parts.settings
@@ -354,9 +359,11 @@ class RaceDriver:
         if not queued:
             return
 
+        timers = self.timers.of(race_id)  # the race's shard: one slot with its save
+
         def arm(pipe: Any) -> None:
             for key, due, payload, timer_id in queued:
-                self.timers.queue_arm(pipe, key, due, payload, timer_id)
+                timers.queue_arm(pipe, key, due, payload, timer_id)
 
         trip.ride(arm, [self.timers.arm_script, self.timers.cancel_script])
 
@@ -381,7 +388,7 @@ class RaceDriver:
                 provider = a.provider if a else ""
                 self.canceller.request_cancel(race_id, action.attempt_id, provider, step)
             elif isinstance(action, ScheduleTimer) and not step.armed:
-                self.timers.arm(
+                self.timers.of(race_id).arm(
                     f"{race_id}:{action.key}",
                     due_ms(action.at),
                     {"race": race_id, "kind": "policy", "key": action.key},
@@ -409,7 +416,7 @@ class RaceDriver:
         gone = step.gone
         if told is not None and unheld is None:
             gone = [*gone, told.timer_id]
-        self.timers.defer_cancels(gone)
+        self.timers.of(race_id).defer_cancels(gone)
         self.outcome.lifecycle(step)
         if unheld is not None:
             raise unheld
@@ -424,5 +431,5 @@ class RaceDriver:
         timer first (:meth:`Effects.launch`; ``armed``: it rode in the deciding step's save)."""
         if self._launches_here and not armed:
             key, due, payload, timer_id = self.submitter.launch_backstop(race_id, attempt_id)
-            self.timers.arm(key, due, payload, timer_id=timer_id)
+            self.timers.of(race_id).arm(key, due, payload, timer_id=timer_id)
         self.effects.launch(race_id, attempt_id, provider)

@@ -49,7 +49,7 @@ from ..metrics import record as metrics
 from ..providers.base import Provider
 from ..store.races import RaceStore, VersionConflict
 from ..store.replicas import NotAcknowledged
-from ..store.timers import TimerStore, as_text, store_errors
+from ..store.timers import RaceTimers, as_text, store_errors
 from .attempts import UNKNOWN_SUBMIT
 from .base import Effects
 from .budget import RaceBudget
@@ -175,7 +175,7 @@ class Janitor:
     def __init__(
         self,
         store: RaceStore,
-        timers: TimerStore,
+        timers: RaceTimers,
         providers: Callable[[str], Provider],
         effects: Effects,
         options: JanitorOptions | None = None,
@@ -269,7 +269,7 @@ class Janitor:
         is running: it does not keep the race alive.
         """
         now = self.store.now_ms()
-        keys = self.timers.keys
+        keys = self.timers.of(race_id).keys
         with store_errors(f"reading the timers of race {race_id!r}"):
             for zset, floor in ((keys.due, now - self.stale_ms), (keys.inflight, now)):
                 for member, score in self.store.client.zscan_iter(
@@ -419,7 +419,7 @@ class Janitor:
         if holder is None or race.winner is None or holder == race.winner:
             return race, False
         told = Race.from_dict(race.to_dict(), self.clock)
-        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        stored = load_attempt_result(self.store.client, self.store.shards, race_id, holder)
         told.winner = holder if stored is not None else None
         return told, stored is None
 
@@ -459,7 +459,7 @@ class Janitor:
         elif holder != won.id:  # follow the claim: the result handed over is its holder's
             race = Race.from_dict(race.to_dict(), self.clock)
             race.winner = holder
-        stored = load_attempt_result(self.store.client, self.store.prefix, race_id, holder)
+        stored = load_attempt_result(self.store.client, self.store.shards, race_id, holder)
         if stored is None and holder != won.id:
             message = (
                 f"race {race_id}: the result of {holder}, which holds the winner claim, is "
@@ -478,7 +478,7 @@ class Janitor:
             race,
             stored or {},
             inline_max=self.payload_inline_max,
-            ref=result_key(self.store.prefix, race_id, holder),
+            ref=result_key(self.store.shards, race_id, holder),
         )
         self.effects.won(race_id, result, caller)
         return False

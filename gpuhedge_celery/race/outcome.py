@@ -210,10 +210,11 @@ class Outcome:
         arms the race's tell timer ahead of its save (a replica that holds the save holds the
         timer too) and, when it fails the race, rides a ``WAIT`` after everything else (to
         ride last): the failure is told only once they hold the save. None otherwise."""
-        store, timers = self.driver.store, self.driver.timers
+        store = self.driver.store
         if not store.acks.on or not tells(step):
             return None
         race_id = step.race_id
+        timers = self.driver.timers.of(race_id)  # the race's shard: one slot with its save
         riding = RiddenTell(tell_timer_id(race_id, 0), saved, store.acks)
         key, due, payload = self._tell_timer(race_id, 0, self._first_tell_at())
         trip.ahead(
@@ -257,7 +258,7 @@ class Outcome:
             race,
             stored,
             inline_max=self.driver.settings.payload_inline_max,
-            ref=result_key(self.driver.store.prefix, race_id, attempt_id),
+            ref=result_key(self.driver.store.shards, race_id, attempt_id),
         )
 
     def declare(
@@ -294,7 +295,7 @@ class Outcome:
         if result is None:
             if stored is None:
                 stored = load_attempt_result(
-                    self.driver.store.client, self.driver.store.prefix, race_id, won.id
+                    self.driver.store.client, self.driver.store.shards, race_id, won.id
                 )
             result = self._winner_result(race_id, race, won.id, stored or {})
         caller = state.get("caller") or {}
@@ -467,7 +468,7 @@ class Outcome:
             if until is not None:
                 at = min(at, until)  # one more try at the deadline
             key, due, payload = self._tell_timer(race_id, n + 1, at)
-            d.timers.arm(key, due, payload, timer_id=tell_timer_id(race_id, n + 1))
+            d.timers.of(race_id).arm(key, due, payload, timer_id=tell_timer_id(race_id, n + 1))
             log.warning("race %s: its outcome is told again at %d ms", race_id, due)
         elif failed:
             log.error(

@@ -23,7 +23,7 @@ from ..core.outcome import race_outcome
 from ..core.race import BUDGET_REFUSED, Race
 from ..core.records import build_record, record_tags
 from ..store import codec
-from ..store.race_keys import race_keys
+from ..store.race_keys import RaceShards
 from ..store.races import RaceStore
 from ..store.timers import store_errors
 from .spec import RaceSpec
@@ -33,19 +33,19 @@ RECEIPT_VERSION = 1
 log = logging.getLogger(__name__)
 
 
-def result_key(prefix: str, race_id: str, attempt_id: str) -> str:
+def result_key(shards: RaceShards, race_id: str, attempt_id: str) -> str:
     """Redis key of an attempt's valid result (payload included), on the race's slot."""
-    base = race_keys(prefix, race_id).state.rsplit(":", 1)[0]
+    base = shards.race(race_id).state.rsplit(":", 1)[0]
     return f"{base}:result:{attempt_id}"
 
 
 def load_attempt_result(
-    client: Any, prefix: str, race_id: str, attempt_id: str
+    client: Any, shards: RaceShards, race_id: str, attempt_id: str
 ) -> dict[str, Any] | None:
     """An attempt's stored result (with its ``verdict`` and ``payload_bytes``), None when it
     was never stored or has expired."""
     with store_errors(f"reading a result of race {race_id!r}"):
-        raw = client.get(result_key(prefix, race_id, attempt_id))
+        raw = client.get(result_key(shards, race_id, attempt_id))
     return None if raw is None else codec.loads(raw)
 
 

@@ -108,7 +108,8 @@ class Recovery:
         for key, at in race.timers.items():
             if key in ids:
                 payload = {"race": race_id, "kind": "policy", "key": key}
-                d.timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
+                timers = d.timers.of(race_id)
+                timers.arm(f"{race_id}:{key}", due_ms(at), payload, timer_id=ids[key])
         if race.winner is not None:
             d.outcome.declare(race_id, race, state)
         elif race.gave_up and not race.finished:

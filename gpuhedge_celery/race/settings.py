@@ -29,6 +29,9 @@ class RaceSettings:
     event_linger_ms: float = 100.0
     ack_linger_ms: float = 250.0
     timer_namespace: str = "races"
+    # Shards races and their timers are spread over (store/race_keys.py RaceShards); every
+    # process of a deployment must use the same count, or races are looked for on wrong slots.
+    race_shards: int = 1
     launch_backstop_s: float = 60.0
     timer_threads: int = 16
     timer_ahead_ms: int = 25

@@ -199,9 +199,11 @@ class Watcher:
         )
         stepped: list[Race] = []  # the race this step saves (its timers: the decisions ahead)
 
+        timers = d.timers.of(race_id)  # the race's shard: one slot with its save
+
         def arm(pipe: Any) -> None:
             # The next poll rides in the same round trip as the step (or the heartbeat) below.
-            nxt.queue(d.timers, pipe, stepped[-1].timers.values() if stepped else (decide or ()))
+            nxt.queue(timers, pipe, stepped[-1].timers.values() if stepped else (decide or ()))
             if drop is not None:
                 drop.queue(pipe)
 
@@ -275,4 +277,4 @@ class Watcher:
         in flight): a recovery cannot know whether the crash it recovers from broke the chain,
         and a second chain would poll the job twice as often until it ends."""
         key, due, payload, timer_id = watch_timer(ref, last, at)
-        self.driver.timers.arm(key, due, payload, timer_id=timer_id, chain=IF_IDLE)
+        self.driver.timers.of(ref.race_id).arm(key, due, payload, timer_id=timer_id, chain=IF_IDLE)

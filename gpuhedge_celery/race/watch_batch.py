@@ -11,7 +11,7 @@ at once (``status_and_next_change_many``), it:
 3. applies every change to its race in memory, through the same engine as a step, several
    polls of one race into one save;
 4. sends every save (the same versioned ``race_save.lua``), heartbeat and next-poll arm of the
-   batch in one pipeline;
+   batch in one pipeline per race shard (a race's save and arms share its shard's slot);
 5. performs what the saved steps asked for (their lifecycle events, timers dropped).
 
 Everything else is handed back to the per-timer path (:meth:`RaceDriver.on_timer`, or the
@@ -123,8 +123,18 @@ class WatchBatch:
             return
         races = self._poll(by_provider, back)
         self._load(races)
-        self._write([work for work in races.values() if self._apply(work, back)], back)
+        ready = [work for work in races.values() if self._apply(work, back)]
+        for group in self._by_shard(ready):
+            self._write(group, back)
         self.batches += 1
+
+    def _by_shard(self, writes: list[_RaceWork]) -> list[list[_RaceWork]]:
+        """The writes grouped by race shard: one pipeline per shard, each on one slot."""
+        shards = self.driver.timers.shards
+        groups: dict[str, list[_RaceWork]] = {}
+        for work in writes:
+            groups.setdefault(shards.tag_of(work.race_id), []).append(work)
+        return list(groups.values())
 
     # -- 1. poll ----------------------------------------------------------------------------
     def _poll(self, by_provider: dict[str, list[_Poll]], back: HandBack) -> dict[str, _RaceWork]:
@@ -291,9 +301,10 @@ class WatchBatch:
         else:
             d.store.queue_save(pipe, work.race_id, work.data, step.version, step.save_id)
             cast(RoundTrip, work.trip).queue_after(pipe)
+        timers = d.timers.of(work.race_id)
         for p in work.polls:
             # every polled job has its next poll
-            cast(NextPoll, p.next).queue(d.timers, pipe, work.decisions(p))
+            cast(NextPoll, p.next).queue(timers, pipe, work.decisions(p))
 
     def _send(self, build: Callable[[Any], None], scripts: list[Any], what: str) -> list | None:
         """Run the pipeline; while Redis is unreachable, send it again (the same ids) for up

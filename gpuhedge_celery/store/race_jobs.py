@@ -13,7 +13,7 @@ from typing import Any
 
 from . import codec
 from .codec import dumps_dict
-from .race_keys import SaveMark, race_keys
+from .race_keys import RaceShards, SaveMark
 from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -24,6 +24,7 @@ class RaceJobs:
 
     client: Any
     prefix: str
+    shards: RaceShards
 
     _touch: Callable[[Any, str], None]  # RaceLiveness's: the heartbeat, one command
     _submit_intent: Any  # the race_submit_intent script, registered by the store
@@ -34,7 +35,7 @@ class RaceJobs:
         Register right after the provider accepted the job, so a crash leaves the janitor a
         handle to cancel rather than an unknown paid job.
         """
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         data = dumps_dict(handle, f"job handle of {race_id!r}/{attempt_id!r}")
         with store_errors(f"registering a job of race {race_id!r}"):
             pipe = self.client.pipeline(transaction=False)
@@ -70,7 +71,7 @@ class RaceJobs:
         with_request: bool,
         trip: RoundTrip | None = None,
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
 
         riders = trip if trip is not None else RoundTrip()
@@ -108,7 +109,7 @@ class RaceJobs:
         race, to be recorded only if that save won (``saved``: its mark; a redelivered create
         that conflicts claims nothing). Pass :attr:`submit_intent_script` among the save's
         scripts; read the reply with :meth:`submit_intent_ours`. Returns the intent's JSON."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         data = dumps_dict(intent, f"submit intent of {race_id!r}/{attempt_id!r}")
         queue_script(
             pipe, self._submit_intent, [keys.jobs, saved.state_key], [saved.mark, attempt_id, data]
@@ -128,10 +129,10 @@ class RaceJobs:
     def remove_job(self, race_id: str, attempt_id: str) -> bool:
         """Forget a job that reached a terminal state; False if it was not registered."""
         with store_errors(f"removing a job of race {race_id!r}"):
-            return bool(self.client.hdel(race_keys(self.prefix, race_id).jobs, attempt_id))
+            return bool(self.client.hdel(self.shards.race(race_id).jobs, attempt_id))
 
     def live_jobs(self, race_id: str) -> dict[str, dict[str, Any]]:
         """Attempt id -> job handle of every job of the race still registered as live."""
         with store_errors(f"reading the jobs of race {race_id!r}"):
-            raw = self.client.hgetall(race_keys(self.prefix, race_id).jobs)
+            raw = self.client.hgetall(self.shards.race(race_id).jobs)
         return {as_text(k): codec.loads(v) for k, v in raw.items()}

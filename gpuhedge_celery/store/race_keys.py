@@ -1,18 +1,19 @@
 """Key names for distributed races and durable timers.
 
-Every key of one race carries the race id as a Redis Cluster hash tag (``{<race_id>}``), so a
-Lua script may touch all of that race's keys at once and Cluster keeps them on one slot. The
-timer keys of one timer namespace share the tag ``{<namespace>}`` for the same reason; a
-deployment that outgrows one slot runs several namespaces (shards).
-
-Cross-race structures (the live-race index) live on their own slot and are never touched in the
-same script as a race's keys: they are hints, written next to the script in a pipeline.
+Races live on shards (:class:`RaceShards`), each a Redis Cluster hash tag: a race's keys
+(``<prefix>:race:{<tag>}:<race_id>:<part>``), its shard's indexes (races in flight, recently
+finished, the record stream: ``<prefix>:{<tag>}:live`` ...) and its shard's timers
+(:func:`timer_keys` of the tag) all share the slot of ``{<tag>}``, so every script and pipeline
+of one race touches one slot. A race's shard is fixed by its id; readers of the indexes read
+every shard. With one shard the tag is the timer namespace itself (``races``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ def check_name(value: str, what: str) -> str:
 MAX_SHARDS = 64  # race shards a deployment may run (each a slot, so at most that many busy nodes)
 
 
+@functools.lru_cache(maxsize=64, typed=True)  # a pure search, done again for every RaceShards built
 def shard_tags(base: str, count: int) -> tuple[str, ...]:
     """The hash tags of ``count`` race shards named after ``base`` (the timer namespace).
 
@@ -97,7 +99,7 @@ def timer_keys(prefix: str, namespace: str = "timers") -> TimerKeys:
 
 @dataclass(frozen=True)
 class RaceKeys:
-    """The keys of one race (all on the slot of ``{race_id}``)."""
+    """The keys of one race (all on the slot of its shard's tag)."""
 
     state: str  # HASH {"v": version, "data": JSON state, TOLD_FIELD: what its caller is told}
     winner: str  # STRING attempt id of the one winner
@@ -127,23 +129,32 @@ TOLD_WON, TOLD_FAILED = "won", "failed"  # the values tell-once decides between
 
 
 def race_key_head(prefix: str) -> str:
-    """What every key of every race under ``prefix`` starts with; the race id follows."""
+    """What every key of every race under ``prefix`` starts with; the shard's tag follows."""
     return under(prefix, "race:{")
 
 
 def race_key_part(prefix: str, key: str) -> tuple[str, str] | None:
-    """``(race id, part)`` of a race's key (part: ``state``, ``receipt``...), else None."""
+    """``(race id, part)`` of a race's key (part: ``state``, ``receipt``...), else None.
+
+    A race id may hold ':', so the part is read from the right."""
     head = race_key_head(prefix)
     if not key.startswith(head):
         return None
-    race_id, sep, rest = key[len(head) :].partition("}:")
-    return (race_id, rest) if sep else None
+    _tag, sep, rest = key[len(head) :].partition("}:")
+    race_id, colon, part = rest.rpartition(":")
+    return (race_id, part) if sep and colon and race_id and part else None
 
 
-def race_keys(prefix: str, race_id: str) -> RaceKeys:
-    """Key names of race ``race_id`` under ``prefix``."""
+def race_keys_pattern(prefix: str, id_prefix: str = "") -> str:
+    """The SCAN pattern of the keys of races (on any shard) whose id starts with ``id_prefix``."""
+    return f"{race_key_head(prefix)}*}}:{id_prefix}*"
+
+
+def race_keys(prefix: str, tag: str, race_id: str) -> RaceKeys:
+    """Key names of race ``race_id`` on the shard tagged ``tag`` under ``prefix``
+    (:meth:`RaceShards.race` picks the tag)."""
     check_name(race_id, "race id")
-    base = f"{race_key_head(prefix)}{race_id}}}"
+    base = f"{race_key_head(prefix)}{tag}}}:{race_id}"
     return RaceKeys(
         state=f"{base}:state",
         winner=f"{base}:winner",
@@ -155,20 +166,25 @@ def race_keys(prefix: str, race_id: str) -> RaceKeys:
     )
 
 
-def live_races_key(prefix: str) -> str:
-    """ZSET race id -> last heartbeat epoch ms, read by the janitor (its own slot)."""
-    return under(prefix, "{races}:live")
+@dataclass(frozen=True)
+class ShardIndexes:
+    """The cross-race structures of one shard (all on the slot of ``{tag}``, beside its
+    races' keys and its timers, so a race's finish writes them in the race's own script)."""
+
+    tag: str
+    live: str  # ZSET race id -> last heartbeat epoch ms, read by the janitor
+    finished: str  # ZSET race id -> finish epoch ms of recently finished races (``watch --all``,
+    # receipt lookups by id prefix), trimmed to the newest RECENT_FINISHED and the receipt TTL
+    records: str  # STREAM of finished races' compact records (one entry per race)
 
 
-def records_key(prefix: str) -> str:
-    """STREAM of finished races' compact records (one entry per race; its own slot)."""
-    return under(prefix, "{records}:stream")
-
-
-def finished_races_key(prefix: str) -> str:
-    """ZSET race id -> finish epoch ms of recently finished races (``watch --all``, receipt
-    lookups by id prefix); trimmed to the newest ``RECENT_FINISHED`` and to the receipt TTL."""
-    return under(prefix, "{races}:finished")
+def shard_indexes(prefix: str, tag: str) -> ShardIndexes:
+    """Key names of the indexes of the shard tagged ``tag`` under ``prefix`` (not the timer
+    names of :func:`timer_keys`, which share the tag)."""
+    base = under(prefix, f"{{{tag}}}")
+    return ShardIndexes(
+        tag=tag, live=f"{base}:live", finished=f"{base}:finished", records=f"{base}:records"
+    )
 
 
 RECENT_FINISHED = 1000  # finished races the index above remembers
@@ -242,6 +258,8 @@ class RaceShards:
         self.prefix = prefix
         self.namespace = namespace
         self.tags = shard_tags(namespace, count)
+        self.indexes = tuple(shard_indexes(prefix, tag) for tag in self.tags)
+        self._index_of = dict(zip(self.tags, self.indexes, strict=True))
 
     @property
     def count(self) -> int:
@@ -250,3 +268,19 @@ class RaceShards:
     def tag_of(self, race_id: str) -> str:
         """The hash tag of ``race_id``'s shard."""
         return self.tags[shard_of(check_name(race_id, "race id"), len(self.tags))]
+
+    def race(self, race_id: str) -> RaceKeys:
+        """Key names of race ``race_id`` (on its shard's slot)."""
+        return race_keys(self.prefix, self.tag_of(race_id), race_id)
+
+    def index_of(self, race_id: str) -> ShardIndexes:
+        """The indexes of ``race_id``'s shard (the same slot as its keys)."""
+        return self._index_of[self.tag_of(race_id)]
+
+    def by_shard(self, race_ids: Iterable[str]) -> dict[str, list[str]]:
+        """``race_ids`` grouped by their shard's tag (each list in the given order, no repeats):
+        one pipeline per group keeps to one slot."""
+        groups: dict[str, list[str]] = {}
+        for race_id in dict.fromkeys(race_ids):
+            groups.setdefault(self.tag_of(race_id), []).append(race_id)
+        return groups

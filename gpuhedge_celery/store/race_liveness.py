@@ -1,10 +1,11 @@
-"""A race's liveness in Redis: its heartbeat in the cross-race index and its ownership lease.
+"""A race's liveness in Redis: its heartbeat in its shard's live index and its ownership lease.
 
-Part of :class:`~gpuhedge_celery.store.races.RaceStore`. Every race has a heartbeat in one
-cross-race ZSET, so a janitor can find the jobs of races nobody advances any more; ownership is
-a lease with a fencing token: a janitor (or a coordinator holding a race for a while) takes it
-before acting, which tells a slow owner (lease renewed) from a dead one. The index is a hint on
-its own slot, written next to the race's scripts in the same pipeline, never inside them.
+Part of :class:`~gpuhedge_celery.store.races.RaceStore`. Every race has a heartbeat in its
+shard's live-race ZSET (on the race's slot), so a janitor scanning every shard can find the jobs
+of races nobody advances any more; ownership is a lease with a fencing token: a janitor (or a
+coordinator holding a race for a while) takes it before acting, which tells a slow owner (lease
+renewed) from a dead one. The index is a hint, written next to the race's scripts in the same
+pipeline.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from ..core.clock import Clock
 from ..errors import LeaseError
 from . import codec
-from .race_keys import race_keys
+from .race_keys import RaceShards
 from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
 from .timers import as_text, store_errors
@@ -54,7 +55,7 @@ class RaceLiveness:
     client: Any
     prefix: str
     clock: Clock
-    live_key: str
+    shards: RaceShards
     receipt_ttl_s: float
     _owner_claim: Any
     _owner_renew: Any
@@ -64,7 +65,7 @@ class RaceLiveness:
 
     def _touch(self, pipe: Any, race_id: str) -> None:
         # GT: hosts with skewed clocks never move a heartbeat backwards.
-        pipe.zadd(self.live_key, {race_id: self.now_ms()}, gt=True)
+        pipe.zadd(self.shards.index_of(race_id).live, {race_id: self.now_ms()}, gt=True)
 
     def queue_touch(self, pipe: Any, race_id: str) -> None:
         """Queue :meth:`touch`'s one command on a pipeline of the caller's."""
@@ -87,13 +88,13 @@ class RaceLiveness:
     def last_seen_ms(self, race_id: str) -> int | None:
         """The race's last heartbeat (epoch ms), None if it is not in the live index."""
         with store_errors(f"reading the heartbeat of race {race_id!r}"):
-            score = self.client.zscore(self.live_key, race_id)
+            score = self.client.zscore(self.shards.index_of(race_id).live, race_id)
         return None if score is None else int(score)
 
     def forget(self, race_id: str) -> None:
         """Drop the race from the live index (it finished and has no live job left)."""
         with store_errors(f"forgetting race {race_id!r}"):
-            self.client.zrem(self.live_key, race_id)
+            self.client.zrem(self.shards.index_of(race_id).live, race_id)
 
     def stale_races(self, stale_ms: int, limit: int = 100) -> list[StaleRace]:
         """Races whose heartbeat is older than ``stale_ms`` and whose owner lease has lapsed.
@@ -102,23 +103,34 @@ class RaceLiveness:
         hint: a caller should take ownership (:meth:`claim_owner`) before cancelling anything.
         """
         cutoff = self.now_ms() - stale_ms
+        oldest: list[tuple[int, str]] = []
+        found: dict[str, tuple[Any, Any]] = {}
         with store_errors("scanning stale races"):
-            found = self.client.zrangebyscore(
-                self.live_key, "-inf", cutoff, start=0, num=limit, withscores=True
-            )
-            pipe = self.client.pipeline(transaction=False)
-            for race_id, _ in found:
-                keys = race_keys(self.prefix, as_text(race_id))
-                pipe.exists(keys.owner)
-                pipe.hgetall(keys.jobs)
-            answers = pipe.execute()
+            # the oldest ``limit`` over every shard's index, then each shard's races in a pipeline
+            for index in self.shards.indexes:
+                oldest += [
+                    (int(score), as_text(race_id))
+                    for race_id, score in self.client.zrangebyscore(
+                        index.live, "-inf", cutoff, start=0, num=limit, withscores=True
+                    )
+                ]
+            oldest = sorted(oldest)[:limit]
+            for ids in self.shards.by_shard(race_id for _, race_id in oldest).values():
+                pipe = self.client.pipeline(transaction=False)
+                for race_id in ids:
+                    keys = self.shards.race(race_id)
+                    pipe.exists(keys.owner)
+                    pipe.hgetall(keys.jobs)
+                answers = pipe.execute()
+                for i, race_id in enumerate(ids):
+                    found[race_id] = (answers[2 * i], answers[2 * i + 1])
         stale = []
-        for i, (race_id, score) in enumerate(found):
-            owned, jobs = answers[2 * i], answers[2 * i + 1]
+        for score, race_id in oldest:
+            owned, jobs = found[race_id]
             if owned:
                 continue
             live = {as_text(k): codec.loads(v) for k, v in jobs.items()}
-            stale.append(StaleRace(as_text(race_id), int(score), live))
+            stale.append(StaleRace(race_id, score, live))
         return stale
 
     # -- ownership ---------------------------------------------------------------------------
@@ -127,7 +139,7 @@ class RaceLiveness:
         """Take the race's ownership lease (or renew our own); None if someone else holds it."""
         if not owner or "|" in owner:
             raise ValueError(f"invalid owner name {owner!r}: non-empty, without '|'")
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         with store_errors(f"claiming race {race_id!r}"):
             ok, token, _holder = self._owner_claim(
                 keys=[keys.owner, keys.owner_seq, keys.state],
@@ -138,7 +150,7 @@ class RaceLiveness:
     def owner(self, race_id: str) -> Ownership | None:
         """Who holds the race's ownership lease now, None if nobody does."""
         with store_errors(f"reading the owner of race {race_id!r}"):
-            held = self.client.get(race_keys(self.prefix, race_id).owner)
+            held = self.client.get(self.shards.race(race_id).owner)
         if held is None:
             return None
         token, _, owner = as_text(held).partition("|")
@@ -146,7 +158,7 @@ class RaceLiveness:
 
     def renew_owner(self, ownership: Ownership, lease_ms: int) -> None:
         """Extend our lease and refresh the heartbeat; OwnershipLost if it is no longer ours."""
-        keys = race_keys(self.prefix, ownership.race_id)
+        keys = self.shards.race(ownership.race_id)
         args = [ownership.token, lease_ms, ownership.owner]
 
         def build(pipe: Any) -> None:
@@ -160,7 +172,7 @@ class RaceLiveness:
 
     def release_owner(self, ownership: Ownership) -> bool:
         """Give the lease up; False if it had already lapsed or been taken over."""
-        keys = race_keys(self.prefix, ownership.race_id)
+        keys = self.shards.race(ownership.race_id)
         with store_errors(f"releasing race {ownership.race_id!r}"):
             return bool(
                 self._owner_renew(keys=[keys.owner], args=[ownership.token, 0, ownership.owner])

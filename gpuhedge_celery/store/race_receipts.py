@@ -11,7 +11,7 @@ from typing import Any
 
 from . import codec
 from .codec import dumps_dict, ms
-from .race_keys import RECENT_FINISHED, SaveMark, race_keys
+from .race_keys import RECENT_FINISHED, RaceShards, SaveMark
 from .records import RecordStream
 from .round_trip import RoundTrip
 from .scripts import queue_script, run_pipeline
@@ -35,8 +35,7 @@ class RaceReceipts:
     client: Any
     prefix: str
     receipt_ttl_s: float
-    live_key: str
-    finished_key: str
+    shards: RaceShards
     records: RecordStream
     _finish: Any
 
@@ -80,10 +79,10 @@ class RaceReceipts:
 
     def _queue_finish(self, pipe: Any, race_id: str, done: Finish, mark: str) -> None:
         """Queue ``race_finish.lua`` (``mark``: '' to finish now, or the save's mark). One
-        script across the race's, the records' and the race indexes' slots: it needs a single
-        primary (``docs/architecture.md``, *Redis topology*)."""
+        script on the race's slot: its keys and its shard's indexes and record stream."""
         receipt, ttl_s, drop_jobs, record = done.receipt, done.ttl_s, done.drop_jobs, done.record
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
+        index = self.shards.index_of(race_id)
         data = dumps_dict(receipt, f"receipt of race {race_id!r}")
         ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         line = codec.dumps(record) if record is not None and self.records.enabled else ""
@@ -95,9 +94,9 @@ class RaceReceipts:
                 keys.jobs,
                 keys.state,
                 keys.request,
-                self.records.key,
-                self.finished_key,
-                self.live_key,
+                index.records,
+                index.finished,
+                index.live,
                 keys.winner,
                 keys.owner_seq,
             ],
@@ -109,7 +108,7 @@ class RaceReceipts:
                 race_id,
                 RECENT_FINISHED,
                 line,
-                self.records.maxlen,
+                self.records.shard_maxlen,
                 *drop_jobs,
             ],
         )
@@ -128,7 +127,7 @@ class RaceReceipts:
     ) -> None:
         """Store (or replace) a race's receipt, kept ``ttl_s`` (default: the store's TTL);
         ``record``: the race's corrected record, appended in the same round trip."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         data = dumps_dict(receipt, f"receipt of race {race_id!r}")
         ttl_ms = ms(self.receipt_ttl_s if ttl_s is None else ttl_s)
         with store_errors(f"storing the receipt of race {race_id!r}"):
@@ -137,11 +136,11 @@ class RaceReceipts:
                 return
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.receipt, data, px=ttl_ms)
-            self.records.queue_append(pipe, record)
+            self.records.queue_append(pipe, race_id, record)
             pipe.execute()
 
     def receipt(self, race_id: str) -> dict[str, Any] | None:
         """The race's receipt, None if it was never written or has expired."""
         with store_errors(f"reading the receipt of race {race_id!r}"):
-            found = self.client.get(race_keys(self.prefix, race_id).receipt)
+            found = self.client.get(self.shards.race(race_id).receipt)
         return None if found is None else codec.loads(found)

@@ -10,14 +10,15 @@ race engine's serialised state machine on top:
   attempt claiming again (a duplicate delivery) is told it won; with replicas to wait for
   (:mod:`.replicas`), a claim counts only once they acknowledge it;
 * **live provider jobs** are registered per race, for the janitor (:mod:`.race_jobs`);
-* **heartbeats and ownership** (:mod:`.race_liveness`): every race has a heartbeat in one
-  cross-race ZSET, and an ownership lease with a fencing token that a janitor takes before
-  acting;
+* **heartbeats and ownership** (:mod:`.race_liveness`): every race has a heartbeat in its
+  shard's live-race ZSET, and an ownership lease with a fencing token that a janitor takes
+  before acting;
 * **receipts** are kept with a configurable TTL and read by race id (:mod:`.race_receipts`).
 
-All keys of one race share the hash tag ``{race_id}`` (see :mod:`.race_keys`). The heartbeat
-index is on its own slot, so it is written next to the scripts in the same pipeline, never inside
-them: it is a hint, and the janitor re-reads the race's own keys before acting.
+All keys of one race, and its shard's indexes (heartbeats, recently finished, records), share
+the hash tag of the race's shard (:class:`~.race_keys.RaceShards`), so every script and
+pipeline of one race touches one slot. The heartbeat is a hint written next to the scripts:
+the janitor re-reads the race's own keys before acting.
 """
 
 from __future__ import annotations
@@ -38,11 +39,9 @@ from .race_jobs import RaceJobs
 from .race_keys import (
     TOLD_FAILED,
     TOLD_FIELD,
+    RaceShards,
     ResultWrite,
     SaveMark,
-    finished_races_key,
-    live_races_key,
-    race_keys,
     replica_wait_channel,
 )
 from .race_liveness import RaceLiveness
@@ -131,12 +130,13 @@ class Keeping:
 
 
 class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
-    """Races in Redis under ``prefix`` (keys from :func:`race_keys`)."""
+    """Races in Redis under ``prefix``: a key prefix (one shard) or the deployment's
+    :class:`~.race_keys.RaceShards`, which give every key."""
 
     def __init__(
         self,
         client: Any,
-        prefix: str = "gpuhedge",
+        prefix: str | RaceShards = "gpuhedge",
         keeping: Keeping | None = None,
         *,
         clock: Clock | None = None,
@@ -148,16 +148,18 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         if receipt_ttl_s <= 0:
             raise ValueError(f"receipt_ttl_s must be > 0, got {receipt_ttl_s}")
         self.client = client
-        self.prefix = prefix
+        # where each race's keys and its shard's indexes live (one slot per shard): a key
+        # prefix alone is one shard under it (a single Redis's default)
+        self.shards = prefix if isinstance(prefix, RaceShards) else RaceShards(prefix)
+        self.prefix = prefix = self.shards.prefix
         self.receipt_ttl_s = receipt_ttl_s
         self.state_ttl_s = state_ttl_s
         self.clock = clock or WallClock()
         # replicas that must hold a winner claim before its result is published (0: none)
         self.acks = acks or ReplicaAcks()
         self.wait_channel = replica_wait_channel(prefix)  # its WAITs' PUBLISH
-        self.live_key = live_races_key(prefix)
-        self.records = RecordStream(client, prefix, records_maxlen)  # finished races' records
-        self.finished_key = finished_races_key(prefix)
+        # finished races' records, a stream per shard
+        self.records = RecordStream(client, prefix, records_maxlen, self.shards)
         self._save = lua_script(client, "race_save")
         self._claim_winner = lua_script(client, "race_claim_winner")
         self._owner_claim = lua_script(client, "race_owner_claim")
@@ -188,7 +190,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         """
         trip = trip if trip is not None else RoundTrip()
         if request is not None:
-            key = race_keys(self.prefix, race_id).request
+            key = self.shards.race(race_id).request
             data = dumps_dict(request, f"request of race {race_id!r}")
             ttl_ms = ms(self.state_ttl_s)
 
@@ -203,18 +205,18 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         """The race's request as :meth:`create` stored it; None once the race has finished
         (or expired), or for a race created without one."""
         with store_errors(f"reading the request of race {race_id!r}"):
-            found = self.client.get(race_keys(self.prefix, race_id).request)
+            found = self.client.get(self.shards.race(race_id).request)
         return None if found is None else codec.loads(found)
 
     def queue_deadline(self, pipe: Any, race_id: str, at: float) -> None:
         """Queue keeping the race's deadline (epoch seconds) beside its state, once: callers
         waiting on ``.get()`` read it with :meth:`deadline` (one small read, no JSON)."""
-        pipe.hsetnx(race_keys(self.prefix, race_id).state, "deadline", repr(float(at)))
+        pipe.hsetnx(self.shards.race(race_id).state, "deadline", repr(float(at)))
 
     def deadline(self, race_id: str) -> float | None:
         """The race's deadline in epoch seconds; None if unknown (no such race, no deadline)."""
         with store_errors(f"reading the deadline of race {race_id!r}"):
-            raw = self.client.hget(race_keys(self.prefix, race_id).state, "deadline")
+            raw = self.client.hget(self.shards.race(race_id).state, "deadline")
         return None if raw is None else float(as_text(raw))
 
     def save(
@@ -270,7 +272,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
         Only the parts that differ from the expected version, as this process last saved or
         read it, are sent (:mod:`.race_parts`); without that copy, every part."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         base = self.copies.base(race_id, expected_version)
         if base is None:
             base_id, changed, gone = "", [x for kv in data.parts.items() for x in kv], list[str]()
@@ -333,7 +335,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         none; one sent again after its answer was lost finds its own."""
         if not save_id:
             raise ValueError("save_id must be a non-empty string")
-        state = race_keys(self.prefix, race_id).state
+        state = self.shards.race(race_id).state
         return SaveMark(state, f"{expected_version + 1}:{save_id}")
 
     def _send_save(
@@ -368,7 +370,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
             found = self.cached(race_id)
             if found is not None:
                 return found
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         with store_errors(f"loading race {race_id!r}"):
             fields = self.client.hgetall(keys.state)
         return self._record(race_id, fields)
@@ -392,19 +394,19 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         return RaceRecord(race_id, found.version, race_parts.decode(found.parts), cached=True)
 
     def load_many(self, race_ids: list[str]) -> list[RaceRecord | None]:
-        """:meth:`load` of several races in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for race_id in race_ids:
-            pipe.hgetall(race_keys(self.prefix, race_id).state)
+        """:meth:`load` of several races in one round trip per shard they are on."""
+        fields: dict[str, Any] = {}
         with store_errors(f"loading {len(race_ids)} races"):
-            replies = pipe.execute()
-        return [
-            self._record(race_id, fields) for race_id, fields in zip(race_ids, replies, strict=True)
-        ]
+            for ids in self.shards.by_shard(race_ids).values():
+                pipe = self.client.pipeline(transaction=False)
+                for race_id in ids:
+                    pipe.hgetall(self.shards.race(race_id).state)
+                fields.update(zip(ids, pipe.execute(), strict=True))
+        return [self._record(race_id, fields[race_id]) for race_id in race_ids]
 
     def load_with_jobs(self, race_id: str) -> tuple[RaceRecord | None, dict[str, dict[str, Any]]]:
         """:meth:`load` and :meth:`live_jobs` in one round trip."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         with store_errors(f"loading race {race_id!r}"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(keys.state)
@@ -448,7 +450,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         once they acknowledge it (:class:`~.replicas.NotAcknowledged` otherwise)."""
         if not isinstance(attempt_id, str) or not attempt_id:
             raise ValueError(f"invalid attempt id {attempt_id!r}: expected a non-empty string")
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         args = [attempt_id, ms(self.state_ttl_s)]
         if self.acks.on:
             return self._held_claim(race_id, attempt_id, [keys.winner], args)
@@ -464,7 +466,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         again (the same claim: it still claims only if that save is in Redis) until they do.
         Raises :class:`~.replicas.NotAcknowledged` when they never do, and when the save
         itself is gone (lost in a failover: the step is decided again from Redis)."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         claim = self._held_claim(
             race_id,
             attempt_id,
@@ -527,14 +529,16 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
         ``result``: the caller's result, written by the claim only if it makes the winner
         (first), so neither a losing save nor a resend of this one writes it. The result key
-        is in another hash slot than the race's: a single Redis primary (as for the finish).
+        is in another hash slot than the race's: only where the store's Redis also holds the
+        results (the backend's ``won_write`` decides; never on a Redis Cluster store, whose
+        results live on a Redis of their own and are written after the save).
 
         With replicas to wait for (:attr:`acks`) no result rides (it is published once they
         hold the claim) and a ``WAIT`` follows the claim (:meth:`~.replicas.ReplicaAcks.
         queue_covering`: a save sent again after a lost answer writes nothing): three replies,
         the last its count (:meth:`RiddenClaim <gpuhedge_celery.race.outcome.RiddenClaim>`
         reads the first and the last)."""
-        keys = race_keys(self.prefix, race_id)
+        keys = self.shards.race(race_id)
         args = [attempt_id, ms(self.state_ttl_s), saved.mark]
         if self.acks.on:
             if result is not None:  # it would reach the caller before the replicas hold it
@@ -568,7 +572,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         the failure back. ``short``: the reply of a ``WAIT`` that rode in that save and came
         back short (the first of the tries). Raises :class:`~.replicas.NotAcknowledged` when
         they never hold it, and when that save (or the race) is no longer in Redis."""
-        state_key = race_keys(self.prefix, race_id).state
+        state_key = self.shards.race(race_id).state
         what = f"race {race_id}: the save that failed it"
 
         def send() -> tuple[None, Any]:
@@ -609,7 +613,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
         otherwise let a winner the replicas caught up on be told after the failure. When they
         never hold it the failure is returned all the same (a caller is never left in silence);
         a winner needs no wait here, since its claim is held before it is decided."""
-        state = race_keys(self.prefix, race_id).state
+        state = self.shards.race(race_id).state
         what = f"deciding what the caller of race {race_id!r} is told"
         if not self.acks.on or outcome != TOLD_FAILED:
             with store_errors(what):
@@ -638,7 +642,7 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
 
     def told(self, race_id: str) -> str | None:
         """What :meth:`tell_once` decided the race's caller is told; None while undecided."""
-        state = race_keys(self.prefix, race_id).state
+        state = self.shards.race(race_id).state
         with store_errors(f"reading what the caller of race {race_id!r} is told"):
             found = self.client.hget(state, TOLD_FIELD)
         return None if found is None else as_text(found)
@@ -646,14 +650,15 @@ class RaceStore(RaceJobs, RaceReceipts, RaceLiveness):
     def winner(self, race_id: str) -> str | None:
         """The attempt that won the race, None while nobody has."""
         with store_errors(f"reading the winner of race {race_id!r}"):
-            found = self.client.get(race_keys(self.prefix, race_id).winner)
+            found = self.client.get(self.shards.race(race_id).winner)
         return None if found is None else as_text(found)
 
     def delete(self, race_id: str) -> None:
         """Remove every key of the race and its heartbeat (tests, manual clean-up)."""
         with store_errors(f"deleting race {race_id!r}"):
             pipe = self.client.pipeline(transaction=False)
-            pipe.delete(*race_keys(self.prefix, race_id).all())
-            pipe.zrem(self.live_key, race_id)
-            pipe.zrem(self.finished_key, race_id)
+            pipe.delete(*self.shards.race(race_id).all())
+            index = self.shards.index_of(race_id)
+            pipe.zrem(index.live, race_id)
+            pipe.zrem(index.finished, race_id)
             pipe.execute()

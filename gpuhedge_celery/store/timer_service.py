@@ -1,5 +1,6 @@
 """The thread that fires durable timers (:mod:`.timers`) in this process (its handler threads,
-with ``threads > 1``, are in :mod:`.timer_workers`).
+with ``threads > 1``, are in :mod:`.timer_workers`), and :class:`TimerServices`, one such
+thread per namespace of a sharded deployment (race shards).
 
 :class:`TimerService` is a daemon thread per process that sleeps until the earliest due time,
 woken early by a pub/sub message when an earlier timer is armed, and re-reads at least every
@@ -13,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.clock import Clock, WallClock
@@ -290,3 +292,66 @@ class TimerService(TimerWorkers):
                 self._stop.wait(backoff)
         self._give_back_early()
         self._close_pubsub()
+
+
+class TimerServices:
+    """One :class:`TimerService` per timer store (a race shard's namespace each), sharing one
+    budget of ``threads`` handler threads: each service gets its share (at least 2 when
+    ``threads > 1``, as a batch handler needs), so a process at 12 shards runs about as many
+    handler threads as at one, plus a service thread and a pub/sub connection per shard.
+
+    ``options`` are the services' other keyword arguments (``ahead_ms`` applies only to
+    services with a pool, so it is dropped where the share is one thread)."""
+
+    def __init__(
+        self,
+        stores: Sequence[TimerStore],
+        handler: TimerHandler,
+        *,
+        threads: int = 1,
+        name: str = "gpuhedge-timers",
+        **options: Any,
+    ):
+        if not stores:
+            raise ValueError("timer services need at least one timer store")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        share = 1 if threads == 1 else max(2, math.ceil(threads / len(stores)))
+        if share == 1:
+            options.pop("ahead_ms", None)
+        self.services = [
+            TimerService(
+                store,
+                handler,
+                threads=share,
+                name=name if len(stores) == 1 else f"{name}-{i}",
+                **options,
+            )
+            for i, store in enumerate(stores)
+        ]
+
+    def start(self) -> TimerServices:
+        for service in self.services:
+            service.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every service, at most ``timeout`` seconds in all (:meth:`TimerService.stop`)."""
+        for service in self.services:
+            service._stop.set()  # all stop claiming at once, then each is waited for
+        deadline = time.monotonic() + timeout
+        for service in self.services:
+            service.stop(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        """Whether every service's thread runs (a shard nobody fires is a stuck shard)."""
+        return all(service.alive for service in self.services)
+
+    @property
+    def fired(self) -> int:
+        return sum(service.fired for service in self.services)
+
+    @property
+    def failed(self) -> int:
+        return sum(service.failed for service in self.services)

@@ -28,7 +28,7 @@ import redis
 from ..errors import StoreError, StoreUnavailable
 from . import codec
 from .connection import primary_changed, translate_errors
-from .race_keys import timer_keys
+from .race_keys import RaceShards, timer_keys
 from .scripts import lua_script, queue_script, run_pipeline
 
 log = logging.getLogger(__name__)
@@ -345,3 +345,34 @@ class TimerStore:
         with store_errors("reading a timer"):
             score = self.client.zscore(self.keys.due, timer_id)
         return None if score is None else int(score)
+
+
+class RaceTimers:
+    """The timers of races: one :class:`TimerStore` per race shard (``shards.tags``), a race's
+    timers in its shard's namespace, so they share a Cluster slot with the race's keys and a
+    save's arms ride in one slot with it. With one shard it is the single namespace of old."""
+
+    def __init__(self, client: Any, shards: RaceShards):
+        self.shards = shards
+        self.stores = tuple(TimerStore(client, shards.prefix, tag) for tag in shards.tags)
+        self._by_tag = dict(zip(shards.tags, self.stores, strict=True))
+
+    def of(self, race_id: str) -> TimerStore:
+        """The timer store of race ``race_id``'s shard."""
+        return self._by_tag[self.shards.tag_of(race_id)]
+
+    @property
+    def arm_script(self) -> Any:
+        return self.stores[0].arm_script  # one script per client, whatever the namespace
+
+    @property
+    def cancel_script(self) -> Any:
+        return self.stores[0].cancel_script
+
+    def pending(self) -> int:
+        """Timers waiting to become due, on every shard."""
+        return sum(store.pending() for store in self.stores)
+
+    def in_flight(self) -> int:
+        """Timers claimed and not yet acknowledged, on every shard."""
+        return sum(store.in_flight() for store in self.stores)

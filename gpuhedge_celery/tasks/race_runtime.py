@@ -42,12 +42,12 @@ from ..race.watch_batch import WatchBatch
 from ..store.adaptive import AdaptiveStore
 from ..store.budget import BudgetStore
 from ..store.connection import client_for
-from ..store.race_keys import ResultWrite
+from ..store.race_keys import RaceShards, ResultWrite
 from ..store.races import Keeping, RaceStore
 from ..store.redis_clock import RedisClock
 from ..store.replicas import ReplicaAcks
-from ..store.timer_service import TimerService
-from ..store.timers import TimerStore
+from ..store.timer_service import TimerServices
+from ..store.timers import RaceTimers
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,9 @@ class CeleryEffects:
             return result
         if not getattr(backend, "stores_payload_by_reference", False):
             return result
-        return by_reference(result, result_key(self.prefix, race_id, result["attempt"]))
+        # the result key is on the race's shard, as the runtime's store places it
+        shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
+        return by_reference(result, result_key(shards, race_id, result["attempt"]))
 
     def failed(
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
@@ -381,8 +383,10 @@ class RaceRuntime:
             settings.wait_timeout_ms,
             on_short=metrics.replica_wait_short,
         )
-        self.store = RaceStore(self.client, self.prefix, keeping, clock=self.clock, acks=acks)
-        self.timers = TimerStore(self.client, self.prefix, self.settings.timer_namespace)
+        # Races and their timers spread over the deployment's shards, a race's on one slot
+        shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
+        self.store = RaceStore(self.client, shards, keeping, clock=self.clock, acks=acks)
+        self.timers = RaceTimers(self.client, shards)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
         self.effects = CeleryEffects(self.settings, self.prefix, self.client)
@@ -396,7 +400,7 @@ class RaceRuntime:
         install_adaptive(parts.adaptive, self._rates, self.config.time_scale)
         self.driver = RaceDriver(parts)
         self.effects.driver = self.driver
-        self.service: TimerService | None = None
+        self.service: TimerServices | None = None  # one timer service per race shard
         self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started
 
@@ -413,12 +417,12 @@ class RaceRuntime:
                 self._providers[name] = found
             return found
 
-    def start_timers(self) -> TimerService:
-        """Start this process's timer thread (once)."""
+    def start_timers(self) -> TimerServices:
+        """Start this process's timer threads, one per race shard (once)."""
         with self._lock:
             if self.service is None:
-                self.service = TimerService(
-                    self.timers,
+                self.service = TimerServices(
+                    self.timers.stores,
                     self.driver.on_timer,
                     name="gpuhedge-race-timers",
                     threads=self.settings.timer_threads,

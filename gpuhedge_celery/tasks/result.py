@@ -156,10 +156,12 @@ def _settings(app: Any) -> Any:
 
 @lru_cache(maxsize=16)
 def _store(redis_url: str, prefix: str) -> Any:
+    from .. import settings
     from ..store.connection import client_for
     from ..store.races import RaceStore
 
-    return RaceStore(client_for(redis_url), prefix)
+    shards = settings.current().race_shards(prefix, redis_url)
+    return RaceStore(client_for(redis_url), shards)
 
 
 @lru_cache(maxsize=4)

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.race_events import StopRequested
-from ..store.race_keys import race_keys
 from ..store.timers import store_errors
 
 log = logging.getLogger(__name__)
@@ -40,23 +39,28 @@ BY = "revoke"  # the receipt's stopped_by for a race stopped by Celery's revoke
 
 
 def stop_revoked(driver: Any, ids: Iterable[str]) -> list[str]:
-    """Stop the races among ``ids`` (one round trip to find them); returns the ids stopped."""
-    keyed: list[tuple[str, str]] = []
+    """Stop the races among ``ids`` (a round trip per shard to find them); returns the ids
+    stopped."""
+    store = driver.store
+    named: list[str] = []
     for task_id in ids:
         try:
-            keyed.append((task_id, race_keys(driver.store.prefix, task_id).state))
+            store.shards.tag_of(task_id)
         except ValueError:  # a revoked task id that can never name a race
             continue
-    if not keyed:
+        named.append(task_id)
+    if not named:
         return []
-    pipe = driver.store.client.pipeline(transaction=False)
-    for _, key in keyed:
-        pipe.exists(key)
+    races: set[str] = set()
     with store_errors("looking up revoked races"):
-        found = pipe.execute()
+        for group in store.shards.by_shard(named).values():  # one pipeline per shard's slot
+            pipe = store.client.pipeline(transaction=False)
+            for race_id in group:
+                pipe.exists(store.shards.race(race_id).state)
+            races.update(r for r, exists in zip(group, pipe.execute(), strict=True) if exists)
     stopped = []
-    for (race_id, _), exists in zip(keyed, found, strict=True):
-        if exists:
+    for race_id in dict.fromkeys(named):
+        if race_id in races:
             driver.step(race_id, StopRequested(BY))
             stopped.append(race_id)
     return stopped

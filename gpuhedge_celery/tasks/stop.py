@@ -48,7 +48,10 @@ def _app_and_store(app: Any, redis_url: str | None, prefix: str | None) -> tuple
         from ..settings import Settings
 
         settings = Settings.from_env(redis_url=redis_url, prefix=prefix)
-    return app, RaceStore(client_for(settings.redis_url), settings.prefix)
+    from ..settings import current
+
+    shards = current().race_shards(settings.prefix, settings.redis_url)
+    return app, RaceStore(client_for(settings.redis_url), shards)
 
 
 def send_stop(app: Any, store: Any, race_id: str, by: str, wait_s: float) -> StopAnswer:

@@ -105,6 +105,7 @@ class RaceCluster:
     def __init__(self, cluster: Any, config_path: Path):
         from gpuhedge_celery.config import load_config
         from gpuhedge_celery.providers.simledger import RedisLedger
+        from gpuhedge_celery.settings import ProcessSettings
         from gpuhedge_celery.store.connection import redis_from_url
         from gpuhedge_celery.store.races import RaceStore
 
@@ -114,7 +115,9 @@ class RaceCluster:
         self.redis_url = cluster.redis_url
         self.config_path = config_path
         self.client = redis_from_url(cluster.redis_url, decode_responses=True)
-        self.store = RaceStore(self.client, self.prefix)
+        # where the workers put races (GPUHEDGE_RACE_SHARDS, its default from the Redis URL)
+        shards = ProcessSettings.from_env().race_shards(self.prefix, cluster.redis_url)
+        self.store = RaceStore(self.client, shards)
         self.ledger = RedisLedger(self.client, self.prefix)
         self.config = load_config(config_path)
 

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from gpuhedge_celery.errors import RaceFailed
 from gpuhedge_celery.store.pooled import PooledRecords
+from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.tasks.pooled_result import send_pooled
 from tests.support.faults import (
     HEDGED_REQUEST,
@@ -334,7 +335,7 @@ def check(cluster, sent, outcomes) -> dict:
             lost += 1
             continue
         receipt = store.receipt(result.id) or {}
-        winner = cluster.client.get(f"{cluster.prefix}:race:{{{result.id}}}:winner")
+        winner = cluster.client.get(RaceShards(cluster.prefix).race(result.id).winner)
         if kind == "won" and not (value["attempt"] == receipt.get("winner", value["attempt"])
                                   == (winner or value["attempt"])):  # fmt: skip
             double += 1

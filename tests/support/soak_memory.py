@@ -33,7 +33,7 @@ def memory_sample(cluster, at_s: float, reclaim: bool = False) -> tuple[float, .
     ``reclaim`` the sample then reads every key name (``SCAN``, which deletes the expired keys
     it passes) and Redis's memory again: ``redis_after_reclaim_mb``, what the keys still alive
     hold (0 without ``reclaim``)."""
-    from gpuhedge_celery.store.race_keys import records_key
+    from gpuhedge_celery.store.records import RecordStream
 
     live = [w for w in cluster.workers if w.alive() and "@" in w.nodename]
     rss = round(sum(rss_mb(w.pid) for w in live) / max(1, len(live)), 1)
@@ -42,7 +42,8 @@ def memory_sample(cluster, at_s: float, reclaim: bool = False) -> tuple[float, .
         client = cluster.client
         info = client.info("memory")
         stale = float(client.info("stats").get("expired_stale_perc", 0.0))
-        stream = client.memory_usage(records_key(cluster.prefix), samples=0) or 0
+        keys = RecordStream(client, cluster.prefix).keys  # the workers' shards (default one)
+        stream = sum(client.memory_usage(key, samples=0) or 0 for key in keys)
         parts = [info["used_memory"] / 2**20, sim_ledger_mb(client, cluster.prefix),
                  stream / 2**20, info["used_memory_dataset"] / 2**20,
                  info.get("mem_clients_normal", 0) / 2**20, broker_mb(client), stale,

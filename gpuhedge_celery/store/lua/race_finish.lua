@@ -3,10 +3,11 @@
 -- update the race indexes. One script, so nobody reads the jobs as gone with the old receipt.
 -- With a save mark it rides in the pipeline of the save whose step finished the race and is
 -- done only if that save won: the receipt was assembled from the state the save wrote.
--- Needs a single primary: it touches the race's slot and two others (records, race indexes).
+-- All its keys are on the slot of the race's shard: the race's own and its shard's indexes.
 -- KEYS[1] receipt STRING   KEYS[2] live jobs HASH   KEYS[3] state HASH (race_save.lua)
--- KEYS[4] request STRING   KEYS[5] record STREAM    KEYS[6] recently finished ZSET
--- KEYS[7] live races ZSET  KEYS[8..n] other keys of the race, to expire with the receipt
+-- KEYS[4] request STRING   KEYS[5] the shard's record STREAM
+-- KEYS[6] the shard's recently finished ZSET   KEYS[7] the shard's live races ZSET
+-- KEYS[8..n] other keys of the race, to expire with the receipt
 -- ARGV[1] '' (finish now), or the mark 'version:save id' of the save it rides with: it runs
 --         only if the mark is in the state's history of saves (the save won)
 -- ARGV[2] receipt JSON     ARGV[3] time to keep the race's keys, ms   ARGV[4] now, epoch ms
