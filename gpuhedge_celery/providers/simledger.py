@@ -112,8 +112,10 @@ class RedisLedger:
         return self.client.get(self._key(key))
 
     def get_many(self, keys: list[str]) -> list[str | None]:
-        """Several :meth:`get` in one round trip (``MGET``)."""
-        return list(self.client.mget([self._key(k) for k in keys])) if keys else []
+        """Several :meth:`get` in one round trip (``MGET``; on a Redis Cluster one per slot,
+        whose ``MGET`` must keep to one)."""
+        mget = getattr(self.client, "mget_nonatomic", None) or self.client.mget
+        return list(mget([self._key(k) for k in keys])) if keys else []
 
     def set_if_absent(self, key: str, value: str, ttl_s: float | None = None) -> bool:
         ttl_ms = int(ttl_s * 1000) if ttl_s else None
