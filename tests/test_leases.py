@@ -32,7 +32,9 @@ def test_claim_is_exclusive_and_tokens_increase(lease_store):
     lease_store.release(first)
     second = lease_store.try_claim(gpu, "b", ttl_ms=2_000)
     assert second.token > first.token and second.ttl_ms == 2_000
-    assert 0 < lease_store.client.pttl(lease_store.keys.lease(gpu)) <= 2_000
+    assert (
+        0 < lease_store.client.pttl(lease_store.keys.lease(lease_store.pool_of(gpu), gpu)) <= 2_000
+    )
     assert lease_store.current(gpu).token == second.token == lease_store.last_token(gpu)
 
 
@@ -50,7 +52,10 @@ def test_release_and_renew_by_a_stale_holder_raise(lease_store):
         lease_store.renew(old)
     assert lease_store.current(gpu).token == new.token  # the new holder kept the GPU
     renewed = lease_store.renew(new, ttl_ms=9_000)
-    assert renewed.ttl_ms == 9_000 and lease_store.client.pttl(lease_store.keys.lease(gpu)) > 8_000
+    assert (
+        renewed.ttl_ms == 9_000
+        and lease_store.client.pttl(lease_store.keys.lease(lease_store.pool_of(gpu), gpu)) > 8_000
+    )
     lease_store.release(new)
     with pytest.raises(LeaseLost):
         lease_store.release(new)
@@ -130,7 +135,11 @@ def test_table_states(lease_store):
     lease_store.check_fence("live:1", newer.token)
     lease_store.force_release("live:1")
     assert lease_store.restore("live:1", "job-2", old.token) is False  # refused: stale
-    lease_store.client.set(lease_store.keys.lease("live:1"), f"{old.token}|1|job-2", px=10_000)
+    lease_store.client.set(
+        lease_store.keys.lease(lease_store.pool_of("live:1"), "live:1"),
+        f"{old.token}|1|job-2",
+        px=10_000,
+    )
     lease_store.try_claim("dying:0", "job-4")
     assert wait_until(lambda: not lease_store.host_live("dying"), 3)
     rows = {r.gpu_id: r for r in lease_store.table()}

@@ -189,6 +189,15 @@ class KeyspaceListener:
         self._beat.close()
 
     # -- registrations ----------------------------------------------------------------------
+    def beat_for(self, pool: str) -> None:
+        """Keep this process's heartbeat in ``pool`` while a wait on it lasts (see
+        :class:`~.liveness.ProcessBeat`); pair with :meth:`beat_done`."""
+        self._beat.join(pool)
+
+    def beat_done(self, pool: str) -> None:
+        """A wait on ``pool`` ended (its heartbeat there stops with the last one)."""
+        self._beat.leave(pool)
+
     def watch(self, lease_keys: Iterable[str], pool: str) -> Watch:
         """Register interest in ``lease_keys`` and in wake messages for ``pool``."""
         w = Watch(self, frozenset(lease_keys), pool)
