@@ -1,12 +1,15 @@
 """The GPU lease table in Redis: registry, claims with fencing tokens, renew, release, reconcile.
 
-A lease is the string key ``<prefix>:lease:<gpu>`` = ``token|since_ms|holder`` with a PX TTL,
-created by one Lua script that also issues the GPU's next fencing token, the larger of its INCR'd
-counter and Redis's clock in ms x 1000 (``lua/_token.lua``), so tokens strictly increase per GPU,
-across a failover that lost the counter's last writes too. Release and renew compare the token
+Every key of a pool and of its GPUs carries the pool's Redis Cluster hash tag (``{pool:<name>}``,
+:mod:`.keys`), so each script touches one slot; the registry hash ``gpu-pools`` (gpu -> pool,
+read once per process and GPU) tells an API given a GPU id which pool's keys to use.
+A lease is the string key ``<prefix>:{pool:<pool>}:lease:<gpu>`` = ``token|since_ms|holder`` with a
+PX TTL, created by one Lua script that also issues the GPU's next fencing token, the larger of its
+INCR'd counter and Redis's clock in ms x 1000 (``lua/_token.lua``), so tokens strictly increase per
+GPU, across a failover that lost the counter's last writes too. Release and renew compare the token
 and the holder inside Lua; a holder whose lease is gone or was taken over gets
-:class:`~gpuhedge_celery.errors.LeaseLost`, never a silent success. The worker-side fence check
-also keeps this process's own mark per GPU (:class:`~gpuhedge_celery.core.lease_rules.FenceMark`).
+:class:`~gpuhedge_celery.errors.LeaseLost`, never a silent success. The worker-side fence check also
+keeps this process's own mark per GPU (:class:`~gpuhedge_celery.core.lease_rules.FenceMark`).
 
 Deviations from / additions to the agreed API (for the Celery-glue engineer):
 
