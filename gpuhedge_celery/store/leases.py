@@ -66,6 +66,9 @@ __all__ = ["GpuInfo", "Lease", "LeaseKeeper", "LeaseRow", "LeaseStore"]
 log = logging.getLogger(__name__)
 
 DURATIONS_KEPT = 1000
+# How long a process trusts the GPU -> pool registry it read (a GPU moved to another pool is
+# found at once by a claim, whose script checks the pool's registry hash, and by others after).
+POOL_CACHE_S = 10.0
 
 
 def now_ms() -> int:
@@ -126,7 +129,7 @@ class LeaseStore:
         # One per GPU: check_mark, the Redis check and record_mark run as one step per GPU.
         self._gates: dict[str, threading.Lock] = {}
         # gpu id -> pool, as the registry said (every key of a GPU carries its pool's tag)
-        self._pools: dict[str, str] = {}
+        self._pools: dict[str, tuple[float, str]] = {}  # gpu id -> (read at, pool)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LeaseStore:
@@ -141,22 +144,27 @@ class LeaseStore:
 
     # -- registry ---------------------------------------------------------------------------
     def pool_of(self, gpu_id: str) -> str:
-        """The pool ``gpu_id`` is registered in (cached per process: every key of the GPU
-        carries its pool's hash tag); ConfigError if it is not registered."""
+        """The pool ``gpu_id`` is registered in (cached per process for ``POOL_CACHE_S``: every
+        key of the GPU carries its pool's hash tag); ConfigError if it is not registered."""
         pool = self.pool_or_none(gpu_id)
         if pool is None:
             raise ConfigError(f"GPU {gpu_id!r} is not registered", key="gpu_id")
         return pool
 
     def pool_or_none(self, gpu_id: str) -> str | None:
+        now = time.monotonic()
         with self._marks_lock:
-            pool = self._pools.get(gpu_id)
-        if pool is None:
-            with self.guard():
-                pool = _text(self.client.hget(self.keys.gpu_pools(), gpu_id))
-            if pool is not None:
-                with self._marks_lock:
-                    self._pools[gpu_id] = pool
+            cached = self._pools.get(gpu_id)
+        if cached is not None and now - cached[0] < POOL_CACHE_S:
+            return cached[1]
+        with self.guard():
+            found = self.client.hget(self.keys.gpu_pools(), gpu_id)
+        pool = None if found is None else _text(found)
+        with self._marks_lock:
+            if pool is None:
+                self._pools.pop(gpu_id, None)
+            else:
+                self._pools[gpu_id] = (now, pool)
         return pool
 
     def _forget_pool(self, gpu_id: str) -> None:
@@ -200,7 +208,7 @@ class LeaseStore:
             self.client.sadd(k.host_pools(info.host), info.pool)
             self._carry_heartbeat(info.host, info.pool)
         with self._marks_lock:
-            self._pools[info.gpu_id] = info.pool
+            self._pools[info.gpu_id] = (time.monotonic(), info.pool)
 
     def _carry_heartbeat(self, host: str, pool: str) -> None:
         """A live host joining ``pool`` is live there too, until its heartbeat's end elsewhere
