@@ -125,6 +125,18 @@ def test_registry_pools_hosts_and_liveness(lease_store):
     ]
 
 
+def test_a_process_that_cached_a_gpus_old_pool_claims_it_in_the_new_one(lease_store):
+    add_pool(lease_store, "a", 1, host="h")
+    other = LeaseStore(lease_store.client, lease_store.prefix)  # another process
+    assert other.pool_of("h:0") == "a"  # read, and cached
+    lease_store.register_gpu(GpuInfo("h:0", "b", "h"))
+    lease = other.try_claim("h:0", "job-1")  # its pool's registry no longer has the GPU
+    assert lease is not None and lease.pool == "b" and other.pool_of("h:0") == "b"
+    assert lease_store.current("h:0") == lease
+    with pytest.raises(ConfigError, match="invalid pool name"):
+        lease_store.register_gpu(GpuInfo("h:1", "a{b}", "h"))
+
+
 def test_table_states(lease_store):
     add_pool(lease_store, "p", 3, host="live")
     add_pool(lease_store, "q", 1, host="dying", heartbeat_ms=200)
