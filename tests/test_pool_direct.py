@@ -7,6 +7,7 @@ workers: a GPU worker and, where a test needs one, a coordination worker for the
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -94,6 +95,8 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
 
     prefix = f"direct{time.time_ns()}"
     env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
+    if os.environ.get("GPUHEDGE_BROKER_URL"):  # a store on a cluster: Celery's broker apart
+        env["GPUHEDGE_BROKER_URL"] = os.environ["GPUHEDGE_BROKER_URL"]
     store = LeaseStore(redis_client, prefix)
     store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
     store.host_heartbeat("h1", 60_000)
