@@ -137,6 +137,17 @@ def test_a_process_that_cached_a_gpus_old_pool_claims_it_in_the_new_one(lease_st
         lease_store.register_gpu(GpuInfo("h:1", "a{b}", "h"))
 
 
+def test_a_workers_own_gpu_is_found_in_its_configured_pool_before_it_registers(lease_store):
+    from gpuhedge_celery.store.availability import set_out
+
+    with pytest.raises(ConfigError, match="not registered"):
+        set_out(lease_store, "w:0", "runner", "loading")
+    lease_store.expect("w:0", "p")  # what a GPU worker's own store knows from its config
+    set_out(lease_store, "w:0", "runner", "loading")
+    add_pool(lease_store, "p", 1, host="w")
+    assert lease_store.try_claim("w:0", "job") is None  # the mark kept it out of the pool
+
+
 def test_table_states(lease_store):
     add_pool(lease_store, "p", 3, host="live")
     add_pool(lease_store, "q", 1, host="dying", heartbeat_ms=200)

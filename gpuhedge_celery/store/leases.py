@@ -130,6 +130,7 @@ class LeaseStore:
         self._gates: dict[str, threading.Lock] = {}
         # gpu id -> pool, as the registry said (every key of a GPU carries its pool's tag)
         self._pools: dict[str, tuple[float, str]] = {}  # gpu id -> (read at, pool)
+        self._expected: dict[str, str] = {}  # gpu id -> pool, for this process's own GPU
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LeaseStore:
@@ -159,13 +160,20 @@ class LeaseStore:
             return cached[1]
         with self.guard():
             found = self.client.hget(self.keys.gpu_pools(), gpu_id)
-        pool = None if found is None else _text(found)
+        pool: str | None = None if found is None else str(_text(found))
         with self._marks_lock:
             if pool is None:
                 self._pools.pop(gpu_id, None)
-            else:
-                self._pools[gpu_id] = (now, pool)
+                return self._expected.get(gpu_id)
+            self._pools[gpu_id] = (now, pool)
         return pool
+
+    def expect(self, gpu_id: str, pool: str) -> None:
+        """This process serves ``gpu_id`` in ``pool`` (its worker's configuration): its keys are
+        found there until the registry names the GPU (a worker's child marks the GPU out of the
+        pool while its model loads, before the main process registered it)."""
+        with self._marks_lock:
+            self._expected[gpu_id] = check_pool(pool)
 
     def _forget_pool(self, gpu_id: str) -> None:
         with self._marks_lock:

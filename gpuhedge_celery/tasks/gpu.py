@@ -53,7 +53,10 @@ def lease_store() -> LeaseStore:
     with _lock:
         store = _stores.get(os.getpid())
         if store is None:
-            store = _stores[os.getpid()] = LeaseStore.from_settings(glue_config().settings)
+            config = glue_config()
+            store = _stores[os.getpid()] = LeaseStore.from_settings(config.settings)
+            if config.gpu_id:  # a GPU worker: its GPU's keys are on its pool's tag
+                store.expect(config.gpu_id, config.pool)
         return store
 
 
