@@ -23,14 +23,17 @@ such a delivery finds the request taken by a live process and is dropped (:meth:
 delivery superseded after its process was judged dead gives its GPU back (:meth:`handoff`).
 A process is alive as the wait queue judges it (``store/liveness.py``).
 
-Keys (one deployment prefix):
+Keys (one deployment prefix; a request's record and its pool's indexes all carry the pool's hash
+tag ``{pool:<pool>}``, so each script below is one Cluster slot; ``pooled-pools`` is the hint set
+of the pools the sweep goes over):
 
-* ``pooled:{id}``: hash ``data`` (the arguments and queue, JSON), ``state`` (``sent``,
+* ``pooled:<id>``: hash ``data`` (the arguments and queue, JSON), ``state`` (``sent``,
   ``taken``, ``handed``), ``taker`` (process id), ``delivery`` (one run of the task),
   ``attempt``; expires after the record TTL in any case;
 * ``pooled-unseen``: sorted set, id -> when it was (last) sent, epoch ms: requests no worker
   has taken yet;
 * ``pooled-taken``: sorted set, id -> when it was taken (server ms): requests waiting for a GPU;
+* ``pooled-handed``: sorted set, id -> when it was handed to a GPU (server ms);
 * ``pooled-missing``: sorted set, id -> when a sweep first found its message missing.
 """
 
