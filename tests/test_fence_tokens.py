@@ -59,7 +59,7 @@ def server_floor(store: LeaseStore) -> int:
 @pytest.mark.parametrize("how", ISSUERS)
 def test_a_token_after_the_counter_went_back_is_above_every_earlier_one(lease_store, how):
     (gpu,) = add_pool(lease_store, "p", host="p")
-    fence = lease_store.keys.fence(gpu)
+    fence = lease_store.keys.fence(lease_store.pool_of(gpu), gpu)
     earlier = []
     for i in range(20):
         lease = issue(lease_store, how, "p", f"before-{i}")
@@ -100,23 +100,23 @@ def test_big_round_tokens_are_written_as_integers(lease_store, redis_client):
     step = 10**14
     for n, how in enumerate(ISSUERS, 1):
         at = (server_floor(lease_store) // step + n) * step
-        redis_client.set(k.fence(gpu), at - 1)
+        redis_client.set(k.fence(lease_store.pool_of(gpu), gpu), at - 1)
         lease = issue(lease_store, how, "p", f"job-{how}")
         assert lease.token == at, how
-        assert redis_client.get(k.lease(gpu)).startswith(f"{at}|"), how
-        assert redis_client.get(k.fence(gpu)) == str(at), how
+        assert redis_client.get(k.lease(lease_store.pool_of(gpu), gpu)).startswith(f"{at}|"), how
+        assert redis_client.get(k.fence(lease_store.pool_of(gpu), gpu)) == str(at), how
         assert lease_store.current(gpu).token == at
         if how == "pooled_direct":
-            assert redis_client.hget(PooledRecords(redis_client, k).record_key(lease.holder),
-                                     "token") == str(at)  # fmt: skip
+            record = PooledRecords(redis_client, k).of("p").record_key(lease.holder)
+            assert redis_client.hget(record, "token") == str(at)
         lease_store.check_fence(gpu, at, how)
-        assert redis_client.get(k.accepted(gpu)) == str(at)
+        assert redis_client.get(k.accepted(lease_store.pool_of(gpu), gpu)) == str(at)
         lease_store.renew(lease)
         lease_store.release(lease)
     later = at + step
     assert lease_store.restore(gpu, "restored", later, since_ms=7)
-    assert redis_client.get(k.lease(gpu)) == f"{later}|7|restored"
-    assert redis_client.get(k.fence(gpu)) == str(later)
+    assert redis_client.get(k.lease(lease_store.pool_of(gpu), gpu)) == f"{later}|7|restored"
+    assert redis_client.get(k.fence(lease_store.pool_of(gpu), gpu)) == str(later)
     assert lease_store.try_claim(gpu, "next") is None  # restored: held
     lease_store.force_release(gpu, later)
     assert lease_store.try_claim(gpu, "next").token == later + 1
@@ -149,17 +149,19 @@ def test_the_worker_mark_refuses_an_old_token_redis_would_take(lease_store, redi
     lease_store.check_fence(gpu, new.token, "d-new")
     assert lease_store.mark(gpu) == new.token
     # A failover lost the accepted key, and the old lease's write is what the new primary has.
-    redis_client.delete(k.accepted(gpu))
-    redis_client.set(k.lease(gpu), f"{old.token}|1|job-old")
+    redis_client.delete(k.accepted(lease_store.pool_of(gpu), gpu))
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), f"{old.token}|1|job-old")
     with pytest.raises(StaleToken) as info:
         lease_store.check_fence(gpu, old.token, "d-old")
     assert info.value.current == new.token
-    assert redis_client.get(k.accepted(gpu)) is None  # refused before any Redis step
+    assert (
+        redis_client.get(k.accepted(lease_store.pool_of(gpu), gpu)) is None
+    )  # refused before any Redis step
     LeaseStore(redis_client, lease_store.prefix).check_fence(gpu, old.token)  # Redis alone: yes
 
     # The same token again: refused for another delivery, accepted for the same one.
-    redis_client.delete(k.accepted(gpu))
-    redis_client.set(k.lease(gpu), f"{new.token}|1|job-new")
+    redis_client.delete(k.accepted(lease_store.pool_of(gpu), gpu))
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), f"{new.token}|1|job-new")
     with pytest.raises(StaleToken, match="ran other work"):
         lease_store.check_fence(gpu, new.token, "d-other")
     lease_store.check_fence(gpu, new.token, "d-new")  # repeated after a lost reply
@@ -177,11 +179,15 @@ def test_the_gpu_job_start_keeps_the_mark(lease_store, redis_client):
     record = RunningRecord(lease_store, second, "task-2")
     assert begin(lease_store, second, record) == (STARTED, False)
     assert begin(lease_store, second, record) == (STARTED, False)  # after a lost reply
-    redis_client.delete(k.accepted(gpu))  # lost in a failover, with the first job's lease back
-    redis_client.set(k.lease(gpu), f"{first.token}|1|task-1")
+    redis_client.delete(
+        k.accepted(lease_store.pool_of(gpu), gpu)
+    )  # lost in a failover, with the first job's lease back
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), f"{first.token}|1|task-1")
     with pytest.raises(StaleToken):
         begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))
-    assert redis_client.get(k.running(gpu)) == record.value  # the refused job wrote nothing
+    assert (
+        redis_client.get(k.running(lease_store.pool_of(gpu), gpu)) == record.value
+    )  # the refused job wrote nothing
 
 
 def test_after_a_failover_to_a_lagging_clock_the_refused_lease_is_freed_and_the_next_runs(
@@ -190,12 +196,14 @@ def test_after_a_failover_to_a_lagging_clock_the_refused_lease_is_freed_and_the_
     (gpu,) = add_pool(lease_store)
     k = lease_store.keys
     # The old primary's clock ran ahead of this one's: its tokens are far above our floor.
-    redis_client.set(k.fence(gpu), server_floor(lease_store) + 10**12)
+    redis_client.set(k.fence(lease_store.pool_of(gpu), gpu), server_floor(lease_store) + 10**12)
     first = lease_store.try_claim(gpu, "task-1")
     assert begin(lease_store, first, RunningRecord(lease_store, first, "task-1"))[0] == STARTED
     assert finish(lease_store, first, "task-1") is True
     # Failover: the counter and the accepted key are lost, and the new primary's clock is behind.
-    redis_client.delete(k.fence(gpu), k.accepted(gpu))
+    redis_client.delete(
+        k.fence(lease_store.pool_of(gpu), gpu), k.accepted(lease_store.pool_of(gpu), gpu)
+    )
     behind = lease_store.try_claim(gpu, "task-2")
     assert behind.token < first.token
     with caplog.at_level(logging.WARNING, "gpuhedge_celery.store.leases"):
@@ -205,7 +213,9 @@ def test_after_a_failover_to_a_lagging_clock_the_refused_lease_is_freed_and_the_
     assert lease_store.last_token(gpu) == first.token  # lifted to the worker's mark
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert gpu in line and str(behind.token) in line and str(first.token) in line
-    assert redis_client.get(k.running(gpu)) is None  # the refused job wrote nothing
+    assert (
+        redis_client.get(k.running(lease_store.pool_of(gpu), gpu)) is None
+    )  # the refused job wrote nothing
 
     again = lease_store.try_claim(gpu, "task-2")
     assert again.token == first.token + 1  # the clock is still behind: the counter decides
@@ -224,7 +234,7 @@ def test_a_refusal_whose_lease_cannot_be_freed_is_still_the_refusal(
     assert finish(lease_store, first, "task-1") is True
     # a lease below the worker's mark, as a failover to a lagging clock leaves it
     older = replace(first, token=first.token - 1, holder="task-2")
-    redis_client.set(k.lease(gpu), f"{older.token}|1|task-2")
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), f"{older.token}|1|task-2")
     freeing = []
 
     def away(*args):
@@ -252,11 +262,13 @@ def test_a_number_issued_again_for_another_holder_is_freed_but_a_duplicate_deliv
     with pytest.raises(StaleToken):
         begin(lease_store, lease, duplicate)
     assert lease_store.current(gpu).holder == "task-1"
-    assert redis_client.get(k.running(gpu)) == running.value
+    assert redis_client.get(k.running(lease_store.pool_of(gpu), gpu)) == running.value
     # A failover lost the lease and the counter, and the same number went to another holder.
-    redis_client.delete(k.accepted(gpu), k.running(gpu))
-    redis_client.set(k.fence(gpu), lease.token - 1)
-    redis_client.set(k.lease(gpu), f"{lease.token}|1|task-2")
+    redis_client.delete(
+        k.accepted(lease_store.pool_of(gpu), gpu), k.running(lease_store.pool_of(gpu), gpu)
+    )
+    redis_client.set(k.fence(lease_store.pool_of(gpu), gpu), lease.token - 1)
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), f"{lease.token}|1|task-2")
     other = replace(lease, holder="task-2")
     with pytest.raises(StaleToken):
         begin(lease_store, other, RunningRecord(lease_store, other, "task-2"))
@@ -271,16 +283,21 @@ def test_fence_lift_frees_only_the_refused_lease_and_never_lowers_the_counter(
     (gpu,) = add_pool(lease_store)
     k = lease_store.keys
     lift = lease_store.scripts.fence_lift
-    keys = [k.lease(gpu), k.fence(gpu)]
-    redis_client.set(k.lease(gpu), "7|1|a|b")  # a holder may contain '|'
-    redis_client.set(k.fence(gpu), 9)
+    keys = [k.lease(lease_store.pool_of(gpu), gpu), k.fence(lease_store.pool_of(gpu), gpu)]
+    redis_client.set(k.lease(lease_store.pool_of(gpu), gpu), "7|1|a|b")  # a holder may contain '|'
+    redis_client.set(k.fence(lease_store.pool_of(gpu), gpu), 9)
     assert lift(keys=keys, args=[6, "", 8]) == [0, "9"]  # another token: kept; 9 > 8 stays
     assert lift(keys=keys, args=[7, "a", 8]) == [0, "9"]  # another holder: kept
-    assert redis_client.get(k.lease(gpu)) == "7|1|a|b"
+    assert redis_client.get(k.lease(lease_store.pool_of(gpu), gpu)) == "7|1|a|b"
     assert lift(keys=keys, args=[7, "a|b", 12]) == [1, "12"]
-    assert redis_client.get(k.lease(gpu)) is None and redis_client.get(k.fence(gpu)) == "12"
+    assert (
+        redis_client.get(k.lease(lease_store.pool_of(gpu), gpu)) is None
+        and redis_client.get(k.fence(lease_store.pool_of(gpu), gpu)) == "12"
+    )
     assert lift(keys=keys, args=[7, "a|b", 12]) == [0, "12"]  # repeated after a lost reply
     big = 1_800_000_000_000_000
-    redis_client.delete(k.fence(gpu))
+    redis_client.delete(k.fence(lease_store.pool_of(gpu), gpu))
     assert lift(keys=keys, args=[1, "", big]) == [0, str(big)]
-    assert redis_client.get(k.fence(gpu)) == str(big)  # an integer string, never 1.8e+15
+    assert redis_client.get(k.fence(lease_store.pool_of(gpu), gpu)) == str(
+        big
+    )  # an integer string, never 1.8e+15

@@ -30,10 +30,10 @@ def store(redis_client):
 def test_a_job_starts_only_unstopped_and_under_its_current_token(store, redis_client):
     lease = store.try_claim("h:0", "job-1")
     running = RunningRecord(store, lease, "job-1")
-    redis_client.set(stop_key(store, "job-1"), "1")
+    redis_client.set(stop_key(store, "p", "job-1"), "1")
     assert begin(store, lease, running) == (STOPPED, False)
     assert redis_client.get(running.key) is None  # a stopped job writes nothing
-    redis_client.delete(stop_key(store, "job-1"))
+    redis_client.delete(stop_key(store, "p", "job-1"))
     assert begin(store, lease, running) == (STARTED, False)
     assert redis_client.get(running.key) == running.value
     assert store.accepted_token("h:0") == lease.token
@@ -101,7 +101,7 @@ def test_a_job_starts_only_under_its_own_holder(store, redis_client):
 def test_the_fence_script_without_a_holder_checks_the_token_alone(store, redis_client):
     lease = store.try_claim("h:0", "job-1")
     k = store.keys
-    keys = [k.lease("h:0"), k.accepted("h:0")]
+    keys = [k.lease("p", "h:0"), k.accepted("p", "h:0")]
     check = store.scripts.check_fence
     assert check(keys=keys, args=[lease.token]) == [1, lease.token]
     assert check(keys=keys, args=[lease.token, "", ""]) == [1, lease.token]

@@ -32,7 +32,9 @@ def test_claim_is_exclusive_and_tokens_increase(lease_store):
     lease_store.release(first)
     second = lease_store.try_claim(gpu, "b", ttl_ms=2_000)
     assert second.token > first.token and second.ttl_ms == 2_000
-    assert 0 < lease_store.client.pttl(lease_store.keys.lease(gpu)) <= 2_000
+    assert (
+        0 < lease_store.client.pttl(lease_store.keys.lease(lease_store.pool_of(gpu), gpu)) <= 2_000
+    )
     assert lease_store.current(gpu).token == second.token == lease_store.last_token(gpu)
 
 
@@ -50,7 +52,10 @@ def test_release_and_renew_by_a_stale_holder_raise(lease_store):
         lease_store.renew(old)
     assert lease_store.current(gpu).token == new.token  # the new holder kept the GPU
     renewed = lease_store.renew(new, ttl_ms=9_000)
-    assert renewed.ttl_ms == 9_000 and lease_store.client.pttl(lease_store.keys.lease(gpu)) > 8_000
+    assert (
+        renewed.ttl_ms == 9_000
+        and lease_store.client.pttl(lease_store.keys.lease(lease_store.pool_of(gpu), gpu)) > 8_000
+    )
     lease_store.release(new)
     with pytest.raises(LeaseLost):
         lease_store.release(new)
@@ -120,6 +125,29 @@ def test_registry_pools_hosts_and_liveness(lease_store):
     ]
 
 
+def test_a_process_that_cached_a_gpus_old_pool_claims_it_in_the_new_one(lease_store):
+    add_pool(lease_store, "a", 1, host="h")
+    other = LeaseStore(lease_store.client, lease_store.prefix)  # another process
+    assert other.pool_of("h:0") == "a"  # read, and cached
+    lease_store.register_gpu(GpuInfo("h:0", "b", "h"))
+    lease = other.try_claim("h:0", "job-1")  # its pool's registry no longer has the GPU
+    assert lease is not None and lease.pool == "b" and other.pool_of("h:0") == "b"
+    assert lease_store.current("h:0") == lease
+    with pytest.raises(ConfigError, match="invalid pool name"):
+        lease_store.register_gpu(GpuInfo("h:1", "a{b}", "h"))
+
+
+def test_a_workers_own_gpu_is_found_in_its_configured_pool_before_it_registers(lease_store):
+    from gpuhedge_celery.store.availability import set_out
+
+    with pytest.raises(ConfigError, match="not registered"):
+        set_out(lease_store, "w:0", "runner", "loading")
+    lease_store.expect("w:0", "p")  # what a GPU worker's own store knows from its config
+    set_out(lease_store, "w:0", "runner", "loading")
+    add_pool(lease_store, "p", 1, host="w")
+    assert lease_store.try_claim("w:0", "job") is None  # the mark kept it out of the pool
+
+
 def test_table_states(lease_store):
     add_pool(lease_store, "p", 3, host="live")
     add_pool(lease_store, "q", 1, host="dying", heartbeat_ms=200)
@@ -130,7 +158,11 @@ def test_table_states(lease_store):
     lease_store.check_fence("live:1", newer.token)
     lease_store.force_release("live:1")
     assert lease_store.restore("live:1", "job-2", old.token) is False  # refused: stale
-    lease_store.client.set(lease_store.keys.lease("live:1"), f"{old.token}|1|job-2", px=10_000)
+    lease_store.client.set(
+        lease_store.keys.lease(lease_store.pool_of("live:1"), "live:1"),
+        f"{old.token}|1|job-2",
+        px=10_000,
+    )
     lease_store.try_claim("dying:0", "job-4")
     assert wait_until(lambda: not lease_store.host_live("dying"), 3)
     rows = {r.gpu_id: r for r in lease_store.table()}

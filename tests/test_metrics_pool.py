@@ -83,7 +83,7 @@ def free_gpu(pc):
     """The GPU free before and after each test (a failed test may leave a lease behind)."""
     pc.store.force_release(pc.gpu)
     yield pc
-    running = pc.store.keys.running(pc.gpu)
+    running = pc.store.keys.running(pc.store.pool_of(pc.gpu), pc.gpu)
     wait_for(lambda: not pc.cluster.client.exists(running), 20, "the GPU to be idle")
     pc.store.force_release(pc.gpu)
 
@@ -145,7 +145,9 @@ def test_reconcile_counts_a_lease_it_restores_and_one_it_frees(free_gpu):
     assert record.active()
     lease = pc.store.try_claim(pc.gpu, "job-holder", ttl_ms=60_000)
     res = pc.run_under(lease, 6, "restored")  # outlasts the reconcile's broadcast
-    pc.cluster.client.delete(pc.store.keys.lease(pc.gpu))  # Redis lost the lease
+    pc.cluster.client.delete(
+        pc.store.keys.lease(pc.store.pool_of(pc.gpu), pc.gpu)
+    )  # Redis lost the lease
     d = Delta()
     # the GPU worker's answer to the broadcast may take over 1 s on a loaded machine
     summary = reconcile_once(pc.app, pc.store, timeout_s=2.5)

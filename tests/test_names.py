@@ -128,11 +128,11 @@ def test_the_names_every_deployment_and_other_apps_rely_on_are_unchanged():
         "gpuhedge.race_cancel",
     }  # fmt: skip
     keys = Keys("p")
-    assert (keys.lease("h:0"), keys.lease_prefix(), keys.pool_gpus("a")) == (
-        "p:lease:h:0", "p:lease:", "p:pool:a:gpus",
+    assert (keys.lease("a", "h:0"), keys.pool_gpus("a"), keys.gpu_pools()) == (
+        "p:{pool:a}:lease:h:0", "p:{pool:a}:gpus", "p:gpu-pools",
     )  # fmt: skip
-    assert (keys.stop("t"), keys.janitor_lock(), keys.dead_since()) == (
-        "p:stop:t", "p:janitor:lock", "p:reconcile:dead_since",
+    assert (keys.stop("a", "t"), keys.janitor_lock(), keys.dead_since()) == (
+        "p:{pool:a}:stop:t", "p:janitor:lock", "p:reconcile:dead_since",
     )  # fmt: skip
     assert all_keys("p") == "p:*"
     assert race_keys("p", "races", "r1").receipt == "p:race:{races}:r1:receipt"

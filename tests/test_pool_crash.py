@@ -28,7 +28,9 @@ TTL_MS = 3000
 def running_lease(cluster, gpu):
     """The lease of a job that the GPU's worker has started (its running record exists)."""
     lease = cluster.store.current(gpu)
-    if lease is None or not cluster.client.exists(cluster.store.keys.running(gpu)):
+    if lease is None or not cluster.client.exists(
+        cluster.store.keys.running(cluster.store.pool_of(gpu), gpu)
+    ):
         return None
     return lease
 

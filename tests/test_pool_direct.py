@@ -7,6 +7,7 @@ workers: a GPU worker and, where a test needs one, a coordination worker for the
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -32,8 +33,9 @@ POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": QUEUE_POOL}
 def test_a_claim_takes_only_a_free_live_gpu_and_never_overtakes_a_waiter(redis_client):
     store = LeaseStore(redis_client, f"direct{time.time_ns()}")
     k: Keys = store.keys
-    records = PooledRecords(redis_client, k)
-    claims = DirectClaims(store, records)
+    every = PooledRecords(redis_client, k)
+    records = every.of("p")
+    claims = DirectClaims(store, every)
     store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
     store.register_gpu(GpuInfo("h2:0", "p", "h2", {"model": "b"}))
     store.host_heartbeat("h1", 60_000)  # h2 never heartbeats: a silent host
@@ -93,6 +95,8 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
 
     prefix = f"direct{time.time_ns()}"
     env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
+    if os.environ.get("GPUHEDGE_BROKER_URL"):  # a store on a cluster: Celery's broker apart
+        env["GPUHEDGE_BROKER_URL"] = os.environ["GPUHEDGE_BROKER_URL"]
     store = LeaseStore(redis_client, prefix)
     store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
     store.host_heartbeat("h1", 60_000)
@@ -167,7 +171,8 @@ def test_a_free_gpu_runs_the_request_with_no_coordination_worker(cluster):
     assert out["gpu_id"] == cluster.gpu_id(0)
     delayed = cluster.app.tasks[pooled_infer.name].delay({"id": "direct-2", "duration_s": 0.1})
     assert delayed.get(timeout=30)["output"]["id"] == "direct-2"
-    wait_for(lambda: not records.known(by_name.id) and not records.known(delayed.id), 10,
+    mine = records.of("default")
+    wait_for(lambda: not mine.known(by_name.id) and not mine.known(delayed.id), 10,
              "the records forgotten at the requests' end")  # fmt: skip
     assert runs_of(cluster, "direct-1") == 1 and runs_of(cluster, "direct-2") == 1
     assert cluster.store.current(cluster.gpu_id(0)) is None  # the GPU back in the pool
@@ -180,7 +185,7 @@ def test_a_busy_gpu_sends_the_next_request_to_wait_in_the_queue(cluster):
     first = send_pooled(cluster.app, {"id": "busy-1", "duration_s": 2.0})
     wait_for(lambda: cluster.store.current(cluster.gpu_id(0)) is not None, 10, "the GPU held")
     second = send_pooled(cluster.app, {"id": "queued-1", "duration_s": 0.1})
-    assert records.state(second.id) == "sent"  # on the pool queue, not on the GPU's
+    assert records.of("default").state(second.id) == "sent"  # on the pool queue, not on the GPU's
     cluster.pool_workers.append(cluster.start_coordinator(**POOL_ONLY))
     assert first.get(timeout=30)["output"]["id"] == "busy-1"
     out = second.get(timeout=30)
@@ -235,5 +240,5 @@ def test_a_publish_that_fails_gives_the_gpu_back_and_leaves_no_record(cluster, m
     assert isinstance(info.value.__cause__, OperationalError)
     assert calls == ["gpuhedge.gpu_run"]  # it had claimed the GPU and tried it directly
     records = PooledRecords(cluster.client, cluster.store.keys)
-    assert not records.known("unsent-direct")
+    assert not records.of("default").known("unsent-direct")
     assert cluster.store.current(cluster.gpu_id(0)) is None

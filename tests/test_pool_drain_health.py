@@ -35,7 +35,7 @@ def cli_run(cluster, *args):
 
 
 def running(cluster, gpu):
-    return cluster.client.exists(cluster.store.keys.running(gpu))
+    return cluster.client.exists(cluster.store.keys.running(cluster.store.pool_of(gpu), gpu))
 
 
 def test_drain_lets_the_job_finish_and_takes_no_new_one(celery_cluster):

@@ -92,14 +92,14 @@ def test_after_a_failover_to_a_lagging_clock_a_refused_lease_frees_the_gpu(celer
     workers = [c.start_gpu(0, wait=False), c.start_coordinator(wait=False)]
     c.wait_ready(*workers)
     gpu = c.gpu_id(0)
-    k = c.store.keys
+    k, pool = c.store.keys, c.store.pool_of(gpu)
     # The old primary's clock ran ahead: the first job's token is far above today's floor.
     seconds, micros = c.client.time()
-    c.client.set(k.fence(gpu), (seconds * 1000 + micros // 1000 + 10**9) * 1000)
+    c.client.set(k.fence(pool, gpu), (seconds * 1000 + micros // 1000 + 10**9) * 1000)
     first = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": "first"},))
     mark = first.get(timeout=30)["token"]  # the GPU worker's mark
     # Failover to a primary whose clock is behind, without the counter or the accepted key.
-    c.client.delete(k.fence(gpu), k.accepted(gpu))
+    c.client.delete(k.fence(pool, gpu), k.accepted(pool, gpu))
     second = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": "second"},))
     # Refused once, its lease freed (not left for its 60 s TTL), then run under a token above
     # the mark.

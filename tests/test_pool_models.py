@@ -187,7 +187,7 @@ def test_a_recycled_child_loads_again_and_leaves_no_lease(
     closed = {e["pid"] for e in events(log, "close")}
     assert set(order[:-1]) <= closed, "a recycled child closed its model on the way out"
     wait_for(lambda: c.store.current(gpu) is None and in_pool(c, gpu), 30, "the GPU free")
-    assert not c.client.exists(c.store.keys.running(gpu))
+    assert not c.client.exists(c.store.keys.running(c.store.pool_of(gpu), gpu))
 
 
 def test_a_job_that_reaches_a_gpu_whose_model_cannot_serve_frees_the_lease(
@@ -212,7 +212,9 @@ def test_a_job_that_reaches_a_gpu_whose_model_cannot_serve_frees_the_lease(
         return "failed (attempt 1)" in detail
 
     wait_for(failed_once, 30, "the first failed load")  # the next one is 3 s away
-    c.store.client.delete(c.store.keys.out(gpu))  # as if the mark had been lost
+    c.store.client.delete(
+        c.store.keys.out(c.store.pool_of(gpu), gpu)
+    )  # as if the mark had been lost
     result = c.app.send_task(TASK_POOLED_INFER, ({"id": "bounced"},))
     wait_for(lambda: c.store.last_token(gpu) > 0, 10, "the job to take the GPU's lease")
     wait_for(lambda: c.store.current(gpu) is None, 5, "the lease freed, long before its TTL")

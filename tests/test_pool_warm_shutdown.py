@@ -36,7 +36,9 @@ def test_sigterm_finishes_the_running_job_and_the_waiting_request_moves_on(celer
 
     def both_started():
         found = {g: c.store.current(g) for g in (c.gpu_id(0), c.gpu_id(1))}
-        if all(found.values()) and all(c.client.exists(c.store.keys.running(g)) for g in found):
+        if all(found.values()) and all(
+            c.client.exists(c.store.keys.running(c.store.pool_of(g), g)) for g in found
+        ):
             return found
         return None
 
@@ -77,7 +79,11 @@ def test_draining_the_last_gpu_of_a_pool_fails_the_requests_still_waiting(celery
     coord = c.start_coordinator(wait=False, **short)
     c.wait_ready(gpu, coord)
     running = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 2, "id": "running"},))
-    wait_for(lambda: c.client.exists(c.store.keys.running(c.gpu_id(0))), 20, "the job to start")
+    wait_for(
+        lambda: c.client.exists(c.store.keys.running(c.store.pool_of(c.gpu_id(0)), c.gpu_id(0))),
+        20,
+        "the job to start",
+    )
     waiting = [c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 0.1, "id": i},)) for i in (1, 2)]
     wait_for(lambda: len(c.store.queue("default")) == 2, 20, "both requests to queue")
 

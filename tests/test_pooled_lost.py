@@ -74,7 +74,7 @@ def live_process(client, keys, process_id: str):
     """What a live waiting process has: a fresh heartbeat and its liveness channel subscribed
     (``store/liveness.py``); returns the subscription (close it: the process is gone)."""
     sec, usec = client.time()
-    client.zadd(keys.procs(), {process_id: sec * 1000 + usec // 1000})
+    client.zadd(keys.procs("p"), {process_id: sec * 1000 + usec // 1000})
     sub = client.pubsub()
     sub.subscribe(keys.proc_channel(process_id))
     sub.get_message(timeout=1)
@@ -90,7 +90,7 @@ def test_records_follow_a_request_from_send_to_end(redis_url):
 
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(f"rec{time.time_ns()}")
-    r = PooledRecords(client, keys)
+    r = PooledRecords(client, keys).of("p")
     r.sent("a", [{"x": 1}], {"pool": "p"}, 1_000, "q1")
     r.sent("b", [{"x": 2}], {}, 5_000)
     assert r.untaken_since(2_000) == ["a"] and r.untaken_since(9_000) == ["a", "b"]
@@ -155,10 +155,10 @@ def test_a_message_lost_before_any_worker_took_it_is_sent_again(cluster):
     assert out["output"]["id"] == "lost-1"
     # its end deleted the record: nothing left for a sweep, nothing for the caller to check
     deadline = time.monotonic() + 10
-    while rec.known(result.id) and time.monotonic() < deadline:
+    while rec.of("default").known(result.id) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not rec.known(result.id)
-    assert rec.untaken_since(later + 10_000) == []
+    assert not rec.of("default").known(result.id)
+    assert rec.of("default").untaken_since(later + 10_000) == []
 
 
 def test_a_request_still_queued_is_never_sent_twice(cluster):
@@ -180,7 +180,7 @@ def test_a_request_redis_forgot_fails_its_caller_explicitly(cluster):
     stop_pool_workers(cluster)
     result = send_pooled(cluster.app, {"id": "forgotten", "duration_s": 0.1})
     lose_message(cluster, result.id)
-    cluster.client.delete(records(cluster).record_key(result.id))  # Redis lost both
+    cluster.client.delete(records(cluster).of("default").record_key(result.id))  # Redis lost both
     started = time.monotonic()
     with pytest.raises(RequestLost) as caught:
         result.get()  # no timeout: it must not wait for ever
@@ -204,9 +204,11 @@ def test_pooled_infer_delay_records_and_its_end_forgets(cluster):
     with pytest.raises(UnknownPool):
         bad.get(timeout=60)
     deadline = time.monotonic() + 10
-    while (rec.known(ok.id) or rec.known(bad.id)) and time.monotonic() < deadline:
+    while (
+        rec.of("default").known(ok.id) or rec.of("default").known(bad.id)
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not rec.known(ok.id) and not rec.known(bad.id)
+    assert not rec.of("default").known(ok.id) and not rec.of("default").known(bad.id)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -228,9 +230,13 @@ def test_a_request_whose_waiting_process_died_is_sent_again_at_once(cluster):
     start_pool_worker(cluster)
     rec = records(cluster)
     busy = send_pooled(cluster.app, {"id": "busy-1", "duration_s": 8})
-    wait_for(lambda: rec.state(busy.id) == "handed", 20, "the first request on the GPU")
+    wait_for(
+        lambda: rec.of("default").state(busy.id) == "handed", 20, "the first request on the GPU"
+    )
     waiting = send_pooled(cluster.app, {"id": "orphan-1", "duration_s": 0.1})
-    wait_for(lambda: rec.state(waiting.id) == "taken", 20, "the second request waiting")
+    wait_for(
+        lambda: rec.of("default").state(waiting.id) == "taken", 20, "the second request waiting"
+    )
     assert not busy.ready()  # it waits for busy-1's GPU
     cluster.pool_workers[0].kill()  # kill -9 while the second request waits for the GPU
     cluster.pool_workers[0].process.wait(10)
@@ -238,7 +244,7 @@ def test_a_request_whose_waiting_process_died_is_sent_again_at_once(cluster):
     assert busy.get(timeout=30)["output"]["id"] == "busy-1"  # the GPU's job was not its to lose
     time.sleep(1.5)
     # its message waits unacknowledged for the broker's hour-long visibility timeout
-    assert not waiting.ready() and rec.state(waiting.id) == "taken"
+    assert not waiting.ready() and rec.of("default").state(waiting.id) == "taken"
     assert resend_lost(cluster.app, rec) == [waiting.id]
     assert waiting.get(timeout=30)["output"]["id"] == "orphan-1"
     assert runs_of(cluster, "orphan-1") == 1
@@ -251,10 +257,14 @@ def test_a_second_delivery_while_the_first_waits_is_dropped(cluster):
         start_pool_worker(cluster)
     rec = records(cluster)
     busy = send_pooled(cluster.app, {"id": "busy-2", "duration_s": 6})
-    wait_for(lambda: rec.state(busy.id) == "handed", 20, "the first request on the GPU")
+    wait_for(
+        lambda: rec.of("default").state(busy.id) == "handed", 20, "the first request on the GPU"
+    )
     request = {"id": "dup-1", "duration_s": 0.1}
     first = send_pooled(cluster.app, request)
-    wait_for(lambda: rec.state(first.id) == "taken", 20, "the request waiting for the GPU")
+    wait_for(
+        lambda: rec.of("default").state(first.id) == "taken", 20, "the request waiting for the GPU"
+    )
     assert not busy.ready()
     # what the Redis broker does past its visibility timeout while the first still waits
     cluster.app.send_task(TASK_POOLED_INFER, args=(request,), task_id=first.id, queue=QUEUE_POOL)
@@ -286,8 +296,8 @@ def test_a_send_that_fails_leaves_no_record_to_send_again(cluster, monkeypatch):
     with pytest.raises(StoreUnavailable):
         cluster.app.tasks[pooled_infer.name].apply_async(({"text": "x"},), task_id="unsent-delay")
     for request_id in ("unsent-by-name", "unsent-delay"):
-        assert not records(cluster).known(request_id)
-        assert cluster.client.zscore(records(cluster).unseen_key, request_id) is None
+        assert not records(cluster).of("default").known(request_id)
+        assert cluster.client.zscore(records(cluster).of("default").unseen_key, request_id) is None
 
 
 def test_a_request_whose_gpu_job_never_ran_is_sent_again_once_its_lease_ends(cluster):
@@ -298,13 +308,13 @@ def test_a_request_whose_gpu_job_never_ran_is_sent_again_once_its_lease_ends(clu
     rec = records(cluster)
     result = send_pooled(cluster.app, {"id": "unrun-1", "duration_s": 0.1})
     lose_message(cluster, result.id)
-    assert rec.take(result.id, "a-process-that-died", "d1") == "taken"
-    assert rec.handoff(result.id, "d1", "gpu-nobody-holds", 7) == "handed"
+    assert rec.of("default").take(result.id, "a-process-that-died", "d1") == "taken"
+    assert rec.of("default").handoff(result.id, "d1", "gpu-nobody-holds", 7) == "handed"
     later = int(time.time() * 1000) + int(pooled_sweep.MISSING_S * 1000) + 100
     step = int(pooled_sweep.MISSING_S * 1000)
     assert resend_lost(cluster.app, rec, now_ms=later, leases=cluster.store) == []  # noted once
     assert resend_lost(cluster.app, rec, now_ms=later + step, leases=cluster.store) == [result.id]
-    assert rec.state(result.id) == "sent"
+    assert rec.of("default").state(result.id) == "sent"
     start_pool_worker(cluster)
     assert result.get(timeout=60)["output"]["id"] == "unrun-1"
     assert runs_of(cluster, "unrun-1") == 1
@@ -315,7 +325,7 @@ def test_a_handed_request_whose_gpu_job_holds_the_lease_is_left_alone(cluster):
         start_pool_worker(cluster)
     rec = records(cluster)
     busy = send_pooled(cluster.app, {"id": "running-1", "duration_s": 5})
-    wait_for(lambda: rec.state(busy.id) == "handed", 20, "the request on the GPU")
+    wait_for(lambda: rec.of("default").state(busy.id) == "handed", 20, "the request on the GPU")
     time.sleep(pooled_sweep.MISSING_S + 0.2)
     step = int(pooled_sweep.MISSING_S * 1000)
     for n in range(3):
@@ -336,13 +346,15 @@ def test_a_request_whose_result_is_stored_is_never_sent_again(cluster):
     # the task forgets its record just after storing its result: wait for that, then put back
     # the record an end that failed to forget would have left
     deadline = time.monotonic() + 10
-    while rec.known(done.id) and time.monotonic() < deadline:
+    while rec.of("default").known(done.id) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not rec.known(done.id), "the request's end never forgot its record"
-    rec.sent(done.id, [{"id": "ended-1", "duration_s": 0.1}], {}, int(time.time() * 1000))
-    assert rec.take(done.id, "a-process-that-died", "d1") == "taken"
+    assert not rec.of("default").known(done.id), "the request's end never forgot its record"
+    rec.of("default").sent(
+        done.id, [{"id": "ended-1", "duration_s": 0.1}], {}, int(time.time() * 1000)
+    )
+    assert rec.of("default").take(done.id, "a-process-that-died", "d1") == "taken"
     time.sleep(pooled_sweep.ORPHAN_MIN_AGE_S + 0.2)
     assert resend_lost(cluster.app, rec, leases=cluster.store) == []
-    assert not rec.known(done.id)
+    assert not rec.of("default").known(done.id)
     time.sleep(1.0)
     assert runs_of(cluster, "ended-1") == 1

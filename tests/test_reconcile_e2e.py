@@ -53,11 +53,16 @@ def test_busy_gpu_without_a_lease_gets_it_restored(celery_cluster):
     gpu = c.gpu_id(0)
     result = c.app.send_task(TASK_POOLED_INFER, ({"duration_s": 4, "id": "busy"},))
     lease = wait_for(
-        lambda: c.client.exists(c.store.keys.running(gpu)) and c.store.current(gpu),
+        lambda: (
+            c.client.exists(c.store.keys.running(c.store.pool_of(gpu), gpu))
+            and c.store.current(gpu)
+        ),
         20,
         "the job to start",
     )
-    c.client.delete(c.store.keys.lease(gpu))  # Redis lost the lease (failover, restart, flush)
+    c.client.delete(
+        c.store.keys.lease(c.store.pool_of(gpu), gpu)
+    )  # Redis lost the lease (failover, restart, flush)
     summary = reconcile_once(c.app, c.store)
     restored = applied(summary, "restore")
     assert [(a["gpu_id"], a["token"], a["holder"]) for a in restored] == [

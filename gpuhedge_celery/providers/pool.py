@@ -362,11 +362,12 @@ class PoolProvider(Provider):
         )
         try:
             with store.guard():
-                gpus = sorted(str(g) for g in store.client.smembers(k.pool_gpus(self.spec.name)))
+                pool = self.spec.name
+                gpus = sorted(str(g) for g in store.client.smembers(k.pool_gpus(pool)))
                 if not gpus:
                     return found
-                values = store.client.mget(
-                    [k.running(g) for g in gpus] + [k.lease(g) for g in gpus]
+                values = store.client.mget(  # all on the pool's hash tag: one slot
+                    [k.running(pool, g) for g in gpus] + [k.lease(pool, g) for g in gpus]
                 )
         except GpuHedgeError as e:
             raise ProviderError(self.name, f"cannot read the lease table: {e}") from e

@@ -1,10 +1,10 @@
 """Taking a GPU out of the pool and back: drained, faulted, unhealthy, or its model not ready.
 
-A GPU is out of the pool while its hash ``<prefix>:out:<gpu>`` has any field (reason ->
-``since_ms|detail``). The claim scripts (``claim.lua``, ``wait_claim.lua``) read that hash in the
-same step as the lease, so a GPU that is out never gets a new lease, not even from a waiter that
-listed it as a candidate a second ago; a job already running there finishes. Each reason has one
-owner:
+A GPU is out of the pool while its hash ``<prefix>:{pool:<pool>}:out:<gpu>`` has any field
+(reason -> ``since_ms|detail``). The claim scripts (``claim.lua``, ``wait_claim.lua``) read that
+hash in the same step as the lease, so a GPU that is out never gets a new lease, not even from a
+waiter that listed it as a candidate a second ago; a job already running there finishes. Each
+reason has one owner:
 
 =========  ===================================================  ===========================
 reason     set by                                               cleared by
@@ -39,7 +39,7 @@ def _check_reason(reason: str) -> str:
 def set_out(store: LeaseStore, gpu_id: str, reason: str, detail: str) -> None:
     """Keep ``gpu_id`` out of the pool for ``reason`` (a one-line ``detail`` says why). Setting a
     reason again updates its detail and keeps the moment it was first set."""
-    key = store.keys.out(gpu_id)
+    key = store.keys.out(store.pool_of(gpu_id), gpu_id)
     with store.guard():
         old = _text(store.client.hget(key, _check_reason(reason)))
         since = parse_out({reason: old})[reason]["since_ms"] if old else now_ms()
@@ -51,24 +51,29 @@ def clear_out(store: LeaseStore, gpu_id: str, *reasons: str) -> bool:
     for reason in reasons:
         _check_reason(reason)
     k = store.keys
+    pool = store.pool_of(gpu_id)
     with store.guard():
         back = store.scripts.out_clear(
-            keys=[k.out(gpu_id), k.gpu(gpu_id)], args=[k.wake_channel(), *reasons]
+            keys=[k.out(pool, gpu_id), k.gpu(pool, gpu_id)], args=[k.wake_channel(), *reasons]
         )
     return int(back) == 1
 
 
 def out_reasons(store: LeaseStore, gpu_id: str) -> dict[str, dict[str, Any]]:
     """Why ``gpu_id`` is out of the pool: reason -> ``{detail, since_ms}`` (empty: in the pool)."""
+    pool = store.pool_or_none(gpu_id)
+    if pool is None:
+        return {}
     with store.guard():
-        fields = store.client.hgetall(store.keys.out(gpu_id))
+        fields = store.client.hgetall(store.keys.out(pool, gpu_id))
     return parse_out({_text(a): _text(b) for a, b in fields.items()})
 
 
 def write_health(store: LeaseStore, gpu_id: str, sample: dict[str, Any], ttl_ms: int) -> None:
     """Publish the GPU's last health sample (``leases`` shows it until it is ``ttl_ms`` old)."""
+    key = store.keys.health(store.pool_of(gpu_id), gpu_id)
     with store.guard():
-        store.client.set(store.keys.health(gpu_id), json.dumps(sample, sort_keys=True), px=ttl_ms)
+        store.client.set(key, json.dumps(sample, sort_keys=True), px=ttl_ms)
 
 
 def resolve_targets(store: LeaseStore, target: str) -> list[GpuInfo]:
@@ -105,9 +110,12 @@ def undrain(store: LeaseStore, gpu_ids: list[str]) -> dict[str, bool]:
 def busy(store: LeaseStore, gpu_ids: list[str]) -> list[str]:
     """The GPUs among ``gpu_ids`` that still hold a lease or run a job."""
     k = store.keys
+    held = set()
     with store.guard():
-        pipe = store.client.pipeline(transaction=False)
         for gpu_id in gpu_ids:
-            pipe.exists(k.lease(gpu_id), k.running(gpu_id))
-        replies = pipe.execute()
-    return [g for g, n in zip(gpu_ids, replies, strict=True) if int(n)]
+            pool = store.pool_or_none(gpu_id)
+            if pool is not None and store.client.exists(
+                k.lease(pool, gpu_id), k.running(pool, gpu_id)
+            ):
+                held.add(gpu_id)
+    return [g for g in gpu_ids if g in held]

@@ -33,7 +33,7 @@ from typing import Any
 from ..core.lease_rules import DEFAULT_POOL_TTL_MS, Lease
 from ..errors import GpuHedgeError
 from .leases import GpuInfo, LeaseStore
-from .pooled import PooledRecords, record_data
+from .pooled import PooledRecords, record_data, recordable
 from .scripts import lua_script
 from .timers import as_text, store_errors
 
@@ -56,7 +56,7 @@ class DirectClaims:
         Safe to call again for the same request after a lost reply: a request this script
         already claimed for gets the same lease back, never a second GPU."""
         pool, labels = kwargs.get("pool", "default"), kwargs.get("labels") or {}
-        if not isinstance(pool, str) or not isinstance(labels, dict):
+        if not recordable(pool) or not isinstance(labels, dict):
             return None  # the queued path refuses it with a one-line ConfigError
         candidates = [
             g
@@ -66,20 +66,22 @@ class DirectClaims:
         if not candidates:
             return None  # the queued path raises UnknownPool / EmptyPool with their reasons
         k = self.store.keys
-        keys = [
-            self.records.record_key(request_id),
-            self.records.handed_key,
+        records = self.records.of(pool)
+        records.note()
+        keys = [  # all on the pool's hash tag: one slot
+            records.record_key(request_id),
+            records.handed_key,
             k.waiters(pool),
-            k.pool_ttl(),
+            k.pool_ttl(pool),
             k.freeat(pool),
         ]
         for g in candidates:
             keys += [
-                k.lease(g.gpu_id),
-                k.fence(g.gpu_id),
-                k.out(g.gpu_id),
-                k.host(g.host),
-                k.gpu(g.gpu_id),
+                k.lease(pool, g.gpu_id),
+                k.fence(pool, g.gpu_id),
+                k.out(pool, g.gpu_id),
+                k.pool_host(pool, g.host),
+                k.gpu(pool, g.gpu_id),
             ]
         args_ = [
             request_id,
@@ -102,7 +104,7 @@ class DirectClaims:
         except GpuHedgeError:  # already gone, or Redis away: the lease's TTL frees it
             pass
         try:
-            self.records.forget(lease.holder)
+            self.records.of(lease.pool).forget(lease.holder)
         except GpuHedgeError:  # Redis away: the record stays handed under a lease now free,
             pass  # and the sweep sends the request again (the caller saw the error: it may too)
 

@@ -8,7 +8,27 @@ Redis without seeing each other's keys. The keys of races, timers and the budget
 
 from __future__ import annotations
 
+import re
+
 LEASE_SEGMENT = "lease"
+# A pool's name becomes part of a hash tag: braces would break the tag, and whitespace or control
+# characters make keys unreadable in redis-cli.
+_POOL_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+def check_pool(pool: str) -> str:
+    """Return ``pool`` if it is safe inside a key's hash tag, else raise ``ValueError``."""
+    if not isinstance(pool, str) or not _POOL_RE.match(pool):
+        raise ValueError(
+            f"invalid pool name {pool!r}: expected 1-200 letters, digits, '_', '-', '.' or ':'"
+        )
+    return pool
+
+
+def pool_tag(pool: str) -> str:
+    """The Redis Cluster hash tag every key of ``pool`` carries, so one script may touch the
+    pool's queue and all its GPUs' leases and Cluster keeps them on one slot."""
+    return "{pool:" + check_pool(pool) + "}"
 
 
 def under(prefix: str, name: str) -> str:
@@ -32,91 +52,123 @@ class Keys:
     def _k(self, *parts: str) -> str:
         return under(self.prefix, ":".join(parts))
 
-    # -- leases -----------------------------------------------------------------------------
-    def lease(self, gpu_id: str) -> str:
+    # -- one pool: every key below carries the pool's hash tag ---------------------------------
+    def _p(self, pool: str, *parts: str) -> str:
+        return under(self.prefix, ":".join((pool_tag(pool), *parts)))
+
+    def lease(self, pool: str, gpu_id: str) -> str:
         """String ``token|since_ms|holder`` with a PX TTL: present while the GPU is held."""
-        return self._k(LEASE_SEGMENT, gpu_id)
+        return self._p(pool, LEASE_SEGMENT, gpu_id)
 
-    def lease_prefix(self) -> str:
-        """What every lease key starts with (the listener filters keyspace events on it)."""
-        return self._k(LEASE_SEGMENT, "")
-
-    def gpu_of_lease_key(self, key: str) -> str | None:
-        """The GPU id of a lease key of this prefix, else None."""
-        start = self.lease_prefix()
-        return key[len(start) :] if key.startswith(start) else None
-
-    def fence(self, gpu_id: str) -> str:
+    def fence(self, pool: str, gpu_id: str) -> str:
         """Integer counter: the last fencing token issued for the GPU (INCR, never reset)."""
-        return self._k("fence", gpu_id)
+        return self._p(pool, "fence", gpu_id)
 
-    def accepted(self, gpu_id: str) -> str:
+    def accepted(self, pool: str, gpu_id: str) -> str:
         """Integer: the highest fencing token the GPU's worker has accepted (check_fence)."""
-        return self._k("accepted", gpu_id)
+        return self._p(pool, "accepted", gpu_id)
 
-    def out(self, gpu_id: str) -> str:
+    def out(self, pool: str, gpu_id: str) -> str:
         """Hash reason -> ``since_ms|detail``: present while the GPU takes no new lease (drained by
         an operator, faulted, unhealthy, its model not loaded). The claim scripts read it."""
-        return self._k("out", gpu_id)
+        return self._p(pool, "out", gpu_id)
 
-    def health(self, gpu_id: str) -> str:
+    def health(self, pool: str, gpu_id: str) -> str:
         """String (JSON, PX TTL): the GPU's last health sample, written by its worker."""
-        return self._k("health", gpu_id)
+        return self._p(pool, "health", gpu_id)
 
-    # -- registry ---------------------------------------------------------------------------
-    def gpu(self, gpu_id: str) -> str:
-        """Hash: pool, host, labels (JSON) of one registered GPU."""
-        return self._k("gpu", gpu_id)
+    def gpu(self, pool: str, gpu_id: str) -> str:
+        """Hash: pool, host, labels (JSON) of one GPU registered in the pool."""
+        return self._p(pool, "gpu", gpu_id)
 
-    def all_gpus(self) -> str:
-        """Set of every registered GPU id."""
-        return self._k("gpus")
+    def running(self, pool: str, gpu_id: str) -> str:
+        """What the GPU's worker reports running (owned by the Celery glue)."""
+        return self._p(pool, "running", gpu_id)
 
     def pool_gpus(self, pool: str) -> str:
         """Set of the GPU ids registered in a pool."""
-        return self._k("pool", pool, "gpus")
+        return self._p(pool, "gpus")
+
+    def pool_ttl(self, pool: str) -> str:
+        """Integer: the pool's lease TTL in ms (absent: the default)."""
+        return self._p(pool, "ttl")
+
+    def pool_host(self, pool: str, host: str) -> str:
+        """A host's heartbeat as the pool sees it: present (with a PX TTL) while the host, which
+        has GPUs in the pool, is alive (``LeaseStore.host_heartbeat`` writes one per pool)."""
+        return self._p(pool, "host", host)
+
+    def durations(self, pool: str) -> str:
+        """List of recent job durations (seconds, newest first) for TTL suggestions."""
+        return self._p(pool, "durations")
+
+    def waiters(self, pool: str) -> str:
+        """Sorted set holder -> arrival number: the pool's FIFO wait queue."""
+        return self._p(pool, "waiters")
+
+    def waitinfo(self, pool: str) -> str:
+        """Hash holder -> ``expires_at_ms|gpu,gpu,...``: liveness and GPU filter of each waiter."""
+        return self._p(pool, "waitinfo")
+
+    def waitseq(self, pool: str) -> str:
+        """Integer counter giving waiters their arrival numbers."""
+        return self._p(pool, "waitseq")
+
+    def freeat(self, pool: str) -> str:
+        """Hash gpu -> ``fence|ms``: when waiters of the pool first saw the GPU free (server ms)."""
+        return self._p(pool, "freeat")
+
+    def procs(self, pool: str) -> str:
+        """Sorted set process id -> last heartbeat (server ms): liveness of the processes that
+        wait on (or took a pooled request of) the pool, beside the pool's queue."""
+        return self._p(pool, "procs")
+
+    def stop(self, pool: str, task_id: str) -> str:
+        """The stop flag of one pooled request of the pool (``tasks/cancel.py``)."""
+        return self._p(pool, "stop", task_id)
+
+    def pooled(self, pool: str, request_id: str) -> str:
+        """Hash: a pooled request's record (arguments, state, taker; ``store/pooled.py``)."""
+        return self._p(pool, "pooled", request_id)
+
+    def pooled_unseen(self, pool: str) -> str:
+        """Sorted set request id -> sent (epoch ms): pooled requests no worker has taken."""
+        return self._p(pool, "pooled-unseen")
+
+    def pooled_taken(self, pool: str) -> str:
+        """Sorted set request id -> taken (server ms): pooled requests waiting for a GPU."""
+        return self._p(pool, "pooled-taken")
+
+    def pooled_handed(self, pool: str) -> str:
+        """Sorted set request id -> handed (server ms): pooled requests handed to a GPU."""
+        return self._p(pool, "pooled-handed")
+
+    def pooled_missing(self, pool: str) -> str:
+        """Sorted set request id -> when a sweep first found its broker message missing."""
+        return self._p(pool, "pooled-missing")
+
+    # -- registry hints (each on its own slot, never in a script with a pool's keys) ----------
+    def gpu_pools(self) -> str:
+        """Hash gpu id -> pool of every registered GPU: how a GPU id finds its pool's keys."""
+        return self._k("gpu-pools")
 
     def pools(self) -> str:
         """Set of pool names."""
         return self._k("pools")
 
-    def pool_ttl(self) -> str:
-        """Hash pool -> lease TTL in ms (one hash so the claim script can read it from KEYS)."""
-        return self._k("pool_ttl")
-
-    def host(self, host: str) -> str:
-        """Host heartbeat: present (with a PX TTL) while the host is alive."""
-        return self._k("host", host)
+    def host_pools(self, host: str) -> str:
+        """Set of the pools a host has GPUs in (its heartbeat goes to each)."""
+        return self._k("host", host, "pools")
 
     def host_gpus(self, host: str) -> str:
         """Set of the GPU ids owned by a host."""
         return self._k("host", host, "gpus")
 
-    def durations(self, pool: str) -> str:
-        """List of recent job durations (seconds, newest first) for TTL suggestions."""
-        return self._k("durations", pool)
+    def pooled_pools(self) -> str:
+        """Set of the pools that had a pooled request (the sweep goes over each)."""
+        return self._k("pooled-pools")
 
-    # -- waiting ----------------------------------------------------------------------------
-    def waiters(self, pool: str) -> str:
-        """Sorted set holder -> arrival number: the pool's FIFO wait queue."""
-        return self._k("waiters", pool)
-
-    def waitinfo(self, pool: str) -> str:
-        """Hash holder -> ``expires_at_ms|gpu,gpu,...``: liveness and GPU filter of each waiter."""
-        return self._k("waitinfo", pool)
-
-    def waitseq(self, pool: str) -> str:
-        """Integer counter giving waiters their arrival numbers."""
-        return self._k("waitseq", pool)
-
-    def freeat(self, pool: str) -> str:
-        """Hash gpu -> ``fence|ms``: when waiters of the pool first saw the GPU free (server ms)."""
-        return self._k("freeat", pool)
-
-    def procs(self) -> str:
-        """Sorted set process id -> last heartbeat (server ms): liveness of waiting processes."""
-        return self._k("procs")
-
+    # -- process-wide -------------------------------------------------------------------------
     def proc_channel(self, process_id: str = "") -> str:
         """Pub/sub channel a waiting process stays subscribed to while it lives (nothing is
         published on it: Redis drops the subscription the moment the process's socket closes)."""
@@ -125,32 +177,6 @@ class Keys:
     def wake_channel(self) -> str:
         """Pub/sub channel (message: pool) published when a queue change may let a waiter in."""
         return self._k("wake")
-
-    # -- reconcile --------------------------------------------------------------------------
-    def running(self, gpu_id: str) -> str:
-        """What the GPU's worker reports running (owned by the Celery glue)."""
-        return self._k("running", gpu_id)
-
-    # -- pooled requests (store/pooled.py) ---------------------------------------------------
-    def pooled(self, request_id: str) -> str:
-        """Hash: a pooled request's record (arguments, state, taker; ``store/pooled.py``)."""
-        return self._k("pooled", request_id)
-
-    def pooled_unseen(self) -> str:
-        """Sorted set request id -> sent (epoch ms): pooled requests no worker has taken."""
-        return self._k("pooled-unseen")
-
-    def pooled_taken(self) -> str:
-        """Sorted set request id -> taken (server ms): pooled requests waiting for a GPU."""
-        return self._k("pooled-taken")
-
-    def pooled_handed(self) -> str:
-        """Sorted set request id -> handed (server ms): pooled requests handed to a GPU."""
-        return self._k("pooled-handed")
-
-    def pooled_missing(self) -> str:
-        """Sorted set request id -> when a sweep first found its broker message missing."""
-        return self._k("pooled-missing")
 
     def reconcile_lock(self) -> str:
         """Short lock so two reconcile passes never run at once."""
@@ -163,10 +189,6 @@ class Keys:
     def janitor_lock(self) -> str:
         """Short lock so two janitor passes never run at once."""
         return self._k("janitor", "lock")
-
-    def stop(self, task_id: str) -> str:
-        """The stop flag of one pooled request (``tasks/cancel.py``)."""
-        return self._k("stop", task_id)
 
     # -- benchmarks (bench/handoff.py) ------------------------------------------------------
     def bench_poll(self) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ from typing import Any
 import redis
 
 from ..errors import NotificationsUnavailable, StoreUnavailable
+from .cluster import ClusterClient
 from .connection import client_location, database_number
 from .keys import Keys
 from .liveness import ProcessBeat
@@ -45,6 +47,15 @@ def _text(value: Any) -> str:
 
 def _where(client: redis.Redis) -> str:
     return client_location(client)
+
+
+def servers(client: Any) -> list[Any]:
+    """A client per server whose key events the listener needs: ``client`` itself, or on a
+    Redis Cluster one per primary (each node publishes its own keys' events only)."""
+    if isinstance(client, ClusterClient):
+        cluster = client.cluster
+        return [cluster.get_redis_connection(n) for n in cluster.get_primaries()]
+    return [client]
 
 
 def merged_flags(current: str) -> str | None:
@@ -67,12 +78,13 @@ def enable_notifications(client: redis.Redis) -> bool:
     """
     where = _where(client)
     try:
-        current = _text(
-            client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-        )
-        wanted = merged_flags(current)
-        if wanted is not None:
-            client.config_set("notify-keyspace-events", wanted)
+        for server in servers(client):
+            current = _text(
+                server.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            )
+            wanted = merged_flags(current)
+            if wanted is not None:
+                server.config_set("notify-keyspace-events", wanted)
         return True
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise StoreUnavailable(f"Redis at {where} is unreachable ({e})") from e
@@ -95,10 +107,11 @@ def require_notifications(client: redis.Redis) -> None:
     """Like :func:`enable_notifications`, but raise NotificationsUnavailable (one line, with the
     fix) when CONFIG is forbidden: for commands whose whole job is to switch events on."""
     try:
-        current = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-        wanted = merged_flags(_text(current))
-        if wanted is not None:
-            client.config_set("notify-keyspace-events", wanted)
+        for server in servers(client):
+            current = server.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            wanted = merged_flags(_text(current))
+            if wanted is not None:
+                server.config_set("notify-keyspace-events", wanted)
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise StoreUnavailable(f"Redis at {_where(client)} is unreachable ({e})") from e
     except redis.ResponseError as e:
@@ -126,6 +139,55 @@ class Watch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Subscriptions:
+    """The listener's pub/sub connections: one on a single server; on a Redis Cluster one per
+    primary, because each node publishes key events of its own keys only and counts only its
+    own subscribers in ``PUBSUB NUMSUB`` (the process channel, read by the scripts of whichever
+    node holds a pool). The wake channel goes to the first connection alone: a cluster forwards
+    a PUBLISH to every node."""
+
+    def __init__(self, pubsubs: list[Any], channels: int):
+        self.pubsubs = pubsubs
+        self.channels = channels  # subscribe confirmations to expect, on all connections
+
+    @classmethod
+    def of(cls, client: Any, channels: tuple[str, ...]) -> Subscriptions:
+        """Subscribed (confirmations still to read) to ``channels``: the two key-event channels,
+        the wake channel, the process channel (the wake channel on the first server only)."""
+        found = servers(client)
+        pubsubs = []
+        everywhere = channels[:2] + channels[3:]
+        for i, server in enumerate(found):
+            pubsub = server.pubsub(ignore_subscribe_messages=False)
+            pubsub.subscribe(*(channels if i == 0 else everywhere))
+            pubsubs.append(pubsub)
+        return cls(pubsubs, len(channels) + len(everywhere) * (len(found) - 1))
+
+    def get_message(self, timeout: float) -> dict[str, Any] | None:
+        """The next message of any connection, waiting at most ``timeout`` s for one."""
+        if len(self.pubsubs) == 1:
+            msg: dict[str, Any] | None = self.pubsubs[0].get_message(timeout=timeout)
+            return msg
+        for pubsub in self.pubsubs:  # one already read into a buffer comes first
+            msg = pubsub.get_message(timeout=0)
+            if msg is not None:
+                return msg
+        socks = [p.connection._sock for p in self.pubsubs if p.connection is not None]
+        select.select([s for s in socks if s is not None], [], [], timeout)
+        for pubsub in self.pubsubs:
+            msg = pubsub.get_message(timeout=0)
+            if msg is not None:
+                return msg
+        return None
+
+    def close(self) -> None:
+        for pubsub in self.pubsubs:
+            try:
+                pubsub.close()
+            except Exception:  # noqa: BLE001 - closing: the connection may be broken already
+                pass
 
 
 class KeyspaceListener:
@@ -189,6 +251,15 @@ class KeyspaceListener:
         self._beat.close()
 
     # -- registrations ----------------------------------------------------------------------
+    def beat_for(self, pool: str) -> None:
+        """Keep this process's heartbeat in ``pool`` while a wait on it lasts (see
+        :class:`~.liveness.ProcessBeat`); pair with :meth:`beat_done`."""
+        self._beat.join(pool)
+
+    def beat_done(self, pool: str) -> None:
+        """A wait on ``pool`` ended (its heartbeat there stops with the last one)."""
+        self._beat.leave(pool)
+
     def watch(self, lease_keys: Iterable[str], pool: str) -> Watch:
         """Register interest in ``lease_keys`` and in wake messages for ``pool``."""
         w = Watch(self, frozenset(lease_keys), pool)
@@ -231,11 +302,10 @@ class KeyspaceListener:
 
     # -- the reader thread ------------------------------------------------------------------
     def _subscribe(self) -> None:
-        pubsub = self.client.pubsub(ignore_subscribe_messages=False)
-        pubsub.subscribe(*self.channels)
+        pubsub = Subscriptions.of(self.client, self.channels)
         confirmed = 0
         deadline = time.monotonic() + 5
-        while confirmed < len(self.channels):
+        while confirmed < pubsub.channels:
             if time.monotonic() > deadline:
                 pubsub.close()
                 raise redis.TimeoutError("no subscribe confirmation within 5 s")
@@ -306,7 +376,7 @@ class KeyspaceListener:
             if self._ready.is_set():
                 # Wake on each confirmation: the last one comes after every channel is back.
                 self._resubscribed += 1
-                if self._resubscribed % len(self.channels) == 0:
+                if self._pubsub is None or self._resubscribed % self._pubsub.channels == 0:
                     self.reconnects += 1
                     self._renotify()
                 self.wake_all()

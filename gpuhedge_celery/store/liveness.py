@@ -8,7 +8,9 @@ two signals, both read at the moment a GPU frees, never waited for as events:
   own channel (``Keys.proc_channel``); when the process exits or is killed its socket closes
   and Redis drops the subscription at once, so ``PUBSUB NUMSUB`` reads 0.
 * **Silent.** :class:`ProcessBeat`, a daemon thread started by the listener, records the Redis
-  server's time under the process id in the ``procs`` sorted set every ``BEAT_S``. A heartbeat
+  server's time under the process id every ``BEAT_S`` in the ``procs`` sorted set of each pool
+  the process waits on (:meth:`ProcessBeat.join`): beside the pool's queue, on its hash tag, so
+  one script reads both. A heartbeat
   older than ``PROCESS_TTL_MS`` means the process is paused (SIGSTOP, a debugger) or its host is
   cut off with the socket still open. Heartbeats and checks both use the server's clock
   (``TIME`` inside the scripts), so clock skew between hosts does not shift the bound.
@@ -55,10 +57,36 @@ class ProcessBeat:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._lock = threading.Lock()
+        self._waits: dict[str, int] = {}  # pool -> waits of this process on it now
+        self._beaten: set[str] = set()  # every pool this process beat for (dropped at close)
+
+    def join(self, pool: str) -> None:
+        """One more wait of this process on ``pool``: beat there every BEAT_S (each check of
+        the wait, ``wait_claim.lua``, beats there too)."""
+        with self._lock:
+            self._waits[pool] = self._waits.get(pool, 0) + 1
+            self._beaten.add(pool)
+
+    def leave(self, pool: str) -> None:
+        """One wait on ``pool`` ended; with none left the process stops beating there."""
+        with self._lock:
+            left = self._waits.get(pool, 0) - 1
+            if left > 0:
+                self._waits[pool] = left
+            else:
+                self._waits.pop(pool, None)
 
     def beat(self) -> None:
-        """Record one heartbeat now (raises the driver's error when Redis is unreachable)."""
-        self._script(keys=[self.keys.procs()], args=[self.process_id, FORGET_MS])
+        """Record one heartbeat now in each pool waited on (raises the driver's error when
+        Redis is unreachable)."""
+        with self._lock:
+            pools = sorted(self._waits)
+        for pool in pools:
+            self._beat_pool(pool)
+
+    def _beat_pool(self, pool: str) -> None:
+        self._script(keys=[self.keys.procs(pool)], args=[self.process_id, FORGET_MS])
 
     def start(self) -> ProcessBeat:
         """Beat once (so a waiter queued right after is already live), then every BEAT_S."""
@@ -72,8 +100,11 @@ class ProcessBeat:
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        with self._lock:
+            pools = sorted(self._beaten)
         try:
-            self.client.zrem(self.keys.procs(), self.process_id)
+            for pool in pools:
+                self.client.zrem(self.keys.procs(pool), self.process_id)
         except Exception:  # noqa: BLE001 - the entry is forgotten after FORGET_MS anyway
             pass
 

@@ -23,24 +23,28 @@ such a delivery finds the request taken by a live process and is dropped (:meth:
 delivery superseded after its process was judged dead gives its GPU back (:meth:`handoff`).
 A process is alive as the wait queue judges it (``store/liveness.py``).
 
-Keys (one deployment prefix):
+Keys (one deployment prefix; a request's record and its pool's indexes all carry the pool's hash
+tag ``{pool:<pool>}``, so each script below is one Cluster slot; ``pooled-pools`` is the hint set
+of the pools the sweep goes over):
 
-* ``pooled:{id}``: hash ``data`` (the arguments and queue, JSON), ``state`` (``sent``,
+* ``pooled:<id>``: hash ``data`` (the arguments and queue, JSON), ``state`` (``sent``,
   ``taken``, ``handed``), ``taker`` (process id), ``delivery`` (one run of the task),
   ``attempt``; expires after the record TTL in any case;
 * ``pooled-unseen``: sorted set, id -> when it was (last) sent, epoch ms: requests no worker
   has taken yet;
 * ``pooled-taken``: sorted set, id -> when it was taken (server ms): requests waiting for a GPU;
+* ``pooled-handed``: sorted set, id -> when it was handed to a GPU (server ms);
 * ``pooled-missing``: sorted set, id -> when a sweep first found its message missing.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from typing import Any, TypeGuard
 
 from ..errors import ConfigError
-from .keys import Keys
+from .keys import Keys, check_pool
 from .liveness import PROCESS_TTL_MS
 from .scripts import lua_script
 from .timers import as_text, store_errors
@@ -69,20 +73,68 @@ def record_data(request_id: str, args: Any, kwargs: Any, queue: str | None) -> s
         ) from None
 
 
+def recordable(pool: Any) -> TypeGuard[str]:
+    """Whether a request naming ``pool`` can have a record (its pool's name is safe in a hash
+    tag); one that cannot is refused by ``pooled_infer`` with a one-line ConfigError anyway."""
+    try:
+        check_pool(pool)
+    except ValueError:
+        return False
+    return True
+
+
 class PooledRecords:
-    """The records of pooled requests under one key prefix (see the module docstring)."""
+    """The records of pooled requests under one key prefix (see the module docstring): one
+    :class:`PoolRecords` per pool, and the hint set of the pools that ever had one."""
 
     def __init__(self, client: Any, keys: Keys, ttl_s: float = RECORD_TTL_S):
         self.client = client
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
-        self.unseen_key = keys.pooled_unseen()
-        self.taken_key = keys.pooled_taken()
-        self.missing_key = keys.pooled_missing()
-        self.handed_key = keys.pooled_handed()
+        self._pools: dict[str, PoolRecords] = {}
+        self._lock = threading.Lock()
+
+    def of(self, pool: str) -> PoolRecords:
+        """The records of ``pool``'s requests (ValueError for a name unsafe in a hash tag)."""
+        with self._lock:
+            found = self._pools.get(pool)
+            if found is None:
+                found = PoolRecords(self.client, self.keys, check_pool(pool), self.ttl_ms)
+                self._pools[pool] = found
+            return found
+
+    def pools(self) -> list[str]:
+        """Every pool that had a pooled request (the sweep looks at each), sorted."""
+        with store_errors("listing the pools of pooled requests"):
+            found = self.client.smembers(self.keys.pooled_pools())
+        return sorted(p for p in (as_text(v) for v in found) if recordable(p))
+
+
+class PoolRecords:
+    """The records of one pool's pooled requests: the records and their indexes all carry the
+    pool's hash tag, so each script below (and the pool's queue and leases) is one slot."""
+
+    def __init__(self, client: Any, keys: Keys, pool: str, ttl_ms: int):
+        self.client = client
+        self.keys = keys
+        self.pool = pool
+        self.ttl_ms = ttl_ms
+        self.unseen_key = keys.pooled_unseen(pool)
+        self.taken_key = keys.pooled_taken(pool)
+        self.missing_key = keys.pooled_missing(pool)
+        self.handed_key = keys.pooled_handed(pool)
+        self._noted = False
+
+    def note(self) -> None:
+        """Add the pool to the hint set the sweep reads (once per process; its own command,
+        on its own slot): before the pool's first record is written."""
+        if not self._noted:
+            with store_errors(f"noting pool {self.pool!r} for pooled requests"):
+                self.client.sadd(self.keys.pooled_pools(), self.pool)
+            self._noted = True
 
     def record_key(self, request_id: str) -> str:
-        return self.keys.pooled(request_id)
+        return self.keys.pooled(self.pool, request_id)
 
     # -- the caller --------------------------------------------------------------------------
     def sent(
@@ -92,6 +144,7 @@ class PooledRecords:
         sent again (``queue`` None: the app's route); no taker."""
         data = record_data(request_id, args, kwargs, queue)
         key = self.record_key(request_id)
+        self.note()
         with store_errors(f"recording pooled request {request_id!r}"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(key, mapping={"data": data, "state": "sent"})
@@ -118,7 +171,7 @@ class PooledRecords:
             self.unseen_key,
             self.taken_key,
             self.missing_key,
-            self.keys.procs(),
+            self.keys.procs(self.pool),
             self.handed_key,
         ]
         args = [
@@ -168,9 +221,16 @@ class PooledRecords:
         """(id, taker) of requests taken at least ``min_age_ms`` ago whose taking process is
         dead: the taker as judged dead, so a live delivery that takes the request meanwhile is
         not sent again over (see :meth:`requeue`)."""
-        keys = [self.taken_key, self.keys.procs()]
-        args = [self.keys.pooled(""), PROCESS_TTL_MS, self.keys.proc_channel(), limit, min_age_ms]
         with store_errors("listing pooled requests of dead processes"):
+            seconds, micros = self.client.time()
+            now = int(seconds) * 1000 + int(micros) // 1000
+            old = self.client.zrangebyscore(self.taken_key, "-inf", now - min_age_ms)
+            ids = [as_text(i) for i in old]
+            if not ids:
+                return []
+            keys = [self.taken_key, self.keys.procs(self.pool)]
+            keys += [self.record_key(i) for i in ids]
+            args = [PROCESS_TTL_MS, self.keys.proc_channel(), limit, *ids]
             found = lua_script(self.client, "pooled_dead_takers")(keys=keys, args=args)
         flat = [as_text(i) for i in found]
         return list(zip(flat[::2], flat[1::2], strict=True))

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import AcquireTimeout, ConfigError
-from .leases import Lease, LeaseStore, _check_name, _text, _ttl, now_ms
+from .leases import Lease, LeaseStore, _check_name, _check_pool, _text, _ttl, now_ms
 from .listener import KeyspaceListener, enable_notifications, listener_for
 from .liveness import PROCESS_TTL_MS
 
@@ -103,6 +103,7 @@ class LeaseWaiter:
         wait with :meth:`leave`); the queue entry is removed on every exit.
         """
         _check_name(holder, "holder")
+        _check_pool(pool)
         if timeout_s is not None and not timeout_s >= 0:
             raise ConfigError(f"expected a timeout >= 0 s, got {timeout_s!r}", key="timeout_s")
         ttl = self.store.pool_ttl(pool) if ttl_ms is None else _ttl(ttl_ms, "ttl_ms")
@@ -110,7 +111,9 @@ class LeaseWaiter:
         deadline = None if timeout_s is None else started + timeout_s
         candidates, accepted = self._candidates(pool, labels)
         refreshed = time.monotonic()
-        watch = self.listener.watch(self._lease_keys(candidates), pool)
+        listener = self.listener
+        watch = listener.watch(self._lease_keys(pool, candidates), pool)
+        listener.beat_for(pool)  # this process's heartbeat beside the pool's queue
         claimed = False
         first = True
         rank = 0
@@ -146,9 +149,10 @@ class LeaseWaiter:
                     # Once per re-check period: pick up GPUs or hosts that came or went.
                     refreshed = time.monotonic()
                     candidates, accepted = self._candidates(pool, labels)
-                    self.listener.rewatch(watch, self._lease_keys(candidates))
+                    self.listener.rewatch(watch, self._lease_keys(pool, candidates))
         finally:
             watch.close()
+            listener.beat_done(pool)
             if not claimed:
                 self._leave_quietly(pool, holder)
 
@@ -164,16 +168,16 @@ class LeaseWaiter:
         matching = [g.gpu_id for g in self.store.live_gpus(pool, labels)]
         return live, ",".join(matching)
 
-    def _lease_keys(self, gpu_ids: list[str]) -> list[str]:
-        return [self.store.keys.lease(g) for g in gpu_ids]
+    def _lease_keys(self, pool: str, gpu_ids: list[str]) -> list[str]:
+        return [self.store.keys.lease(pool, g) for g in gpu_ids]
 
     def _check(
         self, pool: str, holder: str, ttl: int, gpu_ids: list[str], accepted: str, first: bool
     ) -> tuple[list[Any], int]:
         k = self.store.keys
-        keys = [k.waiters(pool), k.waitinfo(pool), k.waitseq(pool), k.procs(), k.freeat(pool)]
+        keys = [k.waiters(pool), k.waitinfo(pool), k.waitseq(pool), k.procs(pool), k.freeat(pool)]
         for gpu_id in gpu_ids:
-            keys += [k.lease(gpu_id), k.fence(gpu_id), k.out(gpu_id)]
+            keys += [k.lease(pool, gpu_id), k.fence(pool, gpu_id), k.out(pool, gpu_id)]
         listener = self.listener
         now = now_ms()
         grace_ms = int((3 * self.recheck_s + LIVENESS_GRACE_S) * 1000)
@@ -185,6 +189,7 @@ class LeaseWaiter:
             return self.store.scripts.wait_claim(keys=keys, args=args + gpu_ids), now
 
     def _leave(self, pool: str, holder: str, *, cancel: bool) -> bool:
+        _check_pool(pool)
         k = self.store.keys
         with self.store.guard():
             removed = self.store.scripts.leave(

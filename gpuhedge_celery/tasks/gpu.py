@@ -53,7 +53,10 @@ def lease_store() -> LeaseStore:
     with _lock:
         store = _stores.get(os.getpid())
         if store is None:
-            store = _stores[os.getpid()] = LeaseStore.from_settings(glue_config().settings)
+            config = glue_config()
+            store = _stores[os.getpid()] = LeaseStore.from_settings(config.settings)
+            if config.gpu_id:  # a GPU worker: its GPU's keys are on its pool's tag
+                store.expect(config.gpu_id, config.pool)
         return store
 
 
@@ -103,7 +106,7 @@ class GpuHost:
             self._thread.join(5)
         if leave:
             try:
-                self.store.client.delete(self.store.keys.host(self.info.host))
+                self.store.host_leave(self.info.host)
             except Exception as e:  # noqa: BLE001 - shutting down: the TTL will do it anyway
                 log.warning("could not remove host heartbeat of %s: %s", self.info.host, e)
 
@@ -223,7 +226,7 @@ def gpu_run(
         )
     ctx = RunContext(gpu_id=held.gpu_id, token=held.token, task_id=task_id)
     keeper = LeaseKeeper(store, held, on_lost=lambda _lease, _exc: ctx.stop.set()).start()
-    watch = StopWatch(store, task_id, ctx.stop).start()
+    watch = StopWatch(store, held.pool, task_id, ctx.stop).start()
     started = time.time()
     if leased_at is not None:
         metrics.pool_handoff(pool, started - leased_at)

@@ -35,7 +35,7 @@ class RunningRecord:
 
     def __init__(self, store: LeaseStore, lease: Lease, task_id: str):
         self.store = store
-        self.key = store.keys.running(lease.gpu_id)
+        self.key = store.keys.running(lease.pool, lease.gpu_id)
         self.token = str(lease.token)
         self.task_id = task_id
         # Written once per delivery (its time in epoch ms: the pool adapter reads it as when the
@@ -62,10 +62,10 @@ def begin(store: LeaseStore, lease: Lease, running: RunningRecord) -> tuple[str,
     Checked under the GPU's gate lock: of two deliveries at once, one runs."""
     token = int(lease.token)
     k = store.keys
-    keys = [
-        k.lease(lease.gpu_id),
-        k.accepted(lease.gpu_id),
-        stop_key(store, running.task_id),
+    keys = [  # all on the pool's hash tag: one slot
+        k.lease(lease.pool, lease.gpu_id),
+        k.accepted(lease.pool, lease.gpu_id),
+        stop_key(store, lease.pool, running.task_id),
         running.key,
     ]
     with store.fence_gate(lease.gpu_id):
@@ -96,7 +96,7 @@ def clear_running(store: LeaseStore, gpu_id: str, task_id: str) -> None:
     """Delete the GPU's running record if it is this job's (waiting out a Redis outage)."""
 
     def clear() -> None:
-        key = store.keys.running(gpu_id)
+        key = store.keys.running(store.pool_of(gpu_id), gpu_id)
         with store.guard():
             value = store.client.get(key)
             if value is not None and str(value).startswith(f"{task_id}|"):
@@ -117,7 +117,7 @@ def finish(store: LeaseStore, lease: Lease, task_id: str) -> bool:
     def release() -> None:
         with store.guard():
             code = lua_script(store.client, "gpu_finish")(
-                keys=[k.running(lease.gpu_id), k.lease(lease.gpu_id)],
+                keys=[k.running(lease.pool, lease.gpu_id), k.lease(lease.pool, lease.gpu_id)],
                 args=[f"{task_id}|", str(lease.token), lease.holder],
             )
         raise_for_code(int(code), lease.gpu_id, lease.token)

@@ -6,9 +6,9 @@ judges the reading with :func:`gpuhedge_celery.core.gpu_health.assess` against t
 processes (its main process and every descendant: the prefork child, a model server it started),
 and then:
 
-* writes the reading to ``<prefix>:health:<gpu>`` (expires after three intervals), which
-  ``gpuhedge-celery leases`` shows, and keeps it for the ``gpuhedge_gpus`` control reply, which
-  the reconcile pass collects;
+* writes the reading to ``<prefix>:{pool:<pool>}:health:<gpu>`` (expires after three intervals),
+  which ``gpuhedge-celery leases`` shows, and keeps it for the ``gpuhedge_gpus`` control reply,
+  which the reconcile pass collects;
 * keeps the GPU out of the pool (reason ``health``) while another process holds its memory,
   and puts it back once that process is gone;
 * drains the GPU (reason ``fault``) on uncorrected ECC errors or a hardware Xid: it stays out

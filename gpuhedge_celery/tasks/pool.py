@@ -115,12 +115,13 @@ def pooled_infer(
         stopped = through_outage(
             store.client,
             f"request {self.request.id}: read its stop flag",
-            lambda: stop_requested(store, self.request.id or ""),
+            lambda: stop_requested(store, pool, self.request.id or ""),
         )
         if stopped:
             raise AcquireTimeout(f"request {self.request.id} was cancelled before it waited")
         holder = self.request.id or f"pooled-{time.time_ns()}"
-        waiter, records, delivery = waiter_for(store), records_for(self.app), uuid.uuid4().hex
+        waiter, delivery = waiter_for(store), uuid.uuid4().hex
+        records = records_for(self.app).of(pool)
         took = through_outage(
             store.client,
             f"request {holder}: take it",

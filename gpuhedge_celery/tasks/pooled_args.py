@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..store import codec
+from ..store.keys import check_pool
 
 
 @lru_cache(maxsize=1)
@@ -45,8 +46,10 @@ def check_request_size(request: Any, max_bytes: int | None = None) -> None:
 
 def check_arguments(pool: Any, labels: Any, timeout_s: Any) -> None:
     """``pooled_infer``'s own arguments, or a one-line ConfigError naming the bad one."""
-    if not isinstance(pool, str) or not pool or any(c.isspace() for c in pool):
-        raise ConfigError(f"expected a pool name without spaces, got {pool!r}", key="pool")
+    try:
+        check_pool(pool)  # it names the hash tag of the pool's keys
+    except ValueError as e:
+        raise ConfigError(str(e), key="pool") from None
     if labels is not None and (
         not isinstance(labels, dict)
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())

@@ -30,7 +30,7 @@ from celery.utils import uuid
 
 from ..errors import GpuHedgeError, RequestLost
 from ..store.keys import Keys
-from ..store.pooled import PooledRecords
+from ..store.pooled import PooledRecords, PoolRecords, recordable
 from .pooled_args import check_request_size
 from .pooled_direct import send_direct
 from .sending import broker_errors
@@ -42,9 +42,17 @@ LOST_AFTER_S = 3.0  # a record gone this long, with no result, is a lost request
 class PooledResult(AsyncResult):
     """``pooled_infer``'s AsyncResult; see the module docstring."""
 
-    def __init__(self, id: str, *args: Any, recorded: bool = False, **kwargs: Any) -> None:  # noqa: A002
+    def __init__(
+        self,
+        id: str,  # noqa: A002
+        *args: Any,
+        recorded: bool = False,
+        pool: str = "",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(id, *args, **kwargs)
         self.recorded = recorded  # whether its record was written (else it is never "lost")
+        self.pool = pool  # the pool its record is under
         self._gone_since: float | None = None
 
     def get(
@@ -64,10 +72,10 @@ class PooledResult(AsyncResult):
         return get_in_slices(fetch, timeout, RECHECK_S, self._check_known)
 
     def _check_known(self) -> None:
-        if not self.recorded:
+        if not self.recorded or not self.pool:
             return
         try:
-            known = records_for(self.app).known(self.id)
+            known = records_for(self.app).of(self.pool).known(self.id)
             if not known:  # ended meanwhile: the record goes only after the result is stored
                 known = self.backend.get_task_meta(self.id).get("status") in states.READY_STATES
         except (GpuHedgeError, OSError):
@@ -97,16 +105,18 @@ class PooledTask(Task):
         _check_size(args, kwargs)
         task_id = task_id or uuid()
         records = records_for(self.app)
+        pool = _pool_of(args, kwargs)
         with broker_errors(self.app):
             if send_direct(self.app, records, task_id, args, kwargs, options):  # a free GPU
-                return self.AsyncResult(task_id, recorded=True)
-        records.sent(
-            task_id, args or (), kwargs or {}, int(time.time() * 1000), options.get("queue")
-        )
-        with _unsent_forgotten(records, task_id), broker_errors(self.app):
+                return self.AsyncResult(task_id, recorded=True, pool=pool)
+        if not recordable(pool):  # pooled_infer refuses it with a one-line ConfigError
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        mine = records.of(pool)
+        mine.sent(task_id, args or (), kwargs or {}, int(time.time() * 1000), options.get("queue"))
+        with _unsent_forgotten(mine, task_id), broker_errors(self.app):
             result = super().apply_async(args, kwargs, task_id=task_id, **options)
         if isinstance(result, PooledResult):
-            result.recorded = True
+            result.recorded, result.pool = True, pool
         return result
 
     def after_return(self, status: str, *args: Any, **kwargs: Any) -> None:
@@ -125,8 +135,13 @@ def forget_on_end(task: Task, status: str) -> None:
     a retry or a rejection: the request goes on)."""
     if status not in (states.SUCCESS, states.FAILURE) or not task.request.id:
         return
+    args, kwargs = tuple(task.request.args or ()), dict(task.request.kwargs or {})
+    lease = kwargs.get("lease", args[1] if len(args) > 1 else None)
+    pool = lease.get("pool") if isinstance(lease, dict) else _pool_of(args, kwargs)
+    if not recordable(pool):
+        return
     try:
-        records_for(task.app).forget(task.request.id)
+        records_for(task.app).of(pool).forget(task.request.id)
     except GpuHedgeError:  # the record expires with its TTL; nothing waits on it
         pass
 
@@ -144,15 +159,28 @@ def send_pooled(
     check_request_size(request)
     task_id = task_id or uuid()
     records = records_for(app)
+    pool = _pool_of((), task_kwargs)
     with broker_errors(app):
         if direct and send_direct(app, records, task_id, (request,), task_kwargs, kwargs):
-            return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
-    records.sent(task_id, (request,), task_kwargs, int(time.time() * 1000), kwargs["queue"])
-    with _unsent_forgotten(records, task_id), broker_errors(app):
+            return PooledResult(task_id, app=app, backend=app.backend, recorded=True, pool=pool)
+    if not recordable(pool):  # pooled_infer refuses it with a one-line ConfigError
         app.send_task(
             TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id, **kwargs
         )
-    return PooledResult(task_id, app=app, backend=app.backend, recorded=True)
+        return PooledResult(task_id, app=app, backend=app.backend)
+    mine = records.of(pool)
+    mine.sent(task_id, (request,), task_kwargs, int(time.time() * 1000), kwargs["queue"])
+    with _unsent_forgotten(mine, task_id), broker_errors(app):
+        app.send_task(
+            TASK_POOLED_INFER, args=(request,), kwargs=task_kwargs, task_id=task_id, **kwargs
+        )
+    return PooledResult(task_id, app=app, backend=app.backend, recorded=True, pool=pool)
+
+
+def _pool_of(args: Any, kwargs: Any) -> Any:
+    """The pool a ``pooled_infer`` call names (its second argument, or ``pool=``)."""
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    return kwargs.get("pool", args[1] if len(args) > 1 else "default")
 
 
 def _check_size(args: Any, kwargs: Any) -> None:
@@ -165,7 +193,7 @@ def _check_size(args: Any, kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _unsent_forgotten(records: PooledRecords, task_id: str) -> Iterator[None]:
+def _unsent_forgotten(records: PoolRecords, task_id: str) -> Iterator[None]:
     """A publish that raised sent nothing (the caller sees the error and may send again): its
     record goes, or the sweep would find it on no queue and send it a second time."""
     try:

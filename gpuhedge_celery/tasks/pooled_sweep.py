@@ -40,7 +40,7 @@ from typing import Any
 import redis
 from celery import states
 
-from ..store.pooled import PooledRecords
+from ..store.pooled import PooledRecords, PoolRecords
 from .app import QUEUE_POOL, TASK_POOLED_INFER
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,17 @@ def resend_lost(
     """One sweep; returns the ids of the requests sent again (``leases``: the lease store, to
     look at handed requests; without it they are not looked at)."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    resent = resend_orphaned(celery_app, records, now_ms)
-    resent += resend_unseen(celery_app, records, now_ms)
-    if leases is not None:
-        resent += resend_unrun(celery_app, records, leases, now_ms)
+    resent = []
+    for pool in records.pools():  # each pool's records and indexes are on its own slot
+        mine = records.of(pool)
+        resent += resend_orphaned(celery_app, mine, now_ms)
+        resent += resend_unseen(celery_app, mine, now_ms)
+        if leases is not None:
+            resent += resend_unrun(celery_app, mine, leases, now_ms)
     return resent
 
 
-def resend_unrun(celery_app: Any, records: PooledRecords, leases: Any, now_ms: int) -> list[str]:
+def resend_unrun(celery_app: Any, records: PoolRecords, leases: Any, now_ms: int) -> list[str]:
     """Send again the handed requests whose GPU lease ended with no GPU job to end them."""
     resent = []
     for request_id in records.handed_before(now_ms - int(MISSING_S * 1000), LIMIT):
@@ -116,7 +119,7 @@ def resend_unrun(celery_app: Any, records: PooledRecords, leases: Any, now_ms: i
     return resent
 
 
-def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
+def resend_orphaned(celery_app: Any, records: PoolRecords, now_ms: int) -> list[str]:
     """Send again the requests whose taking process died while they waited."""
     resent = []
     for request_id, taker in records.dead_takers(int(ORPHAN_MIN_AGE_S * 1000), LIMIT):
@@ -130,7 +133,7 @@ def resend_orphaned(celery_app: Any, records: PooledRecords, now_ms: int) -> lis
     return resent
 
 
-def resend_unseen(celery_app: Any, records: PooledRecords, now_ms: int) -> list[str]:
+def resend_unseen(celery_app: Any, records: PoolRecords, now_ms: int) -> list[str]:
     """Send again the untaken requests whose message is nowhere in a Redis broker."""
     waiting: dict[str, str] = {}  # request id -> its queue
     for request_id in records.untaken_since(now_ms - int(STALE_S * 1000), LIMIT):
@@ -161,7 +164,7 @@ def resend_unseen(celery_app: Any, records: PooledRecords, now_ms: int) -> list[
 
 
 def _send_again(
-    celery_app: Any, records: PooledRecords, request_id: str, state: str, taker: str, now_ms: int
+    celery_app: Any, records: PoolRecords, request_id: str, state: str, taker: str, now_ms: int
 ) -> bool:
     """Mark the request sent (if it is still as the sweep saw it) and send it, same task id;
     never one whose result or error is stored already (its end could not forget the record)."""

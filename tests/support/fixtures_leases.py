@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
-import redis
 
 from gpuhedge_celery.errors import LeaseLost, StaleToken
+from gpuhedge_celery.store.connection import redis_from_url
 from gpuhedge_celery.store.keeper import LeaseKeeper
 from gpuhedge_celery.store.leases import GpuInfo, LeaseStore
 from gpuhedge_celery.store.listener import close_listeners
@@ -25,7 +25,7 @@ SPAWN = multiprocessing.get_context("spawn")
 
 
 def make_store(url: str, prefix: str) -> LeaseStore:
-    return LeaseStore(redis.Redis.from_url(url, decode_responses=True), prefix=prefix)
+    return LeaseStore(redis_from_url(url, decode_responses=True), prefix=prefix)
 
 
 def add_pool(

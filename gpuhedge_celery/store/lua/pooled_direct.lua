@@ -2,10 +2,11 @@
 -- Claiming the lease and recording the request as handed to that GPU happen in one script, so a
 -- caller that dies after it leaves a record the sweep resends once the unrenewed lease ends.
 -- KEYS[1] the request's record (hash)   KEYS[2] handed index (zset id -> handed ms)
--- KEYS[3] the pool's waiters (zset)      KEYS[4] lease TTLs by pool (hash)
+-- KEYS[3] the pool's waiters (zset)      KEYS[4] the pool's lease TTL (ms; absent: ARGV[5])
 -- KEYS[5] the pool's freeat hash (gpu -> fence|ms, kept by wait_claim.lua)
 -- KEYS[6..] for each candidate GPU, in order: its lease key, its fence counter, its out-of-pool
---           hash, its host's heartbeat key, its registry hash
+--           hash, its host's heartbeat key in the pool, its registry hash
+-- (every key on the pool's hash tag: one slot)
 -- ARGV[1] request id   ARGV[2] the record's data (JSON: args, kwargs, queue)
 -- ARGV[3] the record's TTL (ms)   ARGV[4] the pool's name   ARGV[5] the lease TTL (ms) when the
 -- pool has none   ARGV[6..] candidate GPU ids, in KEYS order
@@ -27,7 +28,7 @@ if state then
         local value = redis.call('GET', KEYS[5 + 5 * (i - 1) + 1])
         if value and string.sub(value, 1, #token0 + 1) == token0 .. '|' then
           local since = string.match(value, '^%d+|(%d+)|')
-          local ttl = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or ARGV[5])
+          local ttl = tonumber(redis.call('GET', KEYS[4]) or ARGV[5])
           return {1, gpu0, tonumber(token0), ttl, tonumber(since)}
         end
       end
@@ -44,7 +45,7 @@ for i = 1, (#KEYS - 5) / 5 do
       and redis.call('EXISTS', KEYS[base + 4]) == 1
       and redis.call('HGET', KEYS[base + 5], 'pool') == ARGV[4] then
     local gpu = ARGV[5 + i]
-    local ttl = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or ARGV[5])
+    local ttl = tonumber(redis.call('GET', KEYS[4]) or ARGV[5])
     local token = next_token(KEYS[base + 2], now)  -- _token.lua, prepended
     local text = token_text(token)
     redis.call('SET', KEYS[base + 1], text .. '|' .. now .. '|' .. ARGV[1], 'NX', 'PX', ttl)

@@ -1,5 +1,6 @@
 -- pooled_handoff: the delivery that holds a GPU for a pooled request hands it to the GPU.
 -- KEYS[1] the request's record   KEYS[2] taken index (zset)   KEYS[3] handed index (zset)
+-- (every key on the pool's hash tag: one slot)
 -- ARGV[1] request id   ARGV[2] this delivery   ARGV[3] the record's TTL (ms), counted again
 -- ARGV[4] the GPU   ARGV[5] the lease's token (the sweep resends the request if that lease
 --         ends while the record is still handed: the GPU job never ran, or died unreported)

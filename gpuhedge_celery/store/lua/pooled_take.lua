@@ -1,8 +1,9 @@
 -- pooled_take: a worker takes a pooled request, unless a live delivery already has it.
 -- KEYS[1] the request's record (hash: data, state, taker, delivery)
 -- KEYS[2] untaken index (zset id -> sent ms)   KEYS[3] taken index (zset id -> taken ms)
--- KEYS[4] missing index (zset)                   KEYS[5] processes zset (id -> heartbeat ms)
--- KEYS[6] handed index (zset)
+-- KEYS[4] missing index (zset)                   KEYS[5] the pool's processes zset (id -> heartbeat
+--         ms; the taker is marked alive there now: it waits on the pool next)
+-- KEYS[6] handed index (zset)   (every key on the pool's hash tag: one slot)
 -- ARGV[1] request id   ARGV[2] this process id   ARGV[3] this delivery (unique per run)
 -- ARGV[4] a heartbeat older than this (ms) is a dead process
 -- ARGV[5] prefix of the processes' liveness channels
@@ -30,6 +31,7 @@ end
 redis.call('HSET', KEYS[1], 'state', 'taken', 'taker', ARGV[2], 'delivery', ARGV[3],
   'attempt', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
+redis.call('ZADD', KEYS[5], now, ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])

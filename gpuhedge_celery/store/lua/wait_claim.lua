@@ -1,7 +1,8 @@
 -- wait_claim: join (or stay in) a pool's FIFO queue and claim a GPU if it is this waiter's turn.
 -- Queueing and claiming happen in one script, so no GPU can be freed "between" them.
 -- KEYS[1] waiters zset (holder -> arrival number)   KEYS[2] waitinfo hash   KEYS[3] arrival counter
--- KEYS[4] processes zset (process id -> last heartbeat)   KEYS[5] freeat hash (gpu -> fence|ms)
+-- KEYS[4] the pool's processes zset (process id -> last heartbeat)
+-- KEYS[5] freeat hash (gpu -> fence|ms)   (every key on the pool's hash tag: one slot)
 -- KEYS[6..] for each candidate GPU, in order: its lease key, its fence counter, its out-of-pool
 --           hash (present while the GPU takes no new lease: drained, model not loaded, unhealthy)
 -- ARGV[1] holder           ARGV[2] now (client epoch ms, the lease's since)   ARGV[3] TTL in ms
