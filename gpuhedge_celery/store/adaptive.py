@@ -45,9 +45,9 @@ class AdaptiveStore:
         """Spend one hedge token; False when the bucket is empty (nothing spent). ``key``
         (race and role) spends at most one: asked again, it answers True at no cost."""
         script = lua_script(self.client, "adaptive_take")
-        took = self.keys.adaptive_took(policy, key) if key else ""
         counts = self.keys.adaptive_counts(policy)
-        return bool(script(keys=[counts, took], args=[repr(CAPACITY), TOOK_TTL_MS]))
+        keys = [counts, self.keys.adaptive_took(policy, key)] if key else [counts]
+        return bool(script(keys=keys, args=[repr(CAPACITY), TOOK_TTL_MS]))
 
     def append_seen(self, policy: str, observed: Mapping[str, Any]) -> None:
         """Append one finished race's observation to the policy's stream."""
@@ -87,10 +87,9 @@ class AdaptiveStore:
 
     def publish(self, policy: str, shown: Mapping[str, Any]) -> None:
         """Publish a coordinator's last fit (plan, estimate, what it learned from)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self.keys.adaptive_counts(policy), "plan", json.dumps(shown))
-        pipe.sadd(self.keys.adaptive_policies(), policy)
-        pipe.execute()
+        self.client.hset(self.keys.adaptive_counts(policy), "plan", json.dumps(shown))
+        # a command of its own: the set of every policy is in no policy's slot on a cluster
+        self.client.sadd(self.keys.adaptive_policies(), policy)
 
     def policies(self) -> list[str]:
         """Adaptive policy names that published a plan, sorted."""
