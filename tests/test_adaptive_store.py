@@ -8,6 +8,8 @@ import pytest
 from gpuhedge_celery.core.adaptive_learn import CAPACITY
 from gpuhedge_celery.store.adaptive import AdaptiveStore
 
+pytestmark = pytest.mark.cluster
+
 NAME = "adaptive:p->h@d60s+b0.5"
 
 

@@ -4,13 +4,13 @@ a state other than its base (real redis-server)."""
 from __future__ import annotations
 
 import pytest
-import redis
+import redis.connection
 
 from gpuhedge_celery.store import race_parts
 from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.races import RaceStore, VersionConflict
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 
 def race_state(attempts: int, results: dict | None = None) -> dict:
@@ -33,23 +33,26 @@ def race_state(attempts: int, results: dict | None = None) -> dict:
     }
 
 
-class CountingConnection(redis.Connection):
-    """Counts the bytes this client sends (what Redis receives from it)."""
+class SentBytes:
+    """Counts the bytes every redis-py connection sends (what Redis receives), a plain
+    server's or a cluster node's alike."""
 
-    sent = 0
+    def __init__(self, monkeypatch):
+        self.sent = 0
+        send = redis.connection.Connection.send_packed_command
 
-    def send_packed_command(self, command, check_health=True):
-        chunks = [command] if isinstance(command, (bytes, str)) else command
-        CountingConnection.sent += sum(len(c) for c in chunks)
-        return super().send_packed_command(command, check_health)
+        def counted(conn, command, check_health=True):
+            chunks = [command] if isinstance(command, (bytes, str)) else command
+            self.sent += sum(len(c) for c in chunks)
+            return send(conn, command, check_health)
+
+        monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
 
 
 @pytest.fixture
-def counted(redis_url):
-    pool = redis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
-    client = redis.Redis(connection_pool=pool)
-    yield client
-    client.close()
+def counted(redis_client, monkeypatch):
+    """The store's client, and what it sends (:class:`SentBytes`)."""
+    return redis_client, SentBytes(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -101,21 +104,22 @@ def test_a_state_that_is_not_json_is_named_in_the_error():
 
 
 def test_a_step_that_changes_one_attempt_sends_that_attempt_not_the_state(counted, prefix):
-    races = RaceStore(counted, prefix)
+    client, sent_bytes = counted
+    races = RaceStore(client, prefix)
     first = race_state(2)
     races.create("r1", first)
     whole = sum(len(v) for v in race_parts.encode(first, "s").parts.values())
     second = race_state(2)
     second["race"]["attempts"][1]["phase"] = "ended"
-    before = CountingConnection.sent
+    before = sent_bytes.sent
     races.save("r1", second, 1)
-    sent = CountingConnection.sent - before
+    sent = sent_bytes.sent - before
     parts = race_parts.encode(second, "s").parts
     assert sent < whole, (sent, whole)  # not the whole state again
     assert sent < len(parts["p:a:1"]) + 600  # the attempt, and the save's arguments, heartbeat
     assert len(parts["p:t:spec"]) > 800  # (the spec it did not resend)
     assert races.load("r1").state == second
-    assert RaceStore(counted, prefix).load("r1").state == second  # another process reads it
+    assert RaceStore(client, prefix).load("r1").state == second  # another process reads it
 
 
 def test_results_and_attempts_that_leave_the_state_leave_redis(redis_client, prefix):
@@ -161,15 +165,16 @@ def test_a_save_without_a_copy_writes_every_part_and_drops_the_rest(redis_client
 
 
 def test_a_save_from_a_copy_read_from_redis_sends_a_delta(counted, prefix):
-    RaceStore(counted, prefix).create("r1", race_state(2))
-    reader = RaceStore(counted, prefix)
+    client, sent_bytes = counted
+    RaceStore(client, prefix).create("r1", race_state(2))
+    reader = RaceStore(client, prefix)
     record = reader.load("r1")
     record.state["race"]["finished"] = True
-    before = CountingConnection.sent
+    before = sent_bytes.sent
     reader.save("r1", record.state, record.version)
     race = len(race_parts.encode(record.state, "s").parts["p:s:race"])
-    assert CountingConnection.sent - before < race + 400  # the race's part only
-    assert RaceStore(counted, prefix).load("r1").state == record.state
+    assert sent_bytes.sent - before < race + 400  # the race's part only
+    assert RaceStore(client, prefix).load("r1").state == record.state
 
 
 def test_a_state_saved_whole_by_an_older_version_is_read_and_replaced(redis_client, prefix):

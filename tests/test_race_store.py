@@ -12,6 +12,7 @@ import redis
 
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.errors import LeaseError, StoreError
+from gpuhedge_celery.store.connection import redis_from_url
 from gpuhedge_celery.store.race_copies import Copy
 from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.race_liveness import OwnershipLost
@@ -20,7 +21,7 @@ from gpuhedge_celery.store.races import Keeping, RaceStore, VersionConflict, Win
 from gpuhedge_celery.store.round_trip import RoundTrip
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.cluster]
 
 # spawn, not fork: earlier tests leave listener threads whose held locks a fork would copy
 ctx = multiprocessing.get_context("spawn")
@@ -154,7 +155,7 @@ def test_state_keys_expire_eventually(redis_client, prefix):
 
 
 def _increment(url: str, prefix: str, race_id: str, times: int, barrier) -> None:
-    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    store = RaceStore(redis_from_url(url, decode_responses=True), prefix)
     barrier.wait(10)
     for _ in range(times):
         store.update(race_id, lambda s: {"n": s["n"] + 1}, attempts=1000)
@@ -194,7 +195,7 @@ def test_update_gives_up_after_its_attempts(races):
 
 
 def _claim(url: str, prefix: str, race_ids: list[str], attempt: str, barrier, out) -> None:
-    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    store = RaceStore(redis_from_url(url, decode_responses=True), prefix)
     barrier.wait(10)
     for race_id in race_ids:
         claim = store.claim_winner(race_id, attempt)
@@ -327,7 +328,7 @@ def test_stale_races_are_found_and_owned_or_fresh_ones_are_not(redis_client, pre
 
 
 def _coordinate(url: str, prefix: str, race_id: str, started) -> None:
-    store = RaceStore(redis.Redis.from_url(url, decode_responses=True), prefix)
+    store = RaceStore(redis_from_url(url, decode_responses=True), prefix)
     lease = store.claim_owner(race_id, f"coord-{os.getpid()}", lease_ms=2000)
     store.add_job(race_id, "primary", {"provider": "sim", "job_id": "sim-1"})
     started.set()
