@@ -7,7 +7,8 @@ result key and the ``PUBLISH`` that wakes a waiting ``.get()``. So the workers m
 with a reference in the payload's place (``race.receipt.by_reference``: the documented form of
 a large payload, ``payload_ref`` + ``payload_bytes``, flagged ``payload_inline``), and this
 backend puts the payload back on every read (``.get()``, a poll, the pub/sub message,
-``get_task_meta``): one ``GET`` on the caller's side, and the caller sees the same result as
+``get_task_meta``): one ``GET`` on the caller's side, of the race store (whose Redis is the
+results' own unless the store is a Redis Cluster), and the caller sees the same result as
 before, key for key.
 
 ``create_app`` installs it for ``redis://`` and ``rediss://`` result backends, and
@@ -35,6 +36,7 @@ from kombu.utils.encoding import bytes_to_str
 from ..race.receipt import PAYLOAD_INLINE, with_payload
 from ..store.connection import same_database
 from ..store.race_keys import ResultWrite
+from .result import payload_client
 from .sending import SendingResultConsumer
 
 
@@ -94,7 +96,7 @@ class RaceRedisBackend(RedisBackend):
         result = meta.get("result")
         if meta.get("status") == states.SUCCESS and isinstance(result, dict):
             if result.get(PAYLOAD_INLINE) is True and "payload_ref" in result:
-                meta["result"] = with_payload(result, self.client)
+                meta["result"] = with_payload(result, payload_client(self.app))
         return meta
 
 

@@ -101,11 +101,7 @@ class RaceResult(AsyncResult):
         if not (isinstance(result, dict) and result.get(PAYLOAD_INLINE) is True):
             return result
         try:
-            client = getattr(self.backend, "client", None)  # the Redis the result came from
-            if client is None:
-                settings = _settings(self.app)
-                client = _store(settings.redis_url, settings.prefix).client
-            return with_payload(result, client)
+            return with_payload(result, payload_client(self.app))
         except Exception:  # noqa: BLE001 - Redis away: the reference, which load_payload reads
             return result
 
@@ -152,6 +148,14 @@ def _settings(app: Any) -> Any:
     from .. import settings
 
     return settings.current().core
+
+
+def payload_client(app: Any) -> Any:
+    """The race store's Redis, which holds a referenced payload: the Redis of Celery's results
+    too, unless the store is a Redis Cluster (its results are then on the broker's Redis)."""
+    from ..store.connection import client_for
+
+    return client_for(_settings(app).redis_url)
 
 
 @lru_cache(maxsize=16)
