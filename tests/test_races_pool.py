@@ -33,6 +33,7 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.brokers,
     pytest.mark.sentinel,
+    pytest.mark.cluster,
 ]
 
 POOL = "rp"
@@ -69,13 +70,16 @@ class PoolRaces:
     def __init__(self, cluster: Any, config_path: Any):
         from gpuhedge_celery.config import load_config
         from gpuhedge_celery.providers.simledger import RedisLedger
+        from gpuhedge_celery.settings import ProcessSettings
         from gpuhedge_celery.store.connection import redis_from_url
         from gpuhedge_celery.store.races import RaceStore
 
         self.cluster = cluster
         self.app = cluster.app
         self.client = redis_from_url(cluster.redis_url, decode_responses=True)
-        self.races = RaceStore(self.client, cluster.prefix)
+        # where the workers put races (GPUHEDGE_RACE_SHARDS, its default from the Redis URL)
+        shards = ProcessSettings.from_env().race_shards(cluster.prefix, cluster.redis_url)
+        self.races = RaceStore(self.client, shards)
         self.ledger = RedisLedger(self.client, cluster.prefix)
         self.config = load_config(config_path)
         self.gpu = cluster.gpu_id(0)
