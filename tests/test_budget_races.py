@@ -22,7 +22,12 @@ from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.test_flower_events import EventLog
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.brokers, pytest.mark.sentinel]
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+    pytest.mark.cluster,
+]
 
 CONFIG = (
     HEDGED_SIM_CONFIG

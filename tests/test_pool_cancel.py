@@ -12,7 +12,13 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.cancel import cancel_pooled, running_on
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers, pytest.mark.sentinel]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+    pytest.mark.cluster,
+]
 
 
 def test_cancel_a_running_and_a_queued_request(celery_cluster):

@@ -11,7 +11,13 @@ from gpuhedge_celery.store.leases import GpuInfo
 from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers, pytest.mark.sentinel]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+    pytest.mark.cluster,
+]
 
 
 def submit(cluster, request, **kwargs):

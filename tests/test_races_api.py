@@ -23,7 +23,12 @@ from gpuhedge_celery.race.settings import RaceSettings
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for, wait_until_subscribed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+    pytest.mark.cluster,
+]
 
 HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
 

@@ -14,7 +14,12 @@ import pytest
 
 from gpuhedge_celery.errors import RaceFailed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.brokers, pytest.mark.sentinel]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.brokers,
+    pytest.mark.sentinel,
+    pytest.mark.cluster,
+]
 
 
 def run(rc, request, **kwargs):

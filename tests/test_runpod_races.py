@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.celery,
     pytest.mark.brokers,
     pytest.mark.sentinel,
+    pytest.mark.cluster,
 ]
 
 REPO = Path(__file__).resolve().parents[1]

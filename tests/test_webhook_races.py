@@ -34,6 +34,7 @@ pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.brokers,
     pytest.mark.sentinel,
+    pytest.mark.cluster,
 ]
 
 SECRET = "e2e-webhook-secret-0123456789"
