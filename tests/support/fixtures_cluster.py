@@ -17,3 +17,12 @@ def redis_cluster():
         pytest.fail(f"no Redis Cluster for the tests: {e}")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def on_cluster(redis_url) -> bool:
+    """Whether this test's store is on a Redis Cluster (a module's ``[cluster]`` run), for the
+    few assertions whose figures a cluster changes (round trips split by slot)."""
+    from gpuhedge_celery.redis_url import is_cluster
+
+    return is_cluster(redis_url)
