@@ -120,7 +120,9 @@ def receipt_ttl_s(env: Mapping[str, str]) -> float:
 PLUGINS_VAR = "GPUHEDGE_PLUGINS"
 RACE_SHARDS_VAR = "GPUHEDGE_RACE_SHARDS"
 MAX_RACE_SHARDS = 64  # store/race_keys.py MAX_SHARDS (this module imports none of the package)
-CLUSTER_RACE_SHARDS = 12  # a Redis Cluster's default: 4 per primary of a 3-primary cluster
+# a Redis Cluster's default: one per primary of the smallest cluster; each shard's timers cost
+# claims of their own, so more shards than primaries cost Redis CPU (docs/operations.md)
+CLUSTER_RACE_SHARDS = 3
 
 
 def race_shards(env: Mapping[str, str]) -> int:

@@ -8,7 +8,7 @@ builds from it is the cluster client of ``store/cluster.py``) and Celery's broke
 at a plain ``redis-server`` of their own (``GPUHEDGE_BROKER_URL``, as a cluster store requires),
 and runs the modules below, or those given, in the ``redis`` tier without Celery workers. A test
 that builds its own client with ``redis.Redis.from_url`` gets the cluster client too. The
-tests' races run on ``GPUHEDGE_RACE_SHARDS`` race shards, by default a cluster's (12). Prints
+tests' races run on ``GPUHEDGE_RACE_SHARDS`` race shards, by default a cluster's (3). Prints
 JSON: how many passed and failed, the failures grouped by kind (with a few tests of each), and
 for cross-slot pipelines the key pairs that met.
 

@@ -169,7 +169,7 @@ def test_readers_outside_the_workers_take_the_deployments_shards_from_its_enviro
     plain = ProcessSettings.from_env({})
     assert plain.race_shards("p").tags == ("races",)
     # the Redis a caller was given decides the default count, as the workers' URL does theirs
-    assert plain.race_shards("p", "redis+cluster://127.0.0.1:7000").count == 12
+    assert plain.race_shards("p", "redis+cluster://127.0.0.1:7000").count == 3
     gauges = RedisGauges(redis_client, "p", shards=shards)
     assert gauges.namespaces == shards.tags  # every shard's timers
 

@@ -179,13 +179,13 @@ def test_the_packaged_default_injects_no_faults_and_the_demo_does():
     [
         ({}, 1),
         ({"GPUHEDGE_REDIS_URL": "redis://h:6379/0"}, 1),
-        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000,h2:7001/0"}, 12),
-        ({"GPUHEDGE_REDIS_URL": "rediss+cluster://h1:7000/0"}, 12),
-        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000/0", "GPUHEDGE_RACE_SHARDS": "3"}, 3),
+        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000,h2:7001/0"}, 3),
+        ({"GPUHEDGE_REDIS_URL": "rediss+cluster://h1:7000/0"}, 3),
+        ({"GPUHEDGE_REDIS_URL": "redis+cluster://h1:7000/0", "GPUHEDGE_RACE_SHARDS": "6"}, 6),
         ({"GPUHEDGE_RACE_SHARDS": "64"}, 64),
     ],
 )
-def test_race_shards_default_to_one_and_to_twelve_on_a_cluster(env, shards):
+def test_race_shards_default_to_one_and_to_three_on_a_cluster(env, shards):
     assert RaceSettings.from_env(env).race_shards == shards
 
 

@@ -29,6 +29,7 @@ from .timers import Timer, TimerStore
 log = logging.getLogger(__name__)
 
 TimerHandler = Callable[[Timer], None]
+IDLE_MS = 100  # how often a service re-reads its due timers without a wake-up message
 
 
 class TimerService(TimerWorkers):
@@ -74,7 +75,7 @@ class TimerService(TimerWorkers):
         *,
         batch: int = 200,
         lease_ms: int = 10_000,
-        idle_ms: int = 100,
+        idle_ms: int = IDLE_MS,
         use_pubsub: bool = True,
         max_deliveries: int = 10,
         threads: int = 1,
@@ -319,6 +320,9 @@ class TimerServices:
         share = 1 if threads == 1 else max(2, math.ceil(threads / len(stores)))
         if share == 1:
             options.pop("ahead_ms", None)
+        # The re-read only covers a lost wake-up message: spread over the shards, a process
+        # re-reads as often at 12 shards as at one instead of 12 times as often.
+        options["idle_ms"] = int(options.get("idle_ms", IDLE_MS)) * len(stores)
         self.services = [
             TimerService(
                 store,
