@@ -17,7 +17,7 @@ their own (as a cluster store requires). Per side it prints the capacity row's o
   node CPU per race / busiest primary's CPU per race).
 
 Usage: ``PYTHONPATH=. python3 scripts/bench_cluster.py [--races 600] [--duration-s 10]
-[--pairs 2] [--shards 12] [--masters 3]``. Prints JSON.
+[--pairs 2] [--shards 3] [--masters 3]``. Prints JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpuhedge_celery.bench.race_capacity import capacity_row  # noqa: E402
 from gpuhedge_celery.bench.races import bench_cluster  # noqa: E402
+from gpuhedge_celery.envvars import CLUSTER_RACE_SHARDS  # noqa: E402
 from tests.support.redis_cluster import LocalCluster  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--ramp-s", type=float, default=None)
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--shards", type=int, default=12)
+    parser.add_argument("--shards", type=int, default=CLUSTER_RACE_SHARDS)
     parser.add_argument("--masters", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
