@@ -27,7 +27,7 @@ from gpuhedge_celery.store.timers import TimerStore
 from tests.support.waiting import wait_for
 from tests.test_races_driver import Recorder, build_driver, race_stores
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 QUEUED_THEN_RUNS = {"sim": {"p": {"queue_s": 2, "run_s": 100}}}  # 20 ms queued, then 1 s
 ENDS_SOON = {"sim": {"p": {"queue_s": 0, "run_s": 5}}}  # done 50 ms after its submit
@@ -76,20 +76,32 @@ def handled(batch, timers):
 
 
 class RoundTrips:
-    """Counts the requests redis-py sends (a command or a whole pipeline is one)."""
+    """Counts the requests redis-py sends (a command or a whole pipeline is one), and where the
+    sim ledger's batched reads (``MGET``) went."""
 
     def __init__(self, monkeypatch):
         self.count = 0
+        self.reads: list[tuple[str, int]] = []
         send = redis.connection.Connection.send_packed_command
 
-        def counted(conn, *args, **kwargs):
+        def counted(conn, command, *args, **kwargs):
             self.count += 1
-            return send(conn, *args, **kwargs)
+            first = command if isinstance(command, bytes | str) else command[0]
+            head = bytes(first[:64], "utf-8") if isinstance(first, str) else bytes(first[:64])
+            if head.split(b"\r\n")[2:3] == [b"MGET"]:
+                self.reads.append((conn.host, conn.port))
+            return send(conn, command, *args, **kwargs)
 
         monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
 
+    def ledger_reads(self, on_cluster: bool) -> int:
+        """The sim ledger's batched read: one round trip on one Redis; on a Redis Cluster, whose
+        MGET keeps to one slot, one per node holding the jobs' keys (a node's slots pipelined)."""
+        assert self.reads and len(self.reads) == (len(set(self.reads)) if on_cluster else 1)
+        return len(self.reads)
 
-def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypatch):
+
+def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypatch, on_cluster):
     driver, effects, cfg, _, _ = setup
     races = [f"b{i}" for i in range(12)]
     versions, timers = started_and_due(driver, cfg, races)
@@ -98,7 +110,7 @@ def test_a_batch_of_polls_is_stepped_and_saved_in_one_round_trip(setup, monkeypa
     assert handled(batch, timers) == []  # nothing handed back
     # the sim's ledger read for all twelve polls, then every save, heartbeat and next arm (a
     # pipeline per race shard)
-    assert trips.count == 1 + shards_of(driver, races)
+    assert trips.count == trips.ledger_reads(on_cluster) + shards_of(driver, races)
     for r in races:
         record = driver.store.load(r)
         assert record.version == versions[r] + 1
@@ -176,7 +188,7 @@ def test_a_batch_redis_will_not_take_is_written_race_by_race_on_the_threads(setu
     _assert_stepped_once(driver, effects, races, versions)
 
 
-def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatch):
+def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatch, on_cluster):
     driver, _, cfg, _, _ = setup
     start(driver, cfg, ["u1", "u2"])
     versions = {r: driver.store.load(r).version for r in ("u1", "u2")}
@@ -187,7 +199,7 @@ def test_unchanged_polls_only_refresh_the_heartbeat_and_re_arm(setup, monkeypatc
     ]
     trips = RoundTrips(monkeypatch)
     assert handled(WatchBatch(driver), timers) == []
-    assert trips.count == 1 + shards_of(driver, ["u1", "u2"])
+    assert trips.count == trips.ledger_reads(on_cluster) + shards_of(driver, ["u1", "u2"])
     for r in ("u1", "u2"):
         assert driver.store.load(r).version == versions[r]  # nothing saved
         assert len(watch_timers(driver, r)) == 1  # the next poll, at the job's end
