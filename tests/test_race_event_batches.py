@@ -13,7 +13,12 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from gpuhedge_celery.race.settings import RaceSettings
+from tests.support.fixtures_celery import CLUSTER
+
+pytestmark = pytest.mark.cluster
 
 CODE = """
 import base64, json, sys, time
@@ -41,29 +46,38 @@ print(json.dumps([[e["i"] for e in m] for m in messages]))
 """
 
 
-def _run(redis_url: str, linger_ms: str, n: int) -> list[list[int]]:
+@pytest.fixture
+def stores(redis_url, broker, request) -> tuple[str, str]:
+    """The store's Redis and the broker's: the same, or the plain redis-server beside a Redis
+    Cluster store (Celery cannot use a cluster)."""
+    return redis_url, request.getfixturevalue("plain_redis_url") if broker == CLUSTER else redis_url
+
+
+def _run(stores: tuple[str, str], linger_ms: str, n: int) -> list[list[int]]:
+    redis_url, broker_url = stores
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     env = {
         **os.environ,
         "GPUHEDGE_REDIS_URL": redis_url,
+        "GPUHEDGE_BROKER_URL": broker_url,
         "GPUHEDGE_BROKER_PREFIX": prefix,
         "GPUHEDGE_EVENT_LINGER_MS": linger_ms,
     }
     done = subprocess.run(
-        [sys.executable, "-c", CODE, redis_url, str(n), prefix],
+        [sys.executable, "-c", CODE, broker_url, str(n), prefix],
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_events_within_the_linger_go_out_as_one_publish(redis_url):
-    batches = _run(redis_url, "2000", 40)
+def test_events_within_the_linger_go_out_as_one_publish(stores):
+    batches = _run(stores, "2000", 40)
     assert batches == [list(range(40))]  # one message, every event, in order
 
 
-def test_without_a_linger_events_go_out_as_they_come_in_order(redis_url):
-    batches = _run(redis_url, "0", 40)
+def test_without_a_linger_events_go_out_as_they_come_in_order(stores):
+    batches = _run(stores, "0", 40)
     assert [i for b in batches for i in b] == list(range(40))
     assert len(batches) > 1  # the linger above is what made it one publish
 
