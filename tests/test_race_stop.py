@@ -24,11 +24,12 @@ from gpuhedge_celery.cli import cli
 from gpuhedge_celery.errors import ConfigError, RaceFailed
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.tasks.result import RaceResult
+from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.race_configs import race_config, sim_pair
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster]
 
 CONFIG = race_config(
     sim_pair(p_fast=(0, 4), h_fast=(0, 5), cancel=(0.28, 0.35)),
@@ -44,8 +45,9 @@ EARLY_HEDGE = "hedge:p->h@10s"  # 0.1 s real: both jobs run when the stop comes
 
 
 @pytest.fixture(scope="module")
-def stop_cluster(redis_url, tmp_path_factory):
-    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("stop"), config=CONFIG)
+def stop_cluster(redis_url, tmp_path_factory, broker, request):
+    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("stop"), config=CONFIG,
+                            broker_url=broker_url_for(broker, request))  # fmt: skip
     rc.budget = BudgetStore(rc.client, rc.prefix)
     yield rc
     stop_race_cluster(rc)
@@ -65,7 +67,10 @@ def wait_running(rc, race_id, count):
 
 
 def cli_env(rc):
-    return {"GPUHEDGE_BROKER_PREFIX": f"{rc.prefix}:"}  # the workers' broker keys
+    env = {"GPUHEDGE_BROKER_PREFIX": f"{rc.prefix}:"}  # the workers' broker keys
+    if rc.cluster.broker_url is not None:  # the plain Redis beside a Redis Cluster store
+        env["GPUHEDGE_BROKER_URL"] = rc.cluster.broker_url
+    return env
 
 
 def invoke(rc, *args):
