@@ -113,6 +113,45 @@ def test_demo_on_a_real_redis_leaves_only_its_receipts_with_a_ttl(private_redis,
     assert code == 0 and json.loads(capsys.readouterr().out)["race_id"] == race_id
 
 
+def test_demo_on_a_cluster_store_wins_its_races_runs_the_pool_and_leaves_only_receipts(
+    redis_cluster, plain_redis_url
+):
+    """The store on a Redis Cluster, the broker and Celery's results on a plain Redis: every
+    section runs, and the demo's keys are gone from both but its receipts (on the cluster)."""
+    import redis
+
+    from gpuhedge_celery.demo.cleanup import RECEIPT_TTL_S
+    from gpuhedge_celery.store.connection import redis_from_url
+
+    url = redis_cluster.url
+    proc = _run_demo(
+        "--redis-url", url, "demo", "--races", "2", "--pool-jobs", "2", "--json",
+        env_extra={"GPUHEDGE_BROKER_URL": plain_redis_url},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    prefix = report["prefix"]
+    winners = {s["sim_key"]: s["winner"] for s in report["scenarios"]}
+    assert winners == {0: "sim-cheap", 1: "sim-steady", 2: "sim-steady", 3: "sim-steady",
+                       4: "sim-reserve"}  # fmt: skip
+    assert not any(s["leaked"] for s in report["scenarios"])
+    assert all(row["n"] == 2 and row["leaks"] == 0 for row in report["summary"])
+    cases = {r["case"]: r for r in report["pool_races"]}
+    assert cases["free"]["winner"] == "gpu-pool" and cases["saturated"]["winner"] == "sim-steady"
+    assert len(report["pool"]) == 2 and len({job["gpu"] for job in report["pool"]}) == 2
+    store = redis_from_url(url, decode_responses=True)
+    left = sorted(store.scan_iter(f"{prefix}:*", count=1000))
+    races = len(report["scenarios"]) + 2 * len(report["summary"]) + len(report["pool_races"])
+    assert len(left) == races == report["cleanup"]["receipts_kept"], left
+    for key in left:
+        assert key.startswith(f"{prefix}:race:{{") and key.endswith(":receipt"), key
+        assert 0 < store.pttl(key) <= RECEIPT_TTL_S * 1000, key
+    store.close()
+    broker = redis.Redis.from_url(plain_redis_url)
+    assert list(broker.scan_iter(f"{prefix}:*", count=1000)) == []  # queues and results too
+    broker.close()
+
+
 def test_demo_with_unreachable_redis_is_one_line_exit_3():
     proc = _run_demo("--redis-url", "redis://127.0.0.1:1/0", "demo")
     assert proc.returncode == 3

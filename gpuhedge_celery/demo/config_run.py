@@ -297,7 +297,8 @@ def run_config_demo(
         workers.stop()
         shutil.rmtree(folder, ignore_errors=True)
         if not embedded:
-            report.cleanup = clean_up(redis_url, prefix)
+            celery_redis = process_settings.current().glue.results_url
+            report.cleanup = clean_up(redis_url, prefix, celery_redis)
     report.hedges_launched = sum(1 for r in report.races if r["hedge_launched"])
     report.budget_refusals = sum(len(r["budget_refused"]) for r in report.races)
     wins: dict[str, int] = {}

@@ -206,7 +206,8 @@ def run_demo(
     finally:
         workers.stop()
         if not embedded:
-            report.cleanup = clean_up(redis_url, prefix)
+            celery_redis = process_settings.current().glue.results_url
+            report.cleanup = clean_up(redis_url, prefix, celery_redis)
             echo(
                 f"removed the demo's {report.cleanup['deleted']} keys under "
                 f"{all_keys(prefix)}; its {report.cleanup['receipts_kept']} receipts expire within "
