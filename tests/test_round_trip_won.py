@@ -1,18 +1,17 @@
 """Riders that act only if a save wins, on keys of another slot (the budget ledger's): in the
 save's own pipeline on one Redis, in a round trip of their own after the save won on a Redis
-Cluster (whose pipelines keep to one slot), on a real redis-server and a real cluster."""
+Cluster (whose pipelines keep to one slot), on a real redis-server and (``[cluster]``) a real
+cluster."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
+from redis.crc import key_slot
 
-from gpuhedge_celery.store.connection import redis_from_url
 from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.store.scripts import run_pipeline
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
 
 def _trip(seen: list[tuple[bool, str]], key: str) -> RoundTrip:
@@ -39,28 +38,18 @@ def _save(client, trip: RoundTrip, state_key: str) -> list:
     return replies
 
 
-def test_on_one_redis_they_ride_in_the_saves_pipeline(redis_client, prefix):
+def test_they_ride_in_the_saves_pipeline_on_one_redis_and_follow_it_on_a_cluster(
+    redis_client, prefix, on_cluster
+):
     seen: list[tuple[bool, str]] = []
-    ledger = f"{prefix}:{{budget}}:count"
-    replies = _save(redis_client, _trip(seen, ledger), f"{prefix}:race:{{r1}}:state")
-    assert len(replies) == 3  # the save and both riders: one round trip
-    assert seen == [(False, "queued"), (True, "1")]
-    assert redis_client.get(ledger) == "1"
-
-
-def test_on_a_cluster_they_follow_a_won_save_in_a_round_trip_of_their_own(redis_cluster):
-    client = redis_from_url(redis_cluster.url, decode_responses=True)
-    base = f"t{uuid.uuid4().hex[:10]}"
-    ledger, state = f"{base}:{{budget}}:count", f"{base}:race:{{r1}}:state"
-    assert redis_cluster.key_slot(ledger) != redis_cluster.key_slot(state)
-    seen: list[tuple[bool, str]] = []
-    try:
-        replies = _save(client, _trip(seen, ledger), state)
-        assert len(replies) == 1  # the save alone: its pipeline keeps to the race's slot
-        assert seen == [(True, "queued"), (True, "1")]
-        assert client.get(ledger) == "1" and client.get(state) == "v1"
-    finally:
-        client.delete(ledger, state)
+    ledger, state = f"{prefix}:{{budget}}:count", f"{prefix}:race:{{r1}}:state"
+    replies = _save(redis_client, _trip(seen, ledger), state)
+    if on_cluster:  # a cluster pipeline keeps to the race's slot: the riders follow the save
+        assert key_slot(ledger.encode()) != key_slot(state.encode())
+        assert len(replies) == 1 and seen == [(True, "queued"), (True, "1")]
+    else:  # the save and both riders: one round trip
+        assert len(replies) == 3 and seen == [(False, "queued"), (True, "1")]
+    assert redis_client.get(ledger) == "1" and redis_client.get(state) == "v1"
 
 
 def test_a_round_trip_handed_to_a_step_refuses_won_riders():
