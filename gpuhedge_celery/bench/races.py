@@ -1,8 +1,9 @@
 """``gpuhedge-celery bench races``: a race's overhead, how many fit, how fast losers stop.
 
 The benchmark starts its own real Celery workers (coordination role, threads pool) on a private
-``redis-server`` when one is installed (else on ``--redis-url``, under a fresh key prefix that
-is deleted afterwards) and sim providers from a generated config. Rows:
+``redis-server`` when one is installed and no ``--redis-url`` is on the command line (else on
+that Redis, under a fresh key prefix that is deleted afterwards; a Redis Cluster there, with
+``GPUHEDGE_BROKER_URL`` naming the broker's own Redis, gives per-primary Redis CPU) and sim providers from a generated config. Rows:
 
 * ``overhead``: races with a zero-latency sim provider (``single`` policy), one at a time;
   end-to-end time at the client (``send_task`` to ``.get()`` returning) minus the winning
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import click
+from click.core import ParameterSource
 
 from .. import envvars, names
 from ..settings import ProcessSettings
@@ -600,8 +602,11 @@ def command(
         raise click.BadParameter(
             f"expected counts like 2000 or 500,1000, got {races!r}", param_hint="--races"
         )
-    root = click.get_current_context().find_root().obj
-    url = None if shutil.which("redis-server") else root.settings.redis_url
+    root_ctx = click.get_current_context().find_root()
+    root = root_ctx.obj
+    # a private redis-server unless the Redis was named on the command line (a cluster, say)
+    named = root_ctx.get_parameter_source("redis_url") is ParameterSource.COMMANDLINE
+    url = root.settings.redis_url if named or not shutil.which("redis-server") else None
     results: list[dict[str, Any]] = []
     scale = duration_s / 30.0
     if "records" in wanted:  # fresh clusters of its own, one per run
