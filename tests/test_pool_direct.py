@@ -7,7 +7,6 @@ workers: a GPU worker and, where a test needs one, a coordination worker for the
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -24,8 +23,9 @@ from gpuhedge_celery.tasks.pooled_direct import send_direct
 from gpuhedge_celery.tasks.pooled_result import send_pooled
 from gpuhedge_celery.tasks.pooled_sweep import resend_lost
 from tests.support.faults import start_fault_cluster
+from tests.support.fixtures_celery import broker_url_for
 
-pytestmark = [pytest.mark.redis]
+pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
 POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": QUEUE_POOL}
 
@@ -84,7 +84,7 @@ def test_a_claim_asked_again_after_a_lost_reply_gets_the_same_lease(redis_client
     assert abs(first.since_ms - sec * 1000) < 2_000  # Redis's clock, not the caller's
 
 
-def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
+def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client, broker, request):
     """The switch, Celery options a direct send cannot honour, pooled_infer's internal
     arguments and arguments pooled_infer refuses all go to the queued path, with a free GPU
     right there for the taking."""
@@ -95,8 +95,9 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
 
     prefix = f"direct{time.time_ns()}"
     env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
-    if os.environ.get("GPUHEDGE_BROKER_URL"):  # a store on a cluster: Celery's broker apart
-        env["GPUHEDGE_BROKER_URL"] = os.environ["GPUHEDGE_BROKER_URL"]
+    broker_url = broker_url_for(broker, request)
+    if broker_url is not None:  # a store on a cluster: Celery's broker apart
+        env["GPUHEDGE_BROKER_URL"] = broker_url
     store = LeaseStore(redis_client, prefix)
     store.register_gpu(GpuInfo("h1:0", "p", "h1", {"model": "a"}))
     store.host_heartbeat("h1", 60_000)
@@ -122,7 +123,7 @@ def test_what_a_direct_send_leaves_to_the_queued_path(redis_url, redis_client):
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, tmp_path_factory):
+def cluster(redis_url, tmp_path_factory, broker, request):
     """One GPU worker (3 s leases) and no coordination worker: a request that reaches its
     result went straight to the GPU.
 
@@ -132,6 +133,7 @@ def cluster(redis_url, tmp_path_factory):
     means in the pool."""
     cluster = start_fault_cluster(redis_url, tmp_path_factory.mktemp("direct"), deadline_s=30.0,
                                   coordinators=0, gpus=1, beat=False,
+                                  broker_url=broker_url_for(broker, request),
                                   GPUHEDGE_VISIBILITY_TIMEOUT_S="3600")  # fmt: skip
     cluster.pool_workers = []
     try:
