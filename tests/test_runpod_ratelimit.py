@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpuhedge_celery.providers.ratelimit import LocalLimiter, RedisLimiter, RouteLimit
+from gpuhedge_celery.store.connection import redis_from_url
 from tests.support.runpod_fake import KEY, runpod_block
+
+pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +64,7 @@ def test_the_redis_bucket_is_one_script_on_redis_time(redis_client, redis_url, p
     assert -2.0 <= float(redis_client.hget(key, "tokens")) < -1.0
     assert 0 < redis_client.pttl(key) <= 1000 * (10 / 0.8 + 3.0 + 100)
     # another client (another process) shares the same bucket
-    other = RedisLimiter(redis_client.__class__.from_url(redis_url), prefix)
+    other = RedisLimiter(redis_from_url(redis_url), prefix)
     assert not other.take("runpod:ep", rl, max_wait_s=3.0).granted
 
 
