@@ -1,10 +1,13 @@
-"""A settlement that rides in a race save settles only if that save wins, on a real Redis.
+"""A settlement that rides in a race save settles only if that save wins, on a real Redis and
+(``[cluster]``) a Redis Cluster.
 
 A step decides from its copy of the race; when its save loses the version check, that copy
 was out of date, and so may be the figure its settlement carries. A reservation settles once,
-so the figure would stick: the settlement must run only with a save that won. No workers: the
-race store and the ledger are driven directly, each save with the settlement its step queued,
-then the race driver of two processes, one of them on a stale copy of the race.
+so the figure would stick: the settlement must run only with a save that won. On one Redis it
+rides in the save's pipeline and checks the save's mark; on a cluster (the ledger on a slot of
+its own) it is sent once the save won, in a round trip of its own. No workers: the race store
+and the ledger are driven directly, each save with the settlement its step queued, then the
+race driver of two processes, one of them on a stale copy of the race.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from gpuhedge_celery.store.races import RaceStore, VersionConflict, new_save_id
 from gpuhedge_celery.store.round_trip import RoundTrip
 from gpuhedge_celery.store.scripts import run_pipeline
 from tests.test_races_driver import Recorder, build_driver, race_stores
+from tests.test_watch_batch import RoundTrips
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.cluster]
 
 SPEC = {"caps_s": {"p": 100.0}, "rates": {"p": {"rate_per_s": 0.001, "idle_s": 20.0}}}
 WORST = to_nano(0.12, round_up=True)  # 100 s x $0.001 + 20 s idle
@@ -53,12 +57,12 @@ def save_settling(races, ledger, state, version, items, save_id=None):
     save_id = save_id or new_save_id()
     mark = races.save_mark("r1", version, save_id)
 
-    def settle(pipe):
+    def settle(pipe, known):  # known: sent after the save won (a cluster's)
         found = [(aid, nano, "estimated") for aid, nano in items]
-        ledger.queue_settle(pipe, "r1", found, 1, only_if=mark)
+        ledger.queue_settle(pipe, "r1", found, 1, only_if=None if known else mark)
 
     trip = RoundTrip()
-    trip.ride(settle, [ledger.settle_script])
+    trip.ride_won(settle, [ledger.settle_script])
     return races.save("r1", state, version, trip, save_id)
 
 
@@ -98,21 +102,45 @@ def test_a_loser_that_read_the_winners_version_settles_nothing(stores):
     assert settlements(ledger) == [("a1", FRESH)] and is_open(ledger, "a2")
 
 
-def test_a_won_save_settles_though_later_saves_came_first_and_once_when_sent_again(stores):
+def test_a_won_save_sent_again_settles_once(stores):
     races, ledger = stores
     # a save whose answer was lost, sent again with the same id: answered saved, settles once
     assert save_settling(races, ledger, {"step": 1}, 1, [("a1", FRESH)], save_id="x1") == 2
     assert save_settling(races, ledger, {"step": 1}, 1, [("a1", STALE)], save_id="x1") == 2
     assert settlements(ledger) == [("a1", FRESH)]
-    # a settlement checked after other saves of the race landed (its own is in the history)
-    mark = races.save_mark("r1", 2, "x2")
-    races.save("r1", {"step": 2}, 2, save_id="x2")
-    races.save("r1", {"step": 3}, 3)
+
+
+def test_a_settlement_checked_after_later_saves_finds_its_save_in_the_history(stores, on_cluster):
+    if on_cluster:
+        pytest.skip("single-Redis only: on a Redis Cluster a settlement follows its won save")
+    races, ledger = stores
+    mark = races.save_mark("r1", 1, "x2")
+    races.save("r1", {"step": 2}, 1, save_id="x2")
+    races.save("r1", {"step": 3}, 2)
 
     def settle(pipe):
         ledger.queue_settle(pipe, "r1", [("a2", STALE, "estimated")], 1, only_if=mark)
 
     assert run_pipeline(ledger.client, settle, [ledger.settle_script]) == [[1, STALE]]
+    assert settlements(ledger) == [("a2", STALE)]
+
+
+def test_a_settlement_costs_a_round_trip_of_its_own_on_a_cluster_only(
+    stores, monkeypatch, on_cluster
+):
+    races, ledger = stores
+    races.save("r1", {"step": 1}, 1)  # scripts loaded, connections made
+    save_settling(races, ledger, {"step": 2}, 2, [("a1", FRESH)])
+    trips = RoundTrips(monkeypatch)
+    races.save("r1", {"step": 3}, 3)
+    alone, trips.count = trips.count, 0
+    assert save_settling(races, ledger, {"step": 4}, 4, [("a2", STALE)]) == 5
+    settling, trips.count = trips.count, 0
+    with pytest.raises(VersionConflict):
+        save_settling(races, ledger, {"step": "late"}, 4, [("a2", FRESH)])
+    lost = trips.count
+    # a cluster pipeline keeps to the race's slot: the ledger's settlement follows the won save
+    assert (alone, settling, lost) == (1, 2 if on_cluster else 1, 1)
     assert settlements(ledger) == [("a1", FRESH), ("a2", STALE)]
 
 
