@@ -1,55 +1,37 @@
-"""Budgets cost no Redis round trip: the reservation rides in the submit claim's pipeline and
-each settlement in the save of the step that ended its attempt.
+"""Budgets cost no Redis round trip on one Redis: the reservation rides in the submit claim's
+pipeline and each settlement in the save of the step that ended its attempt. On a Redis Cluster
+(``[cluster]``) they follow the won claim or save in round trips of their own, and cost nothing
+more.
 
 The same races run through the race driver (real Redis, sim providers, no Celery) with budgets
-off and on, on a client that counts every round trip (a command, or a pipeline's execute).
+off and on, counting every round trip (a command, or a pipeline's execute).
 """
 
 from __future__ import annotations
 
 import pytest
-import redis
 
 from gpuhedge_celery.core.budget import BudgetCaps
 from gpuhedge_celery.race.attempts import SubmitHow
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
+from gpuhedge_celery.store.connection import redis_from_url
 from gpuhedge_celery.store.race_keys import RaceShards
+from gpuhedge_celery.store.round_trip import RoundTrip
 from tests.test_races_driver import Recorder, build_driver
+from tests.test_watch_batch import RoundTrips
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 FAST = {"sim": {"p": {"queue_s": 0, "run_s": 0}, "h": {"queue_s": 0, "run_s": 0}}}
 CAPS = BudgetCaps(max_usd_per_request=10, max_usd_per_day=100, ceiling_usd=1000)
 
 
-class CountingPipeline(redis.client.Pipeline):
-    def execute(self, raise_on_error: bool = True):
-        self.counter[0] += 1
-        return super().execute(raise_on_error)
-
-
-class CountingRedis(redis.Redis):
-    """A client that counts its round trips."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.trips = [0]
-
-    def execute_command(self, *args, **options):
-        self.trips[0] += 1
-        return super().execute_command(*args, **options)
-
-    def pipeline(self, transaction=True, shard_hint=None):
-        pipe = CountingPipeline(self.connection_pool, self.response_callbacks, transaction,
-                                shard_hint)  # fmt: skip
-        pipe.counter = self.trips
-        return pipe
-
-
-def trips_of_a_race(redis_url, prefix, policy, budget: bool) -> tuple[int, int]:
-    client = CountingRedis.from_url(redis_url, decode_responses=True)
+def trips_of_a_race(redis_url, prefix, policy, budget: bool, monkeypatch) -> tuple[int, int, int]:
+    """Round trips of one race after two to warm up, those of the riders sent after a won save
+    among them (none on one Redis), and the attempts it submitted."""
+    client = redis_from_url(redis_url, decode_responses=True)
     driver, effects, cfg, ledger, _ = build_driver(client, prefix, Recorder())
     if budget:
         driver.budget = RaceBudget(BudgetStore(client, prefix), CAPS)
@@ -59,24 +41,38 @@ def trips_of_a_race(redis_url, prefix, policy, budget: bool) -> tuple[int, int]:
         for race_id, attempt_id in effects.launched:
             driver.submit_attempt(race_id, attempt_id, SubmitHow(decided_here=True))
         effects.launched.clear()
-    client.trips[0] = 0
-    race_id = f"r-{budget}"
-    driver.create(race_id, FAST, spec, submit_first=True)
-    for rid, attempt_id in effects.launched:  # the hedge, as a launch thread would
-        driver.submit_attempt(rid, attempt_id, SubmitHow(decided_here=True))
+    with monkeypatch.context() as patched:
+        trips, after_won = RoundTrips(patched), [0]
+        send_won = RoundTrip.send_won
+
+        def counted(trip, to):
+            before = trips.count
+            send_won(trip, to)
+            after_won[0] += trips.count - before
+
+        patched.setattr(RoundTrip, "send_won", counted)
+        race_id = f"r-{budget}"
+        driver.create(race_id, FAST, spec, submit_first=True)
+        for rid, attempt_id in effects.launched:  # the hedge, as a launch thread would
+            driver.submit_attempt(rid, attempt_id, SubmitHow(decided_here=True))
     receipt = driver.store.receipt(race_id)
     assert receipt is not None and receipt["winner"] is not None
     submitted = sum(1 for a in receipt["attempts"] if a["handle"])
-    return client.trips[0], submitted
+    assert after_won[0] <= 2 * len(receipt["attempts"])  # a reservation, a settling save each
+    client.close()
+    return trips.count, after_won[0], submitted
 
 
 @pytest.mark.parametrize("policy", ["single", "hedge:p->h@0s"])
-def test_budgets_add_no_round_trip(redis_url, prefix, policy):
-    off, submits_off = trips_of_a_race(redis_url, prefix, policy, budget=False)
-    on, submits_on = trips_of_a_race(redis_url, prefix, policy, budget=True)
+def test_budgets_add_no_round_trip(redis_url, prefix, policy, monkeypatch, on_cluster):
+    off, _, submits_off = trips_of_a_race(redis_url, prefix, policy, False, monkeypatch)
+    on, after_won, submits_on = trips_of_a_race(redis_url, prefix, policy, True, monkeypatch)
     assert submits_on == submits_off >= 1
-    assert on == off, (off, on)
-    ledger = BudgetStore(redis.Redis.from_url(redis_url, decode_responses=True), prefix)
+    # a cluster pipeline keeps to the race's slot: each reservation, and a save's settlements,
+    # follow the won claim or save in a round trip of their own (the ledger's slot)
+    assert after_won > 0 if on_cluster else after_won == 0
+    assert on == off + after_won, (off, on, after_won)
+    ledger = BudgetStore(redis_from_url(redis_url, decode_responses=True), prefix)
     settled = [e for _, e in ledger.entries() if e["type"] == "settle" and e["race"] == "r-True"]
     assert len(settled) == submits_on and ledger.open_count() == 0
 

@@ -76,15 +76,27 @@ def handled(batch, timers):
 
 
 class RoundTrips:
-    """Counts the requests redis-py sends (a command or a whole pipeline is one), and where the
-    sim ledger's batched reads (``MGET``) went."""
+    """Counts the requests redis-py sends (a command or a whole pipeline is one; a new
+    connection's greeting is none of the store's), and where the sim ledger's batched reads
+    (``MGET``) went."""
 
     def __init__(self, monkeypatch):
         self.count = 0
         self.reads: list[tuple[str, int]] = []
         send = redis.connection.Connection.send_packed_command
+        greet = redis.connection.Connection.on_connect_check_health
+        greeting: set[int] = set()
+
+        def greeted(conn, *args, **kwargs):
+            greeting.add(id(conn))
+            try:
+                return greet(conn, *args, **kwargs)
+            finally:
+                greeting.discard(id(conn))
 
         def counted(conn, command, *args, **kwargs):
+            if id(conn) in greeting:
+                return send(conn, command, *args, **kwargs)
             self.count += 1
             first = command if isinstance(command, bytes | str) else command[0]
             head = bytes(first[:64], "utf-8") if isinstance(first, str) else bytes(first[:64])
@@ -93,6 +105,7 @@ class RoundTrips:
             return send(conn, command, *args, **kwargs)
 
         monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+        monkeypatch.setattr(redis.connection.Connection, "on_connect_check_health", greeted)
 
     def ledger_reads(self, on_cluster: bool) -> int:
         """The sim ledger's batched read: one round trip on one Redis; on a Redis Cluster, whose
