@@ -44,11 +44,10 @@ from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 from gpuhedge_celery.store.replicas import NotAcknowledged, ReplicaAcks
 from gpuhedge_celery.webhooks.apply import apply_delivery
 from tests.support.redis_server import RedisServer, start_redis_server
-from tests.test_budget_round_trips import CountingRedis
 from tests.test_races_driver import Recorder, Writing, build_driver, submissions
-from tests.test_watch_batch import handled, started_and_due
+from tests.test_watch_batch import RoundTrips, handled, started_and_due
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 PREFIX = "t"
 FAST = {"sim": {"p": {"queue_s": 0, "run_s": 0}, "h": {"queue_s": 0, "run_s": 0}}}
@@ -397,14 +396,16 @@ def test_a_frozen_replica_holds_the_winner_back_until_it_answers_again(replicate
 
 def round_trips(url: str, acks: ReplicaAcks, race_id: str) -> tuple[int, int]:
     """Round trips of one budgeted race whose job ends at once, and its winners published."""
-    client = CountingRedis.from_url(url, decode_responses=True)
+    client = redis.Redis.from_url(url, decode_responses=True)
     driver, effects, cfg, _ = replicated_driver(client, acks, budget=True)
     spec = build_spec(cfg, "single")
     driver.create(f"{race_id}-warm", FAST, spec, submit_first=True)  # scripts loaded
-    client.trips[0] = 0
-    driver.create(race_id, FAST, spec, submit_first=True)
+    with pytest.MonkeyPatch.context() as patched:
+        trips = RoundTrips(patched)
+        driver.create(race_id, FAST, spec, submit_first=True)
     assert driver.store.receipt(race_id)["winner"] == "a1"
-    return client.trips[0], len(effects.results)
+    client.close()
+    return trips.count, len(effects.results)
 
 
 def test_a_winner_and_a_reservation_held_by_a_replica_cost_one_round_trip_more(replicated):
