@@ -19,7 +19,7 @@ from gpuhedge_celery.providers.sim import SimProvider
 from tests.support.fixtures_races import RACE_CONFIG, start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_until_subscribed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster]
 
 HEDGE_RESCUE = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
 CASCADE = {
@@ -47,14 +47,17 @@ LEAKY = """
 
 
 @pytest.fixture(scope="module")
-def events_cluster(redis_url, tmp_path_factory):
+def events_cluster(redis_url, tmp_path_factory, broker, request):
+    from tests.support.fixtures_celery import broker_url_for
+
     tmp = tmp_path_factory.mktemp("flower")
     config = tmp / "flower.yaml"
     # appended after the other providers, so each role's first provider stays the same
     config.write_text(RACE_CONFIG.replace("\npolicy:", LEAKY.rstrip() + "\npolicy:", 1))
     rc = start_race_cluster(
-        redis_url, tmp, workers=1, CELERY_WORKER_TASK_EVENTS="1", GPUHEDGE_CONFIG=str(config)
-    )
+        redis_url, tmp, workers=1, broker_url=broker_url_for(broker, request),
+        CELERY_WORKER_TASK_EVENTS="1", GPUHEDGE_CONFIG=str(config),
+    )  # fmt: skip
     assert "task events: ON" in rc.cluster.workers[0].log()  # the worker really runs with -E
     yield rc
     stop_race_cluster(rc)

@@ -24,7 +24,7 @@ from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.brokers]
+pytestmark = [pytest.mark.timeout(150), pytest.mark.brokers, pytest.mark.cluster]
 
 # both jobs would run 100 s of real time: they are still running when the janitor comes
 LONG = {"sim": {"p": {"queue_s": 0, "run_s": 10_000}, "h": {"queue_s": 0, "run_s": 10_000}}}

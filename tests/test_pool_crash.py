@@ -20,7 +20,13 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.reconcile import reconcile_once
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.slow, pytest.mark.brokers]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.slow,
+    pytest.mark.brokers,
+    pytest.mark.cluster,
+]
 
 TTL_MS = 3000
 

@@ -10,7 +10,7 @@ from gpuhedge_celery.tasks.app import TASK_GPU_RUN, TASK_POOLED_INFER, gpu_queue
 from gpuhedge_celery.tasks.cancel import running_on
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers, pytest.mark.cluster]
 
 
 def test_a_job_whose_lease_is_taken_over_is_stopped_and_waits_again(celery_cluster):

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from gpuhedge_celery.cli import cli
 from gpuhedge_celery.errors import RaceFailed
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.celery]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.celery, pytest.mark.cluster]
 
 FAST = {"sim": {"p": {"queue_s": 0, "run_s": 1}}}
 SLOW_PRIMARY = {"sim": {"p": {"queue_s": 2, "run_s": 100}, "h": {"queue_s": 0.5, "run_s": 4}}}
