@@ -22,6 +22,8 @@ from tests.support.http_provider_server import HttpProviderServer
 from tests.test_http import KEY as HTTP_KEY
 from tests.test_http import make as make_http
 
+pytestmark = pytest.mark.cluster
+
 # one attempt of provider "p": cap 100 s at $0.001/s plus 20 s idle = $0.12 worst case
 SPEC = {"caps_s": {"p": 100.0}, "rates": {"p": {"rate_per_s": 0.001, "idle_s": 20.0}}}
 WORST_NANO = to_nano(0.12)

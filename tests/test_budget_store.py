@@ -16,6 +16,8 @@ from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.store.budget import BudgetStore
 
+pytestmark = pytest.mark.cluster
+
 # one attempt of provider "p": cap 100 s at $0.001/s plus 20 s idle = $0.12 worst case
 SPEC = {
     "caps_s": {"p": 100.0, "h": 50.0},

@@ -41,7 +41,7 @@ from gpuhedge_celery.store.availability import (
 from gpuhedge_celery.store.waiter import LeaseWaiter
 from tests.support.fixtures_leases import add_pool
 
-pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("listeners_closed")]
+pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("listeners_closed"), pytest.mark.cluster]
 
 
 def run(redis_url, prefix, *args):

@@ -26,7 +26,7 @@ from gpuhedge_celery.store.waiter import LeaseWaiter
 from gpuhedge_celery.tasks.gpu_steps import STARTED, RunningRecord, begin, finish
 from tests.support.fixtures_leases import add_pool
 
-pytestmark = pytest.mark.usefixtures("listeners_closed")
+pytestmark = [pytest.mark.usefixtures("listeners_closed"), pytest.mark.cluster]
 
 ISSUERS = ("claim", "wait_claim", "pooled_direct")
 

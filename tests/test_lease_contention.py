@@ -7,6 +7,8 @@ import signal
 import time
 from collections import defaultdict
 
+import pytest
+
 from gpuhedge_celery.errors import StaleToken
 from tests.support.fixtures_leases import (
     SPAWN,
@@ -14,6 +16,8 @@ from tests.support.fixtures_leases import (
     contention_worker,
     paused_holder,
 )
+
+pytestmark = pytest.mark.cluster
 
 PROCESSES = 8
 CLAIMS_EACH = 1000

@@ -20,7 +20,7 @@ from gpuhedge_celery.store.keeper import LeaseKeeper
 from gpuhedge_celery.store.leases import GpuInfo, Lease, LeaseStore
 from tests.support.fixtures_leases import add_pool, wait_until
 
-pytestmark = pytest.mark.usefixtures("listeners_closed")
+pytestmark = [pytest.mark.usefixtures("listeners_closed"), pytest.mark.cluster]
 
 
 def test_claim_is_exclusive_and_tokens_increase(lease_store):

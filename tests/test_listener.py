@@ -18,7 +18,7 @@ from gpuhedge_celery.store.listener import (
 from gpuhedge_celery.store.waiter import LeaseWaiter
 from tests.support.fixtures_leases import add_pool, make_store, wait_until
 
-pytestmark = pytest.mark.usefixtures("listeners_closed")
+pytestmark = [pytest.mark.usefixtures("listeners_closed"), pytest.mark.cluster]
 
 MARGIN_S = 0.7  # the machine is shared and loaded
 

@@ -30,7 +30,7 @@ from tests.support.fixtures_races import RACE_CONFIG
 from tests.test_flower_events import LEAKY
 from tests.test_races_driver import Recorder, build_driver
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 FAST = {"sim": {"p": {"queue_s": 0, "run_s": 0}}}
 QUEUED = {"sim": {"p": {"queue_s": 500, "run_s": 1}}}  # 5 s queued (time_scale 0.01)

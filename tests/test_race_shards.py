@@ -19,6 +19,8 @@ from gpuhedge_celery.store.race_receipts import Finish
 from gpuhedge_celery.store.races import RaceStore
 from gpuhedge_celery.store.round_trip import RoundTrip
 
+pytestmark = pytest.mark.cluster
+
 SHARDS = 3
 _SCRIPTS = {"EVALSHA", "EVAL"}
 

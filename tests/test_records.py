@@ -21,7 +21,7 @@ from gpuhedge_celery.store.races import Keeping, RaceStore
 from gpuhedge_celery.store.records import RecordStream
 from tests.test_races_driver import FAST, Recorder, build_driver
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]
 
 
 def _named(command: tuple) -> str:

@@ -13,6 +13,8 @@ from gpuhedge_celery.store.timers import (
     TimerStore,
 )
 
+pytestmark = pytest.mark.cluster
+
 T0 = 1_800_000_000_000  # a fixed "now" (epoch ms): the store takes time as an argument
 
 

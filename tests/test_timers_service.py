@@ -21,7 +21,7 @@ from gpuhedge_celery.store.timer_service import TimerService
 from gpuhedge_celery.store.timers import Timer, TimerStore
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.cluster]
 
 # spawn, not fork: earlier tests leave listener threads whose held locks a fork would copy
 ctx = multiprocessing.get_context("spawn")

@@ -14,7 +14,7 @@ from gpuhedge_celery.store.keeper import LeaseKeeper
 from gpuhedge_celery.store.waiter import LeaseWaiter, waiter_for
 from tests.support.fixtures_leases import SPAWN, add_pool, make_store, queued_waiter, wait_until
 
-pytestmark = pytest.mark.usefixtures("listeners_closed")
+pytestmark = [pytest.mark.usefixtures("listeners_closed"), pytest.mark.cluster]
 
 
 def acquire_in_thread(waiter, *args, **kwargs):

@@ -19,7 +19,11 @@ from gpuhedge_celery.store.liveness import PROCESS_TTL_MS
 from gpuhedge_celery.store.waiter import PASS_OVER_S, LeaseWaiter
 from tests.support.fixtures_leases import SPAWN, add_pool, wait_until, waiting_threads
 
-pytestmark = [pytest.mark.usefixtures("listeners_closed"), pytest.mark.timeout(90)]
+pytestmark = [
+    pytest.mark.usefixtures("listeners_closed"),
+    pytest.mark.timeout(90),
+    pytest.mark.cluster,
+]
 
 HANDOFF_BOUND_S = 0.150
 POOL = "default"
