@@ -21,7 +21,13 @@ from gpuhedge_celery.tasks.app import TASK_POOLED_INFER
 from gpuhedge_celery.tasks.reconcile import reconcile_once
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.slow, pytest.mark.brokers]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.celery,
+    pytest.mark.slow,
+    pytest.mark.brokers,
+    pytest.mark.cluster,
+]
 
 
 def test_sigterm_finishes_the_running_job_and_the_waiting_request_moves_on(celery_cluster):

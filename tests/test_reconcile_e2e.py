@@ -15,7 +15,7 @@ from gpuhedge_celery.tasks.reconcile import reconcile_once
 from tests.support.example_app import example_node, start_example_worker
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.brokers, pytest.mark.cluster]
 
 
 def applied(summary, kind):
@@ -158,8 +158,9 @@ def test_a_foreign_apps_worker_on_the_same_broker_never_sees_the_command(celery_
     c = celery_cluster
     c.start_gpu(0)
     gpu = c.gpu_id(0)
-    env = {**os.environ, "BROKER_URL": c.broker_url or c.redis_url, "RESULT_BACKEND": c.redis_url}
-    if c.broker_url is None:  # on Redis the cluster's broker keys carry its prefix
+    glue = c.app.gpuhedge_config  # results on the broker's Redis beside a Redis Cluster store
+    env = {**os.environ, "BROKER_URL": glue.broker, "RESULT_BACKEND": glue.results_url}
+    if glue.broker_kind == "redis":  # on Redis the cluster's broker keys carry its prefix
         env["BROKER_KEYPREFIX"] = f"{c.prefix}:"
     log = c.tmp_path / "foreign.log"
     foreign = start_example_worker(env, log)
