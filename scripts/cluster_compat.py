@@ -2,13 +2,12 @@
 """How many of the store-level tests pass with their Redis on a Redis Cluster, and why the
 others fail: a measure of how far the store is from running on a cluster.
 
-Starts a three-master cluster on loopback (``tests/support/redis_cluster.py``), points the tests'
-Redis at it (``GPUHEDGE_TEST_REDIS_URL``, a ``redis+cluster://`` URL: every client the store
-builds from it is the cluster client of ``store/cluster.py``) and Celery's broker and results
-at a plain ``redis-server`` of their own (``GPUHEDGE_BROKER_URL``, as a cluster store requires),
-and runs the modules below, or those given, in the ``redis`` tier without Celery workers. A test
-that builds its own client with ``redis.Redis.from_url`` gets the cluster client too. The
-tests' races run on ``GPUHEDGE_RACE_SHARDS`` race shards, by default a cluster's (3). Prints
+Runs the modules below, or those given, in the ``redis`` tier without Celery workers, the way the
+suite runs a module's ``[cluster]`` variant (``GPUHEDGE_TEST_BROKER=cluster``): the store on a
+three-master cluster on loopback (the ``redis_cluster`` fixture), Celery's broker and results on
+the plain redis-server, as a cluster store requires. A test that builds its own client with
+``redis.Redis.from_url`` from the cluster's URL gets the cluster client of ``store/cluster.py``.
+The tests' races run on ``GPUHEDGE_RACE_SHARDS`` race shards, by default a cluster's (3). Prints
 JSON: how many passed and failed, the failures grouped by kind (with a few tests of each), and
 for cross-slot pipelines the key pairs that met.
 
@@ -125,19 +124,15 @@ def _pairs(text: str) -> str | None:
 def main(modules: list[str]) -> dict[str, object]:
     sys.path.insert(0, str(ROOT))
     from gpuhedge_celery.envvars import REDIS_URL_VAR, race_shards
-    from tests.support.redis_cluster import LocalCluster
-    from tests.support.redis_server import start_redis_server
 
-    broker = start_redis_server()
-    with LocalCluster() as cluster, tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.jsonl"
-        # as many race shards as a deployment on this cluster would run (the tests' drivers)
-        shards = race_shards({**os.environ, REDIS_URL_VAR: cluster.url})
+        # as many race shards as a deployment on a cluster would run (the tests' drivers)
+        shards = race_shards({**os.environ, REDIS_URL_VAR: "redis+cluster://127.0.0.1:7000"})
         env = {
             **os.environ,
             "GPUHEDGE_RACE_SHARDS": str(shards),
-            "GPUHEDGE_TEST_REDIS_URL": cluster.url,
-            "GPUHEDGE_BROKER_URL": broker.url,
+            "GPUHEDGE_TEST_BROKER": "cluster",
             RESULTS_VAR: str(results),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
         }
@@ -148,7 +143,6 @@ def main(modules: list[str]) -> dict[str, object]:
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, check=False,
         )  # fmt: skip
         rows = [json.loads(line) for line in results.read_text().splitlines()]
-    broker.stop()
     outcomes = Counter(outcome for _, outcome, _ in rows)
     kinds: Counter[str] = Counter()
     examples: dict[str, list[str]] = {}

@@ -17,7 +17,6 @@ from gpuhedge_celery.race.budget import RaceBudget
 from gpuhedge_celery.race.spec import build_spec
 from gpuhedge_celery.store.budget import BudgetStore
 from gpuhedge_celery.store.connection import redis_from_url
-from gpuhedge_celery.store.race_keys import RaceShards
 from gpuhedge_celery.store.round_trip import RoundTrip
 from tests.test_races_driver import Recorder, build_driver
 from tests.test_watch_batch import RoundTrips
@@ -97,7 +96,7 @@ def test_the_first_submits_claim_rides_in_the_create_and_only_a_create_that_wins
     # A redelivered create loses to the first: it claims and reserves nothing, though the
     # claim and the reservation were in its pipeline. (Both made by the first are taken away,
     # so that one made now would show.)
-    redis_client.hdel(RaceShards(prefix).race("c1").jobs, "a1")
+    redis_client.hdel(driver.store.shards.race("c1").jobs, "a1")  # on the driver's shards
     redis_client.delete(budget.keys.reservation("c1/a1"))
     redis_client.zrem(budget.keys.open, "c1/a1")
     entries = len(list(budget.entries()))
