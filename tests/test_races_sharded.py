@@ -13,7 +13,7 @@ import pytest
 from gpuhedge_celery.store.race_keys import shard_of
 from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
-from tests.support.waiting import wait_for
+from tests.support.waiting import subscribers, wait_for
 from tests.test_races_batched import (
     HEDGE_POLICY,
     HEDGE_WINS,
@@ -22,16 +22,19 @@ from tests.test_races_batched import (
     check_race,
 )
 
-pytestmark = [pytest.mark.celery, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.cluster]
 
 SHARDS = 3
 
 
 @pytest.fixture(scope="module")
-def sharded(redis_url, tmp_path_factory):
+def sharded(redis_url, tmp_path_factory, broker, request):
+    from tests.support.fixtures_celery import broker_url_for
+
     with pytest.MonkeyPatch.context() as env:
         env.setenv("GPUHEDGE_RACE_SHARDS", str(SHARDS))  # the workers' and the harness's
         rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("sharded"),
+                                broker_url=broker_url_for(broker, request),
                                 GPUHEDGE_RACE_SHARDS=str(SHARDS),
                                 GPUHEDGE_VISIBILITY_TIMEOUT_S="2", GPUHEDGE_LAUNCH_BACKSTOP_S="1",
                                 GPUHEDGE_CANCEL_BACKSTOP_S="1")  # fmt: skip
@@ -52,7 +55,7 @@ def test_every_worker_fires_every_shard_s_timers(sharded):
     assert rc.store.shards.count == SHARDS
     channels = [store.keys.channel for store in RaceTimers(rc.client, rc.store.shards).stores]
     # each worker's timer service of each shard listens for its shard's wake-ups
-    wait_for(lambda: all(n == 2 for _, n in rc.client.pubsub_numsub(*channels)), 10,
+    wait_for(lambda: all(n == 2 for _, n in subscribers(rc.client, *channels)), 10,
              "both workers subscribed to every shard's wake-ups")  # fmt: skip
 
 

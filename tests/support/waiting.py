@@ -35,3 +35,15 @@ def wait_until_subscribed(app, events: list[dict], timeout_s: float = 10.0) -> N
         return any(e.get("uuid") == probe for e in list(events))
 
     wait_for(seen, timeout_s, "the event receiver to subscribe", every_s=0.1)
+
+
+def subscribers(client, *channels: str) -> list[tuple[str, int]]:
+    """``PUBSUB NUMSUB`` of ``channels``; on a Redis Cluster summed over every primary, since
+    a subscriber counts only on the node it subscribed on."""
+    from redis.cluster import RedisCluster
+
+    from gpuhedge_celery.store.cluster import ClusterClient
+
+    if isinstance(client, ClusterClient):
+        return client.pubsub_numsub(*channels, target_nodes=RedisCluster.PRIMARIES)
+    return client.pubsub_numsub(*channels)
