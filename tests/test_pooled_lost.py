@@ -10,11 +10,14 @@ and, for the second, the record with it.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from gpuhedge_celery.errors import RequestLost
+from gpuhedge_celery.store.connection import redis_from_url
+from gpuhedge_celery.store.listener import servers
 from gpuhedge_celery.store.pooled import PooledRecords
 from gpuhedge_celery.tasks import pooled_result, pooled_sweep
 from gpuhedge_celery.tasks.app import QUEUE_POOL
@@ -22,25 +25,31 @@ from gpuhedge_celery.tasks.pooled_result import send_pooled
 from gpuhedge_celery.tasks.pooled_sweep import resend_lost
 from tests.support.faults import start_fault_cluster
 
-pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.redis, pytest.mark.celery, pytest.mark.timeout(180), pytest.mark.cluster]
 
 RACE_QUEUES = {"GPUHEDGE_COORD_QUEUES": "gpuhedge.coord,gpuhedge.attempts"}
 POOL_ONLY = {"GPUHEDGE_COORD_QUEUES": QUEUE_POOL}
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, tmp_path_factory):
+def cluster(redis_url, tmp_path_factory, broker, request):
     """A GPU worker and a coordinator that does not take pooled requests: they stay queued
     until a test starts a pool worker (direct dispatch off: these losses are the queued
     path's; tests/test_pool_direct.py has the direct path's)."""
     # the Redis broker's default visibility timeout: a dead worker's messages come back only
     # after an hour, so whatever comes back sooner came back through the sweep
+    from tests.support.fixtures_celery import broker_url_for
+
     cluster = start_fault_cluster(redis_url, tmp_path_factory.mktemp("lost"), deadline_s=30.0,
+                                  broker_url=broker_url_for(broker, request),
                                   coordinators=0, gpus=1, beat=False,
                                   GPUHEDGE_VISIBILITY_TIMEOUT_S="3600",
                                   GPUHEDGE_POOL_DIRECT="off")  # fmt: skip
     cluster.start_coordinator(**RACE_QUEUES)
+    # the broker's Redis: the store's, or a plain one beside a Redis Cluster store
+    cluster.broker_client = redis_from_url(cluster.config.broker, decode_responses=True)
     yield cluster
+    cluster.broker_client.close()
     cluster.close()
 
 
@@ -61,34 +70,36 @@ def records(cluster) -> PooledRecords:
 
 def queued(cluster) -> list[str]:
     """The raw messages on the pool queue of the cluster's (Redis) broker."""
-    return cluster.client.lrange(f"{cluster.prefix}:{QUEUE_POOL}", 0, -1)
+    return cluster.broker_client.lrange(f"{cluster.prefix}:{QUEUE_POOL}", 0, -1)
 
 
 def lose_message(cluster, request_id: str) -> None:
     """Take the request's message out of the broker, as a crash would."""
     [raw] = [m for m in queued(cluster) if request_id in m]
-    assert cluster.client.lrem(f"{cluster.prefix}:{QUEUE_POOL}", 1, raw) == 1
+    assert cluster.broker_client.lrem(f"{cluster.prefix}:{QUEUE_POOL}", 1, raw) == 1
 
 
 def live_process(client, keys, process_id: str):
     """What a live waiting process has: a fresh heartbeat and its liveness channel subscribed
-    (``store/liveness.py``); returns the subscription (close it: the process is gone)."""
+    (``store/liveness.py``), on every server as the listener subscribes it (each primary of a
+    Redis Cluster); returns the subscriptions (close them: the process is gone)."""
     sec, usec = client.time()
     client.zadd(keys.procs("p"), {process_id: sec * 1000 + usec // 1000})
-    sub = client.pubsub()
-    sub.subscribe(keys.proc_channel(process_id))
-    sub.get_message(timeout=1)
-    return sub
+    subscriptions = ExitStack()
+    for server in servers(client):
+        sub = server.pubsub()
+        sub.subscribe(keys.proc_channel(process_id))
+        sub.get_message(timeout=1)
+        subscriptions.callback(sub.close)
+    return subscriptions
 
 
 def test_records_follow_a_request_from_send_to_end(redis_url):
-    import redis as redis_lib
-
     from gpuhedge_celery.errors import ConfigError
     from gpuhedge_celery.store.keys import Keys
     from gpuhedge_celery.store.pooled import DUPLICATE, HANDED, SUPERSEDED, TAKEN, UNRECORDED
 
-    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_from_url(redis_url, decode_responses=True)
     keys = Keys(f"rec{time.time_ns()}")
     r = PooledRecords(client, keys).of("p")
     r.sent("a", [{"x": 1}], {"pool": "p"}, 1_000, "q1")
