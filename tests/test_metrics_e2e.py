@@ -38,11 +38,11 @@ HEDGE_POLICY = "hedge:p->h@0.2s"
 
 
 class MetricsCluster:
-    def __init__(self, redis_url: str, tmp) -> None:
+    def __init__(self, redis_url: str, tmp, broker_url: str | None = None) -> None:
         config = tmp / "races.yaml"
         config.write_text(RACE_CONFIG)
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
-        self.cluster = CeleryCluster(redis_url, self.prefix, tmp)
+        self.cluster = CeleryCluster(redis_url, self.prefix, tmp, broker_url)
         self.cluster.env.update({"GPUHEDGE_CONFIG": str(config), "PYTHONPATH": str(REPO),
                                  "GPUHEDGE_METRICS_ADDR": "127.0.0.1"})  # fmt: skip
         self.ports = {name: free_port() for name in ("coord", "gpu0", "gpu1", "serve")}
@@ -87,16 +87,17 @@ class MetricsCluster:
 
 
 @pytest.fixture(scope="module")
-def metrics_cluster(redis_url, tmp_path_factory):
-    import redis
-
+def metrics_cluster(redis_url, tmp_path_factory, broker, request):
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
+    from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
-    mc = MetricsCluster(redis_url, tmp_path_factory.mktemp("metrics"))
+    enable_notifications(redis_from_url(redis_url))
+    broker_url = broker_url_for(broker, request)
+    mc = MetricsCluster(redis_url, tmp_path_factory.mktemp("metrics"), broker_url)
     yield mc
     mc.close()
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = list(client.scan_iter(f"{mc.prefix}:*", count=1000))
     if keys:
         client.delete(*keys)
