@@ -224,12 +224,11 @@ class Crasher:
 
 @pytest.fixture(scope="module")
 def crash_cluster(redis_url, tmp_path_factory, broker, request):
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     rc = start_race_cluster(
         redis_url, tmp_path_factory.mktemp("crash"), workers=3,
         broker_url=broker_url_for(broker, request), **CRASH_ENV,
