@@ -19,8 +19,11 @@ MISSPELT = "hedged_infer() got an unexpected keyword argument 'budget_kye'"
 
 
 @pytest.fixture
-def cluster(redis_url, tmp_path):
-    cluster = CeleryCluster(redis_url, f"kw{uuid.uuid4().hex[:8]}", tmp_path)
+def cluster(redis_url, tmp_path, broker, request):
+    from tests.support.fixtures_celery import broker_url_for
+
+    prefix = f"kw{uuid.uuid4().hex[:8]}"
+    cluster = CeleryCluster(redis_url, prefix, tmp_path, broker_url_for(broker, request))
     yield cluster
     cluster.close()
 

@@ -108,12 +108,11 @@ def test_date_done_is_read_as_utc():
 @pytest.fixture(scope="module")
 def pool(redis_url, tmp_path_factory, broker, request):
     """One coordinator and one CPU-runner GPU worker in pool ``pp`` (module-wide)."""
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import CeleryCluster, broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     prefix, tmp = f"t{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("pp")
     cluster = CeleryCluster(redis_url, prefix, tmp, broker_url_for(broker, request))
     try:
@@ -125,7 +124,7 @@ def pool(redis_url, tmp_path_factory, broker, request):
         yield cluster
     finally:
         cluster.close()
-        client = redis.Redis.from_url(redis_url)
+        client = redis_from_url(redis_url)
         keys = list(client.scan_iter(f"{cluster.prefix}:*", count=1000))
         if keys:
             client.delete(*keys)

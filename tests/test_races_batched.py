@@ -32,9 +32,12 @@ HEDGE_POLICY = "hedge:p->h@0.3s"
 
 
 @pytest.fixture(scope="module")
-def batched(redis_url, tmp_path_factory):
+def batched(redis_url, tmp_path_factory, broker, request):
+    from tests.support.fixtures_celery import broker_url_for
+
     ports = [free_port(), free_port()]
     rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("loop"), workers=0,
+                            broker_url=broker_url_for(broker, request),
                             GPUHEDGE_METRICS_ADDR="127.0.0.1",
                             GPUHEDGE_VISIBILITY_TIMEOUT_S="2", GPUHEDGE_LAUNCH_BACKSTOP_S="1",
                             GPUHEDGE_CANCEL_BACKSTOP_S="1")  # fmt: skip

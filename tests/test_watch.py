@@ -20,8 +20,11 @@ SLOW = {"sim": {"p": {"queue_s": 0, "run_s": 150}, "h": {"queue_s": 0, "run_s": 
 
 
 @pytest.fixture(scope="module")
-def watch_cluster(redis_url, tmp_path_factory):
-    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("watch"), workers=1)
+def watch_cluster(redis_url, tmp_path_factory, broker, request):
+    from tests.support.fixtures_celery import broker_url_for
+
+    rc = start_race_cluster(redis_url, tmp_path_factory.mktemp("watch"), workers=1,
+                            broker_url=broker_url_for(broker, request))  # fmt: skip
     yield rc
     stop_race_cluster(rc)
 
