@@ -13,7 +13,7 @@ from gpuhedge_celery.cli import cli
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.cluster]
 
 # the primary runs ~1.5 s, the hedge (launched at 300 ms) ~1.2 s: both are in flight for a while
 SLOW = {"sim": {"p": {"queue_s": 0, "run_s": 150}, "h": {"queue_s": 0, "run_s": 120}}}
