@@ -3,7 +3,8 @@
 The benchmark starts its own real Celery workers (coordination role, threads pool) on a private
 ``redis-server`` when one is installed and no ``--redis-url`` is on the command line (else on
 that Redis, under a fresh key prefix that is deleted afterwards; a Redis Cluster there, with
-``GPUHEDGE_BROKER_URL`` naming the broker's own Redis, gives per-primary Redis CPU) and sim providers from a generated config. Rows:
+``GPUHEDGE_BROKER_URL`` naming the broker's own Redis, gives per-primary Redis CPU) and sim
+providers from a generated config. Rows:
 
 * ``overhead``: races with a zero-latency sim provider (``single`` policy), one at a time;
   end-to-end time at the client (``send_task`` to ``.get()`` returning) minus the winning
