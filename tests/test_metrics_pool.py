@@ -36,8 +36,9 @@ GAVE_UP = "gpuhedge_pool_wait_timeouts_total"
 
 
 class PoolCluster:
-    def __init__(self, redis_url: str, tmp) -> None:
-        self.cluster = c = CeleryCluster(redis_url, f"t{uuid.uuid4().hex[:10]}", tmp)
+    def __init__(self, redis_url: str, tmp, broker_url: str | None = None) -> None:
+        prefix = f"t{uuid.uuid4().hex[:10]}"
+        self.cluster = c = CeleryCluster(redis_url, prefix, tmp, broker_url)
         c.env.update({"PYTHONPATH": str(REPO), "GPUHEDGE_METRICS_ADDR": "127.0.0.1",
                       "GPUHEDGE_MAX_ATTEMPTS": "1"})  # fmt: skip
         self.ports = {"coord": free_port(), "gpu0": free_port()}
@@ -63,16 +64,17 @@ class PoolCluster:
 
 
 @pytest.fixture(scope="module")
-def pc(redis_url, tmp_path_factory):
-    import redis
-
+def pc(redis_url, tmp_path_factory, broker, request):
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
+    from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
-    cluster = PoolCluster(redis_url, tmp_path_factory.mktemp("metrics-pool"))
+    enable_notifications(redis_from_url(redis_url))
+    tmp = tmp_path_factory.mktemp("metrics-pool")
+    cluster = PoolCluster(redis_url, tmp, broker_url_for(broker, request))
     yield cluster
     cluster.cluster.close()
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = list(client.scan_iter(f"{cluster.cluster.prefix}:*", count=1000))
     if keys:
         client.delete(*keys)

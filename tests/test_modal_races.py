@@ -85,12 +85,11 @@ SLOW_SIM = {"queue_s": 0, "run_s": 60}
 
 @pytest.fixture(scope="module")
 def modal_races(redis_url, tmp_path_factory, broker, request):
-    import redis
-
+    from gpuhedge_celery.store.connection import redis_from_url
     from gpuhedge_celery.store.listener import enable_notifications
     from tests.support.fixtures_celery import broker_url_for
 
-    enable_notifications(redis.Redis.from_url(redis_url))
+    enable_notifications(redis_from_url(redis_url))
     tmp = tmp_path_factory.mktemp("modal-races")
     fake = FakeModalProcess()
     config = tmp / "modal-races.yaml"
