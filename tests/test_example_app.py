@@ -11,16 +11,29 @@ import sys
 import pytest
 
 from tests.support.example_app import EXAMPLE, start_example_worker
+from tests.support.fixtures_celery import broker_url_for
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.cluster]
 
 
-def test_existing_app_calls_hedged_infer_and_gets_a_result(redis_url, tmp_path):
-    rc = start_race_cluster(redis_url, tmp_path, workers=1)
+def app_env(rc) -> dict[str, str]:
+    """The example app's broker and results: the workers' (the broker's Redis holds the results
+    beside a Redis Cluster store, whose URL the callers' gpuhedge settings still name)."""
+    glue = rc.app.gpuhedge_config
+    env = {"BROKER_URL": glue.broker, "RESULT_BACKEND": glue.results_url}
+    if glue.broker_url is not None:
+        env["GPUHEDGE_BROKER_URL"] = glue.broker_url
+    return env
+
+
+def test_existing_app_calls_hedged_infer_and_gets_a_result(redis_url, tmp_path, broker, request):
+    rc = start_race_cluster(
+        redis_url, tmp_path, workers=1, broker_url=broker_url_for(broker, request)
+    )
     env = {
         **os.environ,
-        "BROKER_URL": redis_url,
+        **app_env(rc),
         "BROKER_KEYPREFIX": f"{rc.prefix}:",
         "GPUHEDGE_REDIS_URL": redis_url,
         "GPUHEDGE_PREFIX": rc.prefix,
@@ -48,12 +61,16 @@ def test_existing_app_calls_hedged_infer_and_gets_a_result(redis_url, tmp_path):
         stop_race_cluster(rc)
 
 
-def test_the_client_reports_a_failed_race_in_one_line_without_a_traceback(redis_url, tmp_path):
-    rc = start_race_cluster(redis_url, tmp_path, workers=1)
+def test_the_client_reports_a_failed_race_in_one_line_without_a_traceback(
+    redis_url, tmp_path, broker, request
+):
+    rc = start_race_cluster(
+        redis_url, tmp_path, workers=1, broker_url=broker_url_for(broker, request)
+    )
     failing = {"queue_s": 0.2, "run_s": 0.5, "outcome": "failed"}
     env = {
         **os.environ,
-        "BROKER_URL": redis_url,
+        **app_env(rc),
         "BROKER_KEYPREFIX": f"{rc.prefix}:",
         "GPUHEDGE_REDIS_URL": redis_url,
         "GPUHEDGE_PREFIX": rc.prefix,
