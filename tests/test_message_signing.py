@@ -84,17 +84,21 @@ def test_signing_is_all_three_paths_or_none(tmp_path):
     assert e.value.key == "GPUHEDGE_SECURITY_KEY" and "nope.key" in str(e.value)
 
 
-def test_a_signed_fleet_races_and_refuses_an_unsigned_task(redis_url, tmp_path, kombu_registry):
+def test_a_signed_fleet_races_and_refuses_an_unsigned_task(
+    redis_url, tmp_path, kombu_registry, broker, request
+):
     from gpuhedge_celery.store.race_keys import race_keys_pattern
     from gpuhedge_celery.store.races import RaceStore
     from gpuhedge_celery.tasks.app import create_app
+    from tests.support.fixtures_celery import broker_url_for
 
     env = signing_env(tmp_path)
     # a GPU worker (prefork) and beat too: pooled jobs, the reconcile pass and its remote
     # control calls to the GPU worker all travel signed
     cluster = start_fault_cluster(
-        redis_url, tmp_path, deadline_s=20.0, coordinators=1, gpus=1, **env
-    )
+        redis_url, tmp_path, deadline_s=20.0, coordinators=1, gpus=1,
+        broker_url=broker_url_for(broker, request), **env,
+    )  # fmt: skip
     try:
         signed = create_app(cluster.config, signing=Signing.from_env(cluster.env))
         assert signed.conf.task_serializer == "auth" and signed.conf.accept_content == ["auth"]
