@@ -103,3 +103,24 @@ def test_the_first_submits_claim_rides_in_the_create_and_only_a_create_that_wins
     assert not driver.create("c1", request, spec, submit_first=True)
     assert driver.store.live_jobs("c1") == {} and claims == []
     assert len(list(budget.entries())) == entries and budget.open_count() == 0
+
+
+def test_a_reservation_lost_after_the_create_is_sent_again_before_the_first_submit(
+    redis_client, prefix, monkeypatch
+):
+    """On a cluster the first attempt's reservation follows the create in a round trip of its
+    own; when that one is lost, the submit sends the reservation again rather than failing."""
+    from gpuhedge_celery.store import round_trip
+
+    monkeypatch.setattr(round_trip, "_one_slot", lambda pipe: True)  # split, as on a cluster
+    monkeypatch.setattr(round_trip.RoundTrip, "send_won", lambda self, client: None)  # lost
+    driver, effects, cfg, ledger, _ = build_driver(redis_client, prefix, Recorder())
+    driver.budget = RaceBudget(BudgetStore(redis_client, prefix), CAPS)
+    spec = build_spec(cfg, "single")
+    assert driver.create("l1", {"sim": {"p": {"queue_s": 5, "run_s": 100}}}, spec,
+                         submit_first=True)  # fmt: skip
+    assert driver.store.live_jobs("l1")["a1"]["job_id"]  # submitted, once
+    assert int(ledger.get("sim:seq:p") or 0) == 1
+    budget = driver.budget.store
+    reserved = [e for _, e in budget.entries() if e["type"] == "reserve" and e["race"] == "l1"]
+    assert [e["attempt"] for e in reserved] == ["a1"] and budget.open_count() == 1

@@ -131,8 +131,10 @@ class Submitter:
             self._submit_failed(race_id, SubmitFailed(attempt_id, NOT_NEEDED, unsent=True), drop)
             return
         claimed = how.claimed
-        if claimed is not None and claimed.budget is not None and not claimed.budget.result.granted:
-            self._refused(race_id, a, claimed.budget.result, drop)
+        # no answer (its round trip after the create was lost, on a cluster): sent again below
+        refusal = claimed.budget.result if claimed is not None and claimed.budget else None
+        if refusal is not None and not refusal.granted:
+            self._refused(race_id, a, refusal, drop)
             return
         if known is None and claimed is None:
             claim = self._claim_submit(race_id, a, record.state, drop)

@@ -81,13 +81,18 @@ class CeleryEffects:
     def __init__(
         self,
         settings: RaceSettings | None = None,
-        prefix: str | None = None,
+        prefix: str | RaceShards | None = None,
         client: Any = None,
     ) -> None:
         self.settings = settings or race_settings()
-        # With the key prefix, a winner's payload is marked by reference to its stored result
-        # where the result backend reads it back (tasks/race_backend.py): Redis gets one copy.
-        self.prefix = prefix
+        # With the key prefix (or the race store's shards, which carry it), a winner's payload
+        # is marked by reference to its stored result where the result backend reads it back
+        # (tasks/race_backend.py): Redis gets one copy.
+        self.shards: RaceShards | None = (
+            prefix
+            if isinstance(prefix, RaceShards) or prefix is None
+            else RaceShards(prefix, self.settings.timer_namespace, self.settings.race_shards)
+        )
         # The race store's client: where the result backend's Redis is the same database, the
         # caller's result is written by the winner claim in the declaring save (result_write).
         self.client = client
@@ -182,13 +187,12 @@ class CeleryEffects:
     def _to_store(self, backend: Any, race_id: str, result: dict[str, Any]) -> dict[str, Any]:
         """The winner's result as the backend stores it: its payload by reference when the
         backend reads references back (the caller's ``.get()`` returns ``result`` itself)."""
-        if self.prefix is None or not self.settings.payload_by_ref:
+        if self.shards is None or not self.settings.payload_by_ref:
             return result
         if not getattr(backend, "stores_payload_by_reference", False):
             return result
         # the result key is on the race's shard, as the runtime's store places it
-        shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
-        return by_reference(result, result_key(shards, race_id, result["attempt"]))
+        return by_reference(result, result_key(self.shards, race_id, result["attempt"]))
 
     def failed(
         self, race_id: str, message: str, receipt: dict[str, Any], caller: dict[str, Any]
@@ -384,12 +388,13 @@ class RaceRuntime:
             on_short=metrics.replica_wait_short,
         )
         # Races and their timers spread over the deployment's shards, a race's on one slot
-        shards = RaceShards(self.prefix, self.settings.timer_namespace, self.settings.race_shards)
+        # the count's default follows the URL this process's client uses, as a caller's does
+        shards = process_settings.current().race_shards(self.prefix, settings.redis_url)
         self.store = RaceStore(self.client, shards, keeping, clock=self.clock, acks=acks)
         self.timers = RaceTimers(self.client, shards)
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
-        self.effects = CeleryEffects(self.settings, self.prefix, self.client)
+        self.effects = CeleryEffects(self.settings, shards, self.client)
         # Budgets: on when the config sets any cap (reservations and the ledger in Redis).
         self.budget = RaceBudget(
             BudgetStore(self.client, self.prefix, acks=acks), self.config.budget
