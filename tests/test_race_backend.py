@@ -18,10 +18,8 @@ from tests.support.fixtures_celery import CLUSTER
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60), pytest.mark.sentinel, pytest.mark.cluster]
 
+
 # why the claim writes no caller's result on a cluster store
-APART = "single-Redis only: Celery's results are never on a Redis Cluster store (no claim writes)"
-
-
 @pytest.fixture
 def backend(redis_url, prefix, monkeypatch, broker, request):
     env = {"GPUHEDGE_REDIS_URL": redis_url, "GPUHEDGE_PREFIX": prefix}
@@ -58,13 +56,12 @@ def test_other_writes_still_read_first(backend):
     assert backend.get_task_meta("race-3")["result"] == {"winner": "p", "attempt": "a1"}
 
 
+@pytest.mark.one_redis  # Celery's results are never on a Redis Cluster store: no claim writes
 def test_a_win_written_by_the_winner_claim_reads_back_as_mark_won_writes_it(
-    backend, redis_client, prefix, on_cluster
+    backend, redis_client, prefix
 ):
     from gpuhedge_celery.store.races import RaceStore, WinnerClaim
 
-    if on_cluster:
-        pytest.skip(APART)
     store = RaceStore(redis_client, prefix)
     result = {"winner": "p", "attempt": "a1", "payload": {"text": "hi"}}
     write = backend.won_write("race-4", result, redis_client)
@@ -139,11 +136,10 @@ def on_another_database(client):
     return redis.Redis(host=where["host"], port=where["port"], db=db)
 
 
-def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, prefix, on_cluster):
+@pytest.mark.one_redis  # Celery's results are never on a Redis Cluster store: no claim writes
+def test_a_claim_in_a_save_that_loses_writes_no_result(backend, redis_client, prefix):
     from gpuhedge_celery.store.races import RaceStore, VersionConflict
 
-    if on_cluster:
-        pytest.skip(APART)
     store = RaceStore(redis_client, prefix)
     write = backend.won_write("race-7", {"winner": "p", "attempt": "a1"}, redis_client)
     store.create("race-7", {"n": 0})

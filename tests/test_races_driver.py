@@ -210,11 +210,8 @@ class Writing(Recorder):
         super().won(race_id, result, caller)
 
 
-def test_the_callers_result_is_written_by_the_claim_in_the_declaring_save(
-    redis_client, prefix, on_cluster
-):
-    if on_cluster:
-        pytest.skip("single-Redis only: Celery's results are never on a Redis Cluster store")
+@pytest.mark.one_redis  # Celery's results are never on a Redis Cluster store: no claim writes
+def test_the_callers_result_is_written_by_the_claim_in_the_declaring_save(redis_client, prefix):
     driver, effects, cfg, _, _ = build_driver(redis_client, prefix, Writing(prefix))
     driver.create("rc", FAST, build_spec(cfg))
     driver.submit_attempt("rc", "a1")

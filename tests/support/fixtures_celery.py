@@ -282,12 +282,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cluster: runs once more with the store on a Redis Cluster (broker apart)"
     )
+    config.addinivalue_line(
+        "markers",
+        "one_redis: a test of a module marked cluster that checks what only one Redis does "
+        "(the store and Celery's results on one server): it gets no [cluster] run",
+    )
 
 
 def pytest_generate_tests(metafunc):
     marked = {m: metafunc.definition.get_closest_marker(m) is not None for m in BROKER_MARKS}
     if "broker" in metafunc.fixturenames and any(marked.values()):
         chosen = test_brokers(marked["brokers"], marked[SENTINEL], marked[CLUSTER])
+        if metafunc.definition.get_closest_marker("one_redis") is not None:
+            chosen = tuple(b for b in chosen if b != CLUSTER) or BROKERS[:1]
         metafunc.parametrize("broker", chosen, indirect=True, scope="module")
 
 
