@@ -148,6 +148,21 @@ def test_a_workers_own_gpu_is_found_in_its_configured_pool_before_it_registers(l
     assert lease_store.try_claim("w:0", "job") is None  # the mark kept it out of the pool
 
 
+def test_a_workers_own_gpu_moved_to_another_pool_is_marked_there_before_it_registers(
+    lease_store,
+):
+    from gpuhedge_celery.store.availability import set_out
+
+    add_pool(lease_store, "a", 1, host="w")  # registered in a by the worker's old config
+    moved = LeaseStore(lease_store.client, lease_store.prefix)  # the restarted worker's child
+    moved.expect("w:0", "b")
+    set_out(moved, "w:0", "runner", "loading")  # its model loads: out of pool b at once
+    moved.register_gpu(GpuInfo("w:0", "b", "w"))
+    caller = LeaseStore(lease_store.client, lease_store.prefix)  # a process that never read it
+    assert caller.pool_of("w:0") == "b"
+    assert caller.try_claim("w:0", "job") is None  # b never had it without the mark
+
+
 def test_table_states(lease_store):
     add_pool(lease_store, "p", 3, host="live")
     add_pool(lease_store, "q", 1, host="dying", heartbeat_ms=200)

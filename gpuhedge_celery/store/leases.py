@@ -155,7 +155,9 @@ class LeaseStore:
     def pool_or_none(self, gpu_id: str) -> str | None:
         now = time.monotonic()
         with self._marks_lock:
-            cached = self._pools.get(gpu_id)
+            own, cached = self._expected.get(gpu_id), self._pools.get(gpu_id)
+        if own is not None:  # this process's own GPU: its configuration, which it registers
+            return own
         if cached is not None and now - cached[0] < POOL_CACHE_S:
             return cached[1]
         with self.guard():
@@ -164,14 +166,15 @@ class LeaseStore:
         with self._marks_lock:
             if pool is None:
                 self._pools.pop(gpu_id, None)
-                return self._expected.get(gpu_id)
+                return None
             self._pools[gpu_id] = (now, pool)
         return pool
 
     def expect(self, gpu_id: str, pool: str) -> None:
         """This process serves ``gpu_id`` in ``pool`` (its worker's configuration): its keys are
-        found there until the registry names the GPU (a worker's child marks the GPU out of the
-        pool while its model loads, before the main process registered it)."""
+        found there whatever the registry says (a worker's child marks the GPU out of the pool
+        while its model loads, before the main process registered it, and a GPU moved from
+        another pool is still registered there until then)."""
         with self._marks_lock:
             self._expected[gpu_id] = check_pool(pool)
 
