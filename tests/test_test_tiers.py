@@ -115,7 +115,7 @@ def test_process_starts_are_found_through_helpers_and_cli_commands():
     assert tiers._spawns("tests.support.runpod_fake", "FakeRunpod", set())  # via its base
     assert not tiers._spawns("tests.support.http_provider_server", "HttpProviderServer", set())
     assert tiers._command_spawns(("bench", "report")) and tiers._command_spawns(("demo",))
-    assert not tiers._command_spawns(("receipt",))
+    assert not tiers._command_spawns(("budget",))
 
 
 def test_the_fast_tiers_guard_refuses_processes_and_the_test_servers_then_steps_aside():

@@ -85,6 +85,35 @@ def test_fifo_order_under_sustained_contention(lease_store, redis_url, prefix):
     assert served == names
 
 
+def test_a_process_with_sockets_numbered_past_1024_still_hears_its_gpu_freed(lease_store):
+    """A long-lived worker holds many descriptors: the listener's sockets (one per primary of a
+    cluster) are then numbered past what select() takes, and its wake-ups must still come."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 2048), hard), hard))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        pytest.fail(f"cannot open descriptors past 1024 here ({e}); raise `ulimit -n`")
+    try:
+        (gpu,) = add_pool(lease_store)
+        held = lease_store.try_claim(gpu, "holder")
+        waiter = LeaseWaiter(lease_store, recheck_s=30)  # only an event can wake it in time
+        thread, box = acquire_in_thread(waiter, "default", "w", timeout_s=20)
+        assert wait_until(lambda: lease_store.queue("default") == ["w"], 5)
+        started = time.monotonic()
+        lease_store.release(held)
+        thread.join(10)
+        assert box.get("lease") is not None and time.monotonic() - started < 5, box
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_race_window_gpu_freed_between_check_and_wait(lease_store):
     """The GPU frees right after the waiter's check saw it held: the event still wakes it."""
     (gpu,) = add_pool(lease_store)

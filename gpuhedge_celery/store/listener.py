@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
+import selectors
 import threading
 import time
 from collections.abc import Iterable
@@ -175,7 +175,12 @@ class Subscriptions:
             if msg is not None:
                 return msg
         socks = [p.connection._sock for p in self.pubsubs if p.connection is not None]
-        select.select([s for s in socks if s is not None], [], [], timeout)
+        # a selector, not select(): a long-lived process's sockets may be numbered past 1024
+        with selectors.DefaultSelector() as ready:
+            for sock in socks:
+                if sock is not None:
+                    ready.register(sock, selectors.EVENT_READ)
+            ready.select(timeout)
         for pubsub in self.pubsubs:
             msg = pubsub.get_message(timeout=0)
             if msg is not None:
