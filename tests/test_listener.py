@@ -11,6 +11,7 @@ import redis
 
 from gpuhedge_celery.errors import NotificationsUnavailable
 from gpuhedge_celery.store.listener import (
+    KeyspaceListener,
     enable_notifications,
     listener_for,
     require_notifications,
@@ -136,3 +137,20 @@ def test_one_pubsub_connection_per_process(private_redis):
     store.release(held)
     for t in threads:
         t.join(10)
+
+
+def test_a_listener_that_fails_to_subscribe_says_why_at_once(private_redis, monkeypatch):
+    """Not only a lost connection: any failure while subscribing is reported by start(), not
+    left to its timeout with the reason lost in a dead thread."""
+    from gpuhedge_celery.errors import StoreUnavailable
+    from gpuhedge_celery.store import listener as listener_module
+
+    def broken(client, channels):
+        raise ValueError("filedescriptor out of range in select()")
+
+    monkeypatch.setattr(listener_module.Subscriptions, "of", broken)
+    store = make_store(private_redis.url, "says-why")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="filedescriptor out of range"):
+        KeyspaceListener(store.client, store.keys).start(timeout_s=5)
+    assert time.monotonic() - started < 2

@@ -332,7 +332,9 @@ class KeyspaceListener:
                         self._ready.set()
                         backoff = 0.05
                     msg = self._pubsub.get_message(timeout=0.2)
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                except Exception as e:  # noqa: BLE001 - a listener that dies leaves waiters deaf
+                    if not isinstance(e, redis.ConnectionError | redis.TimeoutError | OSError):
+                        log.error("lease event listener failed (%r); reconnecting", e)
                     self._drop(e)
                     if not self._ready.is_set():
                         self._error = e
