@@ -593,7 +593,8 @@ def test_on_a_budget_an_unknown_hedge_is_tried_only_beside_a_stuck_primary() -> 
     assert budgeted.plan.hedge == "h" and budgeted.plan.safety_s and budgeted.plan.cutover_s
 
 
-def test_a_plan_close_to_the_best_is_kept_rather_than_flapped() -> None:
+def _learned_with_a_near_plan() -> tuple[Learner, Plan]:
+    """A learner fitted on 30 of GPUHedge's rounds, its plan swapped for one a hair off the best."""
     own, learner = _own()
     for rnd in load_rounds(MOSS)[:30]:
         _feed(learner, rnd, run_race(own, rnd.arms), 18)
@@ -601,6 +602,11 @@ def test_a_plan_close_to_the_best_is_kept_rather_than_flapped() -> None:
     best = learner.plan
     near = dataclasses.replace(best, cutover_s=(best.cutover_s or 2.0) + 0.1, poll_s=None)
     learner.plan = near
+    return learner, near
+
+
+def test_a_plan_close_to_the_best_is_kept_rather_than_flapped() -> None:
+    learner, near = _learned_with_a_near_plan()
     learner.fit()
     assert learner.plan in (near, learner.keep_plan)  # within the margin: no switch
     learner.plan = Plan("modal", None, 10.0, None, None)  # far worse on these rounds
@@ -673,13 +679,7 @@ def test_the_primary_probe_never_hedges_with_a_provider_in_alarm() -> None:
 
 
 def test_a_copy_through_json_keeps_the_switch_margin() -> None:
-    own, learner = _own()
-    for rnd in load_rounds(MOSS)[:30]:
-        _feed(learner, rnd, run_race(own, rnd.arms), 18)
-    learner.fit()
-    best = learner.plan
-    near = dataclasses.replace(best, cutover_s=(best.cutover_s or 2.0) + 0.1, poll_s=None)
-    learner.plan = near
+    learner, near = _learned_with_a_near_plan()
     copy = Learner.from_dict(json.loads(json.dumps(learner.to_dict())), PUBLISHED_RATES)
     assert copy.estimate == learner.estimate
     copy.fit()  # as a fleet refits its copy
