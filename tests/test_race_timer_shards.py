@@ -71,8 +71,7 @@ def test_timers_of_every_shard_fire_once_with_two_processes(redis_client, prefix
             fired.append(timer)
 
     processes = [
-        TimerServices(timers.stores, handler, threads=threads, ahead_ms=20).start()
-        for _ in range(2)
+        TimerServices(timers, handler, threads=threads, ahead_ms=20).start() for _ in range(2)
     ]
     try:
         due = int(time.time() * 1000) + 100
@@ -92,16 +91,20 @@ def test_timers_of_every_shard_fire_once_with_two_processes(redis_client, prefix
 
 
 def test_timer_services_share_the_process_s_timer_threads(redis_client, prefix):
-    twelve = RaceTimers(redis_client, RaceShards(prefix, count=12)).stores
-    services = TimerServices(twelve, print, threads=16, ahead_ms=25).services
-    assert [s.threads for s in services] == [2] * 12  # a pool each, 24 in all, not 192
-    assert len({s._name for s in services}) == 12
-    three = RaceTimers(redis_client, RaceShards(prefix, count=3)).stores
-    assert [s.threads for s in TimerServices(three, print, threads=16).services] == [6] * 3
-    alone = TimerServices(three, print, threads=1, ahead_ms=25).services
-    assert [(s.threads, s.ahead_ms) for s in alone] == [(1, 0)] * 3
-    with pytest.raises(ValueError, match="at least one timer store"):
-        TimerServices([], print)
+    def shares(count, **options):
+        coordinator = TimerServices(
+            RaceTimers(redis_client, RaceShards(prefix, f"t{count}", count)), print, **options
+        ).start()
+        try:  # alone, it holds every shard
+            return [(s.threads, s.ahead_ms, s._name) for s in coordinator.services]
+        finally:
+            coordinator.stop()
+
+    twelve = shares(12, threads=16, ahead_ms=25)
+    assert [threads for threads, _, _ in twelve] == [2] * 12  # a pool each, 24 in all, not 192
+    assert len({name for _, _, name in twelve}) == 12
+    assert [threads for threads, _, _ in shares(3, threads=16)] == [6] * 3
+    assert [(t, ahead) for t, ahead, _ in shares(3, threads=1, ahead_ms=25)] == [(1, 0)] * 3
 
 
 class Launching(Recorder):
@@ -141,7 +144,7 @@ def test_races_on_two_shards_are_hedged_and_won_through_their_own_shard_s_timers
     # the primary runs a long while: the hedge, launched by its timer, wins (hedge at 100 ms)
     request = {"sim": {"p": {"queue_s": 5, "run_s": 100}, "h": {"queue_s": 0, "run_s": 1}}}
     services = TimerServices(
-        driver.timers.stores, driver.on_timer, threads=4, batch_handler=WatchBatch(driver).handle
+        driver.timers, driver.on_timer, threads=4, batch_handler=WatchBatch(driver).handle
     ).start()
     try:
         for race_id in (first, last):

@@ -317,7 +317,7 @@ def test_polls_claimed_by_a_process_that_died_are_finished_elsewhere(setup, redi
 
         batch.handle(due, recording)
 
-    service = TimerServices(other.timers.stores, other.on_timer, threads=4, batch_handler=handle)
+    service = TimerServices(other.timers, other.on_timer, threads=4, batch_handler=handle)
     service.start()
     try:
         # (a redelivered timer also resumes its race: the same result may be marked twice)

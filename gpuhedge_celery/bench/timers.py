@@ -68,7 +68,7 @@ def _serve(
         os.write(fd, f"{timer.id} {timer.due_ms} {fired:.3f} {timer.deliveries}\n".encode())
 
     timers = RaceTimers(client, RaceShards(prefix, namespace, shards))
-    service = TimerServices(timers.stores, handler, lease_ms=lease_ms, threads=threads)
+    service = TimerServices(timers, handler, lease_ms=lease_ms, threads=threads)
     service.start()
     # A stop file, not a multiprocessing.Event: Event.set() blocks forever once a process
     # that was waiting on it has been SIGKILLed (its condition waits for every sleeper).
@@ -216,7 +216,9 @@ def run_row(
     first: dict[str, tuple[float, float, int]] = {}  # id -> (fired, lag, deliveries)
     firings = 0
     cpu = 0.0
+    by_process = []
     for path in paths:
+        before = firings
         for line in path.read_text().splitlines() if path.exists() else []:
             parts = line.split(" ")
             if parts[0] == "hung":
@@ -228,6 +230,7 @@ def run_row(
             timer_id, due, fired, deliveries = parts[0], int(parts[1]), float(parts[2]), parts[3]
             if timer_id not in first or fired < first[timer_id][0]:
                 first[timer_id] = (fired, fired - due, int(deliveries))
+        by_process.append(firings - before)
     shutil.rmtree(workdir, ignore_errors=True)
     with translate_errors(url):
         for store in timers.stores:  # one slot each: one delete per shard
@@ -247,6 +250,7 @@ def run_row(
         "fired": len(first),
         "lost": n - len(first),
         "duplicates": firings - len(first),
+        "fired_by_process": by_process,  # how the firing spread (the killed process first)
         "pending_peak": pending_peak,
         "redis_bytes_per_waiting_timer": bytes_per_timer,
         "redelivered": sum(1 for _, _, d in first.values() if d > 1),

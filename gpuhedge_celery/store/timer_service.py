@@ -1,6 +1,6 @@
 """The thread that fires durable timers (:mod:`.timers`) in this process (its handler threads,
-with ``threads > 1``, are in :mod:`.timer_workers`), and :class:`TimerServices`, one such
-thread per namespace of a sharded deployment (race shards).
+with ``threads > 1``, are in :mod:`.timer_workers`), and :class:`TimerServices`, a process's
+timer coordinator: one such thread per race shard dealt to it.
 
 :class:`TimerService` is a daemon thread per process that sleeps until the earliest due time,
 woken early by a pub/sub message when an earlier timer is armed, and re-reads at least every
@@ -18,13 +18,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..core.clock import Clock, WallClock
+from ..core.shard_deal import dealt_shards
 from ..metrics import record as metrics
+from .timer_coordinators import BEAT_MS, LEASE_MS, Coordinators, coordinator_id
 from .timer_workers import BatchHandler, TimerWorkers, _Job
-from .timers import Timer, TimerStore
+from .timers import RaceTimers, Timer, TimerStore
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,9 @@ class TimerService(TimerWorkers):
         # slot. Only the service thread touches it.
         self._early: list[tuple[int, int, Timer]] = []
         self._early_seq = itertools.count()
+        # When the service thread last came round its loop or an idle wait's slice (monotonic
+        # seconds): a thread stuck in a handler or behind busy workers stops moving it.
+        self.moved_at = time.monotonic()
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -175,6 +180,11 @@ class TimerService(TimerWorkers):
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def stalled(self, limit_s: float) -> bool:
+        """Whether the service thread has not moved for ``limit_s`` (a handler that hangs with
+        one thread, every worker busy that long) or has died."""
+        return not self.alive or time.monotonic() - self.moved_at > limit_s
 
     @property
     def running(self) -> int:
@@ -233,7 +243,8 @@ class TimerService(TimerWorkers):
         # a timer that finishes meanwhile gets its acknowledgement out within ack_delay_ms.
         until = time.monotonic() + ms / 1000
         while not self._stop.is_set():
-            left = until - time.monotonic()
+            self.moved_at = time.monotonic()
+            left = until - self.moved_at
             if left <= 0:
                 return False
             if self._ack_is_due():
@@ -264,6 +275,7 @@ class TimerService(TimerWorkers):
         backoff = 0.0
         claim_at = 0  # epoch ms of the next claim (0: at once)
         while not self._stop.is_set():
+            self.moved_at = time.monotonic()
             try:
                 if self.threads > 1:
                     self._wait_for_slot()
@@ -296,66 +308,191 @@ class TimerService(TimerWorkers):
 
 
 class TimerServices:
-    """One :class:`TimerService` per timer store (a race shard's namespace each), sharing one
-    budget of ``threads`` handler threads: each service gets its share (at least 2 when
-    ``threads > 1``, as a batch handler needs), so a process at 12 shards runs about as many
-    handler threads as at one, plus a service thread and a pub/sub connection per shard.
+    """A process's timer coordinator: one :class:`TimerService` for each race shard dealt to
+    it (:func:`~gpuhedge_celery.core.shard_deal.dealt_shards`) over the coordinators whose
+    lease runs in the registry (:class:`~.timer_coordinators.Coordinators`).
 
-    ``options`` are the services' other keyword arguments (``ahead_ms`` applies only to
-    services with a pool, so it is dropped where the share is one thread)."""
+    A beat thread renews this process's lease every ``beat_ms`` and re-reads the deal: a shard
+    dealt to it starts a service at once; a shard dealt elsewhere is kept one more beat (the
+    coordinator it went to may not have read the deal yet: a shard claimed twice costs claims,
+    one claimed by nobody costs lag) and its service is then stopped in the background. A
+    coordinator that dies drops out of the others' deal once its lease (``lease_ms`` of the
+    registry) lapses. One that stalls (a service thread that has not moved for that long: a
+    hung handler, every worker busy) ends its lease itself, so the others take its shards too
+    while it keeps firing what it can. When the registry cannot be read at start the process
+    claims every shard, and on a later failure it keeps what it holds.
+
+    The services share one budget of ``threads`` handler threads: each gets a share of it by
+    the shards held when it starts (at least 2 when ``threads > 1``, as a batch handler needs),
+    so a process holding 12 shards runs about as many handler threads as one holding one,
+    plus a service thread and a pub/sub connection per shard. ``options`` are the services'
+    other keyword arguments (``ahead_ms`` applies only to services with a pool, so it is
+    dropped where the share is one thread).
+    """
 
     def __init__(
         self,
-        stores: Sequence[TimerStore],
+        timers: RaceTimers,
         handler: TimerHandler,
         *,
         threads: int = 1,
         name: str = "gpuhedge-timers",
+        me: str | None = None,
+        beat_ms: int = BEAT_MS,
+        coordinator_lease_ms: int = LEASE_MS,
         **options: Any,
     ):
-        if not stores:
-            raise ValueError("timer services need at least one timer store")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        share = 1 if threads == 1 else max(2, math.ceil(threads / len(stores)))
+        if not 0 < beat_ms < coordinator_lease_ms:
+            raise ValueError(
+                f"beat_ms must be > 0 and under coordinator_lease_ms, got {beat_ms} and "
+                f"{coordinator_lease_ms}"
+            )
+        self.timers = timers
+        self.handler = handler
+        self.threads = threads
+        self.name = name
+        self.me = me or coordinator_id()
+        self.beat_ms = beat_ms
+        self.coordinator_lease_ms = coordinator_lease_ms
+        self.options = options
+        shards = timers.shards
+        self.coordinators = Coordinators(timers.stores[0].client, shards.prefix, shards.namespace)
+        self.last_error: BaseException | None = None
+        self._held: dict[int, TimerService] = {}
+        self._dealt_away: dict[int, int] = {}  # held shard -> beats it has been dealt elsewhere
+        self._retired_fired = 0  # counts of services stopped since
+        self._retired_failed = 0
+        self._lock = threading.Lock()  # _held and the retired counts
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._run, name=f"{name}-beat", daemon=True)
+
+    def _service(self, shard: int, held: int) -> TimerService:
+        """A service for ``shard``, its share of the threads for ``held`` shards held."""
+        share = 1 if self.threads == 1 else max(2, math.ceil(self.threads / held))
+        options = dict(self.options)
         if share == 1:
             options.pop("ahead_ms", None)
-        # The re-read only covers a lost wake-up message: spread over the shards, a process
-        # re-reads as often at 12 shards as at one instead of 12 times as often.
-        options["idle_ms"] = int(options.get("idle_ms", IDLE_MS)) * len(stores)
-        self.services = [
-            TimerService(
-                store,
-                handler,
-                threads=share,
-                name=name if len(stores) == 1 else f"{name}-{i}",
-                **options,
-            )
-            for i, store in enumerate(stores)
-        ]
+        # The re-read only covers a lost wake-up message: spread over the shards held, a
+        # process re-reads as often holding 12 shards as holding one.
+        options["idle_ms"] = int(options.get("idle_ms", IDLE_MS)) * held
+        count = self.timers.shards.count
+        return TimerService(
+            self.timers.stores[shard],
+            self.handler,
+            threads=share,
+            name=self.name if count == 1 else f"{self.name}-{shard}",
+            **options,
+        )
 
     def start(self) -> TimerServices:
-        for service in self.services:
-            service.start()
+        """Take this process's part of the shards (every shard when the registry cannot be
+        read now) and start the beat thread; returns self."""
+        try:
+            dealt = self._deal()
+        except Exception as e:
+            log.warning("timer coordinators unreadable (%s): claiming every shard for now", e)
+            self.last_error = e
+            dealt = tuple(range(self.timers.shards.count))
+        self._apply(dealt)
+        self._beat.start()
         return self
 
+    def _deal(self) -> tuple[int, ...]:
+        live = self.coordinators.beat(self.me, self.coordinator_lease_ms)
+        return dealt_shards(self.me, live, self.timers.shards.count)
+
+    def _apply(self, dealt: tuple[int, ...]) -> None:
+        """Start services for shards newly dealt here; stop those dealt away two beats running."""
+        stopping: list[TimerService] = []
+        with self._lock:
+            if self._stop.is_set():
+                return
+            for shard in dealt:
+                self._dealt_away.pop(shard, None)
+                if shard not in self._held:
+                    self._held[shard] = self._service(shard, len(dealt)).start()
+            for shard in [s for s in self._held if s not in dealt]:
+                self._dealt_away[shard] = self._dealt_away.get(shard, 0) + 1
+                if self._dealt_away[shard] >= 2:
+                    del self._dealt_away[shard]
+                    stopping.append(self._held.pop(shard))
+        for service in stopping:
+            # its running handlers finish and are acknowledged without holding up the beat
+            threading.Thread(
+                target=self._retire, args=(service,), name=f"{self.name}-retire", daemon=True
+            ).start()
+
+    def _retire(self, service: TimerService) -> None:
+        service.stop()
+        with self._lock:
+            self._retired_fired += service.fired
+            self._retired_failed += service.failed
+
+    def _run(self) -> None:
+        stalled = False
+        while not self._stop.wait(self.beat_ms / 1000):
+            try:
+                if self._stalled():
+                    # stuck here, its shards would wait for it: end its lease so the others
+                    # take them too, and keep firing what it can
+                    self.coordinators.leave(self.me)
+                    if not stalled:
+                        log.warning("timer coordinator %s stalled: its shards handed over", self.me)
+                    stalled = True
+                    continue
+                stalled = False
+                self._apply(self._deal())
+            except Exception as e:  # keep what this process holds; the next beat retries
+                self.last_error = e
+                log.warning("timer coordinator beat failed: %s; keeping its shards", e)
+
+    def _stalled(self) -> bool:
+        limit_s = self.coordinator_lease_ms / 1000
+        return any(service.stalled(limit_s) for service in self.services)
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop every service, at most ``timeout`` seconds in all (:meth:`TimerService.stop`)."""
-        for service in self.services:
+        """Stop every service, at most ``timeout`` seconds in all (:meth:`TimerService.stop`),
+        and end this process's lease so the others take its shards at their next beat."""
+        self._stop.set()
+        with self._lock:
+            services = list(self._held.values())
+        for service in services:
             service._stop.set()  # all stop claiming at once, then each is waited for
         deadline = time.monotonic() + timeout
-        for service in self.services:
+        for service in services:
             service.stop(max(0.0, deadline - time.monotonic()))
+        if self._beat.is_alive():
+            self._beat.join(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):  # a lease left behind lapses on its own
+            self.coordinators.leave(self.me)
+
+    @property
+    def services(self) -> list[TimerService]:
+        """The services of the shards this process holds, by shard."""
+        with self._lock:
+            return [self._held[shard] for shard in sorted(self._held)]
+
+    @property
+    def shards(self) -> tuple[int, ...]:
+        """The shards this process holds now."""
+        with self._lock:
+            return tuple(sorted(self._held))
 
     @property
     def alive(self) -> bool:
-        """Whether every service's thread runs (a shard nobody fires is a stuck shard)."""
-        return all(service.alive for service in self.services)
+        """Whether the beat and every held shard's service run (a shard nobody fires is a
+        stuck shard)."""
+        services = self.services
+        return self._beat.is_alive() and bool(services) and all(s.alive for s in services)
 
     @property
     def fired(self) -> int:
-        return sum(service.fired for service in self.services)
+        with self._lock:
+            return self._retired_fired + sum(s.fired for s in self._held.values())
 
     @property
     def failed(self) -> int:
-        return sum(service.failed for service in self.services)
+        with self._lock:
+            return self._retired_failed + sum(s.failed for s in self._held.values())

@@ -405,7 +405,7 @@ class RaceRuntime:
         install_adaptive(parts.adaptive, self._rates, self.config.time_scale)
         self.driver = RaceDriver(parts)
         self.effects.driver = self.driver
-        self.service: TimerServices | None = None  # one timer service per race shard
+        self.service: TimerServices | None = None  # this process as a timer coordinator
         self.watch_batch: WatchBatch | None = None  # the batched watch loop, once started
         self.revokes: Any = None  # the RevokeWatch thread (tasks/revokes.py), once started
 
@@ -423,11 +423,11 @@ class RaceRuntime:
             return found
 
     def start_timers(self) -> TimerServices:
-        """Start this process's timer threads, one per race shard (once)."""
+        """Start this process's timer threads, one per race shard dealt to it (once)."""
         with self._lock:
             if self.service is None:
                 self.service = TimerServices(
-                    self.timers.stores,
+                    self.timers,
                     self.driver.on_timer,
                     name="gpuhedge-race-timers",
                     threads=self.settings.timer_threads,

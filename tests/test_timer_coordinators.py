@@ -1,0 +1,229 @@
+"""Timer coordinators: the pure deal of race shards over live coordinators (a table, no
+server), the registry of their leases on a real redis-server, and coordinators that join,
+stop and die while every shard's timers keep firing once."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+
+from gpuhedge_celery.core.shard_deal import dealt_shards
+from gpuhedge_celery.store.race_keys import RaceShards, shard_of
+from gpuhedge_celery.store.timer_coordinators import Coordinators
+from gpuhedge_celery.store.timer_service import TimerServices
+from gpuhedge_celery.store.timers import RaceTimers, Timer
+from tests.support.redis_server import free_port
+from tests.support.waiting import wait_for
+
+BEAT = {"beat_ms": 100, "coordinator_lease_ms": 400}  # a deal settles within a second here
+
+
+def deal(names: list[str], count: int) -> dict[str, tuple[int, ...]]:
+    return {me: dealt_shards(me, names, count) for me in names}
+
+
+@pytest.mark.parametrize(("n", "count"), list(itertools.product(range(1, 8), range(1, 8))))
+def test_every_shard_is_claimed_and_the_work_is_spread_evenly(n, count):
+    dealt = deal([f"c{i}" for i in range(n)], count)
+    claimers = Counter(shard for shards in dealt.values() for shard in shards)
+    assert set(claimers) == set(range(count))  # no shard left unclaimed
+    assert all(dealt.values())  # no coordinator idle
+    held = [len(shards) for shards in dealt.values()]
+    assert max(held) - min(held) <= 1
+    if n <= count:  # each shard has one claimer: a coordinator more is claims spread, not added
+        assert set(claimers.values()) == {1}
+    else:  # more coordinators than shards: each holds one, the shards' claimers differ by <= 1
+        assert held == [1] * n and max(claimers.values()) - min(claimers.values()) <= 1
+
+
+def test_with_one_shard_every_coordinator_claims_it():
+    assert deal(["a", "b", "c"], 1) == {"a": (0,), "b": (0,), "c": (0,)}
+
+
+def test_the_deal_is_the_same_whatever_order_the_registry_lists():
+    names = ["w1", "w3", "w2", "w0"]
+    assert deal(names, 6) == deal(sorted(names, reverse=True), 6)
+
+
+def test_a_coordinator_missing_from_the_list_still_claims_its_part():
+    assert dealt_shards("lapsed", ["a", "b"], 3) == dealt_shards("lapsed", ["a", "b", "lapsed"], 3)
+
+
+@pytest.mark.parametrize("count", [0, -1, True, 1.5])
+def test_a_shard_count_that_is_not_a_whole_number_is_refused(count):
+    with pytest.raises(ValueError, match="shard count must be a whole number"):
+        dealt_shards("a", ["a"], count)
+
+
+@pytest.mark.cluster
+def test_the_registry_lists_live_coordinators_and_forgets_lapsed_ones(redis_client, prefix):
+    registry = Coordinators(redis_client, prefix)
+    assert registry.beat("b", 5_000) == ["b"]
+    assert registry.beat("a", 150) == ["a", "b"]
+    assert registry.live() == ["a", "b"]
+    time.sleep(0.3)  # a's lease lapses
+    assert registry.live() == ["b"]
+    assert registry.beat("b", 5_000) == ["b"]
+    assert 0 < redis_client.ttl(registry.key) <= 20  # it does not outlive its members for long
+    assert registry.leave("b") == []
+    with pytest.raises(ValueError, match="lease must be >= 1 ms"):
+        registry.beat("b", 0)
+
+
+class Firing:
+    """Race timers on ``count`` shards and a handler that records which coordinator fired each."""
+
+    def __init__(self, client, prefix: str, count: int):
+        self.timers = RaceTimers(client, RaceShards(prefix, count=count))
+        self.count = count
+        self.fired: list[tuple[str, str]] = []  # (coordinator, timer id)
+        self._lock = threading.Lock()
+        self.coordinators: dict[str, TimerServices] = {}
+
+    def join(self, me: str, hang: threading.Event | None = None, **options) -> TimerServices:
+        def handler(timer: Timer) -> None:
+            while hang is not None and hang.is_set():  # hangs until the test clears it
+                time.sleep(0.02)
+            with self._lock:
+                self.fired.append((me, timer.id))
+
+        services = TimerServices(self.timers, handler, me=me, threads=2, **BEAT, **options)
+        self.coordinators[me] = services.start()
+        return services
+
+    def held(self) -> dict[str, tuple[int, ...]]:
+        return {me: c.shards for me, c in self.coordinators.items() if not c._stop.is_set()}
+
+    def settled(self) -> bool:
+        """Every running coordinator holds exactly its dealt part, and no shard twice."""
+        held = self.held()
+        expected = deal(list(held), self.count)
+        return held == expected
+
+    def arm_on_every_shard(self, per_shard: int, tag: str) -> list[str]:
+        due = int(time.time() * 1000) + 50
+        armed = []
+        for k in range(self.count):
+            ids = [f"{tag}{i}" for i in range(500) if shard_of(f"{tag}{i}", self.count) == k]
+            for race_id in ids[:per_shard]:
+                store = self.timers.of(race_id)
+                armed.append(store.arm(f"{race_id}:t", due, {"race": race_id}))
+        return armed
+
+    def fired_once(self, armed: list[str], timeout_s: float = 10) -> None:
+        wait_for(lambda: {t for _, t in self.fired} >= set(armed), timeout_s, "every timer fired")
+        ids = [t for _, t in self.fired if t in set(armed)]
+        assert sorted(ids) == sorted(armed)  # once each
+
+    def stop(self) -> None:
+        for coordinator in self.coordinators.values():
+            coordinator.stop()
+
+
+def crash(coordinator: TimerServices) -> None:
+    """Stop firing without ending the lease, as a killed process does."""
+    coordinator._stop.set()
+    for service in coordinator.services:
+        service.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_coordinators_that_join_split_the_shards_and_fire_each_timer_once(redis_client, prefix):
+    firing = Firing(redis_client, prefix, 3)
+    try:
+        firing.join("a")
+        assert firing.held() == {"a": (0, 1, 2)}  # alone, it holds every shard at once
+        firing.fired_once(firing.arm_on_every_shard(5, "x"))
+        firing.join("b")
+        firing.join("c")
+        wait_for(firing.settled, 5, "the three share the three shards")
+        assert sorted(firing.held().values()) == [(0,), (1,), (2,)]
+        armed = firing.arm_on_every_shard(5, "y")
+        firing.fired_once(armed)
+        by_coordinator = Counter(me for me, t in firing.fired if t in set(armed))
+        assert sorted(by_coordinator.values()) == [5, 5, 5]  # each fired its own shard's
+    finally:
+        firing.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_dead_coordinator_s_shards_are_taken_once_its_lease_lapses(redis_client, prefix):
+    firing = Firing(redis_client, prefix, 3)
+    try:
+        for me in ("a", "b"):
+            firing.join(me)
+        wait_for(firing.settled, 5, "a and b share the shards")
+        dead = firing.coordinators["b"]
+        lost = dead.shards
+        crash(dead)
+        started = time.monotonic()
+        wait_for(lambda: firing.held()["a"] == (0, 1, 2), 5, "a takes b's shards")
+        # no sooner than b's lease could lapse, less a beat of a's
+        assert time.monotonic() - started >= BEAT["coordinator_lease_ms"] / 1000 - 0.25
+        armed = firing.arm_on_every_shard(4, "z")
+        firing.fired_once(armed)
+        assert {me for me, t in firing.fired if t in set(armed)} == {"a"}
+        assert lost  # b held a part before it died
+    finally:
+        firing.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_stops_hands_its_shards_over_at_the_next_beat(redis_client, prefix):
+    firing = Firing(redis_client, prefix, 2)
+    try:
+        for me in ("a", "b"):
+            firing.join(me)
+        wait_for(firing.settled, 5, "a and b share the shards")
+        firing.coordinators["b"].stop()
+        assert Coordinators(redis_client, prefix).live() == ["a"]  # its lease ended with it
+        wait_for(lambda: firing.held()["a"] == (0, 1), 2, "a takes b's shard within beats")
+        firing.fired_once(firing.arm_on_every_shard(3, "w"))
+    finally:
+        firing.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_coordinator_stuck_in_its_handlers_hands_its_shards_over_while_stuck(
+    redis_client, prefix
+):
+    firing, hang = Firing(redis_client, prefix, 2), threading.Event()
+    try:
+        firing.join("a")
+        firing.join("b", hang=hang)
+        wait_for(firing.settled, 5, "a and b share the shards")
+        hang.set()  # b's two handler threads hang on the first two timers they get
+        armed = firing.arm_on_every_shard(6, "h")
+        # once b has not moved for its lease, a claims b's shard too and fires what b left
+        wait_for(lambda: firing.held()["a"] == (0, 1), 10, "a takes b's shard")
+        assert Coordinators(redis_client, prefix).live() == ["a"]
+        fired = lambda: {t for _, t in firing.fired} & set(armed)  # noqa: E731
+        wait_for(lambda: len(fired()) == len(armed) - 2, 10, "all but b's two hung timers")
+        hang.clear()  # b comes back: its two fire, and it rejoins the deal
+        firing.fired_once(armed)
+        wait_for(firing.settled, 5, "b rejoins the deal")
+    finally:
+        hang.clear()
+        firing.stop()
+
+
+def test_a_coordinator_that_cannot_read_the_registry_claims_every_shard(prefix):
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, socket_timeout=0.2)
+    coordinator = TimerServices(RaceTimers(dead, RaceShards(prefix, count=3)), print, **BEAT)
+    coordinator.start()
+    try:  # duplicate claims cost claims; a shard nobody claims costs lag
+        assert coordinator.shards == (0, 1, 2)
+        assert coordinator.last_error is not None
+        time.sleep(0.3)  # its beats fail too: it keeps what it holds
+        assert coordinator.shards == (0, 1, 2)
+    finally:
+        coordinator.stop(timeout=1)
