@@ -95,6 +95,26 @@ class ClusterClient:
         """The seed nodes, without credentials (``rediss+cluster://`` for TLS)."""
         return cluster_location(self.spec)
 
+    def known_primaries(self) -> frozenset[str]:
+        """``host:port`` of the primaries this client routes to (its cached topology)."""
+        return frozenset(node.name for node in self.cluster.get_primaries())
+
+    def serving_primaries(self) -> frozenset[str]:
+        """``host:port`` of the nodes that own slots now, as one node of the cluster tells (one
+        round trip): a promoted replica or an added primary shows here before this client's
+        own topology follows."""
+        nodes = self.cluster.cluster_nodes()
+        return frozenset(
+            address
+            for address, info in nodes.items()
+            if "master" in info["flags"] and "fail" not in info["flags"] and info.get("slots")
+        )
+
+    def refresh(self) -> None:
+        """Read the topology again (redis-py does so by itself only when a command fails or is
+        redirected, which a pub/sub connection never is)."""
+        self.cluster.nodes_manager.initialize()
+
     def __getattr__(self, name: str) -> Any:
         # every command but pipeline() is RedisCluster's own (not before there is one)
         if name == "cluster" or name.startswith("__"):

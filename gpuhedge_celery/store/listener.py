@@ -37,6 +37,7 @@ from .liveness import ProcessBeat
 log = logging.getLogger(__name__)
 
 REQUIRED_FLAGS = "Egx"
+TOPOLOGY_EVERY_S = 2.0  # how often a listener on a cluster checks it listens to every primary
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
@@ -148,14 +149,16 @@ class Subscriptions:
     node holds a pool). The wake channel goes to the first connection alone: a cluster forwards
     a PUBLISH to every node."""
 
-    def __init__(self, pubsubs: list[Any], channels: int):
+    def __init__(self, pubsubs: list[Any], channels: int, primaries: frozenset[str]):
         self.pubsubs = pubsubs
         self.channels = channels  # subscribe confirmations to expect, on all connections
+        self.primaries = primaries  # host:port of the primaries subscribed to (cluster only)
 
     @classmethod
     def of(cls, client: Any, channels: tuple[str, ...]) -> Subscriptions:
         """Subscribed (confirmations still to read) to ``channels``: the two key-event channels,
         the wake channel, the process channel (the wake channel on the first server only)."""
+        primaries = client.known_primaries() if isinstance(client, ClusterClient) else frozenset()
         found = servers(client)
         pubsubs = []
         everywhere = channels[:2] + channels[3:]
@@ -163,7 +166,7 @@ class Subscriptions:
             pubsub = server.pubsub(ignore_subscribe_messages=False)
             pubsub.subscribe(*(channels if i == 0 else everywhere))
             pubsubs.append(pubsub)
-        return cls(pubsubs, len(channels) + len(everywhere) * (len(found) - 1))
+        return cls(pubsubs, len(channels) + len(everywhere) * (len(found) - 1), primaries)
 
     def get_message(self, timeout: float) -> dict[str, Any] | None:
         """The next message of any connection, waiting at most ``timeout`` s for one."""
@@ -223,6 +226,7 @@ class KeyspaceListener:
         self._error: BaseException | None = None
         self._pubsub: Any = None
         self._thread: threading.Thread | None = None
+        self._topology_at = 0.0  # when a cluster's primaries are next compared with ours
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, timeout_s: float = 5.0) -> KeyspaceListener:
@@ -247,6 +251,13 @@ class KeyspaceListener:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def primaries(self) -> frozenset[str]:
+        """``host:port`` of the cluster primaries subscribed to now (empty on one server, or
+        while reconnecting)."""
+        pubsub = self._pubsub
+        return frozenset() if pubsub is None else pubsub.primaries
 
     def close(self) -> None:
         """Stop the threads, close the pub/sub connection and mark the process gone."""
@@ -332,10 +343,16 @@ class KeyspaceListener:
                         self._ready.set()
                         backoff = 0.05
                     msg = self._pubsub.get_message(timeout=0.2)
+                    if msg is None and self._primaries_changed():
+                        # a promoted replica or an added primary publishes its own keys'
+                        # events only: subscribe again on the primaries there are now
+                        self._drop(None)
+                        continue
                 except Exception as e:  # noqa: BLE001 - a listener that dies leaves waiters deaf
                     if not isinstance(e, redis.ConnectionError | redis.TimeoutError | OSError):
                         log.error("lease event listener failed (%r); reconnecting", e)
                     self._drop(e)
+                    self._refresh_topology()
                     if not self._ready.is_set():
                         self._error = e
                         self._ready.set()
@@ -347,6 +364,30 @@ class KeyspaceListener:
                     self._dispatch(msg)
         finally:
             self._drop(None)
+
+    def _primaries_changed(self) -> bool:
+        """On a cluster, every ``TOPOLOGY_EVERY_S``: whether a primary owning slots is one not
+        subscribed to (the client's topology is read again when so). One subscribed to that
+        no longer is (failed, demoted) is left alone: a failed one breaks the connection."""
+        if not isinstance(self.client, ClusterClient) or time.monotonic() < self._topology_at:
+            return False
+        self._topology_at = time.monotonic() + TOPOLOGY_EVERY_S
+        try:
+            serving = self.client.serving_primaries()
+        except redis.RedisError:  # the node asked is gone: the subscriptions will say so
+            return False
+        if serving <= self._pubsub.primaries:
+            return False
+        log.info("cluster primaries now %s: lease events subscribed again", sorted(serving))
+        self._refresh_topology()
+        return True
+
+    def _refresh_topology(self) -> None:
+        if isinstance(self.client, ClusterClient):
+            try:
+                self.client.refresh()
+            except Exception:  # noqa: BLE001 - no node answers: the next reconnect tries again
+                pass
 
     def _drop(self, error: BaseException | None) -> None:
         pubsub, self._pubsub = self._pubsub, None

@@ -1,7 +1,8 @@
-"""A real Redis Cluster on loopback for tests: three masters (no replicas) on free ports, with a
-password, optionally TLS only, and helpers that move a hash slot between nodes the way
-``redis-cli --cluster reshard`` does (``CLUSTER SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``,
-``CLUSTER SETSLOT NODE``), in one go or a step at a time.
+"""A real Redis Cluster on loopback for tests: three masters (optionally a replica each) on free
+ports, with a password, optionally TLS only, and helpers that move a hash slot between nodes the
+way ``redis-cli --cluster reshard`` does (``CLUSTER SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``,
+``CLUSTER SETSLOT NODE``), in one go or a step at a time, add a master, and fail a master over
+to its replica (``CLUSTER FAILOVER``).
 
 Started without ``redis-cli``: each node gets a config epoch and a third of the slots
 (``CLUSTER ADDSLOTSRANGE``), the first meets the others (``CLUSTER MEET``), and :meth:`start`
@@ -50,12 +51,14 @@ class LocalCluster:
     masters: int = 3
     password: str = "clu5ter-pw"
     tls: bool = False
+    replicas: bool = False  # a replica per master, for failovers
+    node_timeout_ms: int = 5000  # how long a master may be unreachable before it counts as failed
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="gpuhedge-cluster-"))
     nodes: list[ClusterNodeProcess] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self.masters])
         if self.tls:
             return f"rediss+cluster://:{self.password}@{hosts}/0?ssl_ca_certs={self._cert()}"
         return f"redis+cluster://:{self.password}@{hosts}/0"
@@ -72,22 +75,72 @@ class LocalCluster:
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/test.sh installs it)")
         try:
-            for i in range(self.masters):
-                node = ClusterNodeProcess(
-                    free_port(), free_port(), os.path.join(self.workdir, str(i))
-                )
-                os.makedirs(node.workdir)
-                node.process = subprocess.Popen(
-                    [binary, *self._args(node)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-                self.nodes.append(node)
+            for _ in range(self.masters * (2 if self.replicas else 1)):
+                self.nodes.append(self._spawn(binary))
             self._join()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn(self, binary: str) -> ClusterNodeProcess:
+        node = ClusterNodeProcess(
+            free_port(), free_port(), os.path.join(self.workdir, str(len(self.nodes)))
+        )
+        os.makedirs(node.workdir)
+        node.process = subprocess.Popen(
+            [binary, *self._args(node)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        return node
+
+    def _wait_id(self, node: ClusterNodeProcess, deadline: float) -> None:
+        while True:
+            try:
+                with self.client(node) as c:
+                    node.node_id = c.execute_command("CLUSTER MYID")
+                return
+            except redis.RedisError as e:
+                if node.process is not None and node.process.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {node.port} exited") from e
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {node.port} did not start") from e
+                time.sleep(0.05)
+
+    def add_master(self) -> ClusterNodeProcess:
+        """Start one more node and join it as a master without slots (move some to it)."""
+        node = self._spawn(shutil.which("redis-server") or "redis-server")
+        self.nodes.append(node)
+        self._wait_id(node, time.monotonic() + START_S)
+        with self.client(self.nodes[0]) as c:
+            c.execute_command("CLUSTER MEET", "127.0.0.1", node.port, node.bus_port)
+        self.wait_agreed()
+        return node
+
+    def replica_of(self, master: ClusterNodeProcess) -> ClusterNodeProcess:
+        """The node that replicates ``master``."""
+        with self.client(master) as c:
+            replica = c.info("replication")["slave0"]
+        return next(n for n in self.nodes if n.port == int(replica["port"]))
+
+    def failover(self, master: ClusterNodeProcess) -> ClusterNodeProcess:
+        """Promote ``master``'s replica (``CLUSTER FAILOVER``: the replica catches up first, so
+        no write is lost) and wait until every node agrees; returns the new master."""
+        replica = self.replica_of(master)
+        with self.client(replica) as c:
+            c.execute_command("CLUSTER FAILOVER")
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            with self.client(replica) as c:
+                if c.execute_command("ROLE")[0] == "master":
+                    break
+            time.sleep(0.05)
+        self.wait_agreed()
+        return replica
+
+    def primaries(self) -> list[ClusterNodeProcess]:
+        """The nodes that own slots now."""
+        owners = {node_id for _, _, node_id in self.slot_map(self.nodes[0])}
+        return [n for n in self.nodes if n.node_id in owners]
 
     def _args(self, node: ClusterNodeProcess) -> list[str]:
         args = [
@@ -95,7 +148,7 @@ class LocalCluster:
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",
             "--cluster-port", str(node.bus_port),
-            "--cluster-node-timeout", "5000",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
             "--requirepass", self.password,
             "--masterauth", self.password,
             "--save", "",
@@ -136,19 +189,10 @@ class LocalCluster:
     def _join(self) -> None:
         deadline = time.monotonic() + START_S
         for node in self.nodes:
-            while True:
-                try:
-                    with self.client(node) as c:
-                        node.node_id = c.execute_command("CLUSTER MYID")
-                    break
-                except redis.RedisError as e:
-                    if node.process is not None and node.process.poll() is not None:
-                        raise RuntimeError(f"redis-server on port {node.port} exited") from e
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server on port {node.port} did not start") from e
-                    time.sleep(0.05)
+            self._wait_id(node, deadline)
         share = SLOTS // self.masters
-        for i, node in enumerate(self.nodes):
+        masters, replicas = self.nodes[: self.masters], self.nodes[self.masters :]
+        for i, node in enumerate(masters):
             last = SLOTS - 1 if i == self.masters - 1 else (i + 1) * share - 1
             with self.client(node) as c:
                 c.execute_command("CLUSTER SET-CONFIG-EPOCH", i + 1)
@@ -157,6 +201,29 @@ class LocalCluster:
             for node in self.nodes[1:]:
                 c.execute_command("CLUSTER MEET", "127.0.0.1", node.port, node.bus_port)
         self.wait_agreed(deadline - time.monotonic())
+        for master, replica in zip(masters, replicas, strict=False):
+            while True:  # a replica must know its master before it may follow it
+                try:
+                    with self.client(replica) as c:
+                        c.execute_command("CLUSTER REPLICATE", master.node_id)
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        if replicas:
+            self._wait_replicated(deadline)
+
+    def _wait_replicated(self, deadline: float) -> None:
+        for replica in self.nodes[self.masters :]:
+            while True:
+                with self.client(replica) as c:
+                    info = c.info("replication")
+                if info.get("master_link_status") == "up":
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica on port {replica.port} did not sync")
+                time.sleep(0.05)
 
     def slot_map(self, node: ClusterNodeProcess) -> list[tuple[int, int, str]]:
         """(first slot, last slot, owner's node id) as ``node`` sees them, sorted."""
