@@ -1,6 +1,7 @@
 """Races on real Celery workers with races and their timers on three race shards
-(``GPUHEDGE_RACE_SHARDS=3``): every worker fires every shard's timers, races on every shard end
-with one winner, and a worker SIGKILLed in the middle of races on every shard loses none."""
+(``GPUHEDGE_RACE_SHARDS=3``): the two workers share the shards' timers, races on every shard end
+with one winner, and a worker SIGKILLed in the middle of races on every shard loses none (the
+survivor takes its shards once its coordinator lease lapses)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 import pytest
 
 from gpuhedge_celery.store.race_keys import shard_of
+from gpuhedge_celery.store.timer_coordinators import Coordinators
 from gpuhedge_celery.store.timers import RaceTimers
 from tests.support.fixtures_races import start_race_cluster, stop_race_cluster
 from tests.support.waiting import subscribers, wait_for
@@ -50,13 +52,15 @@ def send_on(rc, shard: int, request: dict, policy: str):
                             queue="gpuhedge.coord", task_id=race_id)  # fmt: skip
 
 
-def test_every_worker_fires_every_shard_s_timers(sharded):
+def test_the_workers_share_the_shards_timers_one_claimer_each(sharded):
     rc = sharded
     assert rc.store.shards.count == SHARDS
     channels = [store.keys.channel for store in RaceTimers(rc.client, rc.store.shards).stores]
-    # each worker's timer service of each shard listens for its shard's wake-ups
-    wait_for(lambda: all(n == 2 for _, n in subscribers(rc.client, *channels)), 10,
-             "both workers subscribed to every shard's wake-ups")  # fmt: skip
+    registry = Coordinators(rc.client, rc.prefix)
+    wait_for(lambda: len(registry.live()) == 2, 10, "both workers hold a coordinator lease")
+    # two coordinators, three shards: each shard's wake-ups go to the one worker dealt it
+    wait_for(lambda: all(n == 1 for _, n in subscribers(rc.client, *channels)), 10,
+             "every shard's wake-ups listened to by exactly one worker")  # fmt: skip
 
 
 def test_races_on_every_shard_end_right(sharded):

@@ -92,7 +92,8 @@ class Firing:
             with self._lock:
                 self.fired.append((me, timer.id))
 
-        services = TimerServices(self.timers, handler, me=me, threads=2, **BEAT, **options)
+        options = {**BEAT, **options}
+        services = TimerServices(self.timers, handler, me=me, threads=2, **options)
         self.coordinators[me] = services.start()
         return services
 
@@ -227,3 +228,113 @@ def test_a_coordinator_that_cannot_read_the_registry_claims_every_shard(prefix):
         assert coordinator.shards == (0, 1, 2)
     finally:
         coordinator.stop(timeout=1)
+
+
+def on_shard_ids(count: int, shard: int, n: int, stem: str) -> list[str]:
+    return [f"{stem}{i}" for i in range(2000) if shard_of(f"{stem}{i}", count) == shard][:n]
+
+
+@pytest.mark.timeout(60)
+def test_a_service_busy_with_quick_handlers_or_timers_held_ahead_is_not_stalled(
+    redis_client, prefix
+):
+    timers = RaceTimers(redis_client, RaceShards(prefix, count=1))
+    (store,) = timers.stores
+    now = int(time.time() * 1000)
+    for i in range(60):  # 60 x 30 ms in the service thread: 1.8 s of work, each quick
+        store.arm(f"q{i}", now, {})
+    lease = {"beat_ms": 100, "coordinator_lease_ms": 500}
+    one = TimerServices(timers, lambda t: time.sleep(0.03), me="one", **lease).start()
+    try:
+        (service,) = one.services
+        stalls = []
+        while one.fired < 60:
+            stalls.append(service.stalled(0.5))
+            time.sleep(0.05)
+        assert not any(stalls)
+        assert Coordinators(redis_client, prefix).live() == ["one"]  # it never let go
+    finally:
+        one.stop()
+    # two timers claimed 3 s ahead hold both slots of a two-thread service: idle, not stalled
+    ahead = TimerServices(timers, print, me="ahead", threads=2, ahead_ms=3000, **lease).start()
+    try:
+        store.arm("e0", int(time.time() * 1000) + 2500, {})
+        store.arm("e1", int(time.time() * 1000) + 2500, {})
+        (service,) = ahead.services
+        wait_for(lambda: len(service._early) == 2, 5, "both held ahead")
+        time.sleep(1.0)
+        assert not service.stalled(0.5)
+    finally:
+        ahead.stop()
+
+
+def test_failing_redis_is_not_a_stall(prefix):
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, socket_timeout=0.2)
+    coordinator = TimerServices(RaceTimers(dead, RaceShards(prefix)), print, threads=2, **BEAT)
+    coordinator.start()
+    try:  # its claims fail and back off for longer than a lease: nothing a handover would fix
+        time.sleep(1.5)
+        assert not any(s.stalled(0.4) for s in coordinator.services)
+    finally:
+        coordinator.stop(timeout=1)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_shard_dealt_away_mid_handler_fires_it_once_and_keeps_the_counts(redis_client, prefix):
+    timers = RaceTimers(redis_client, RaceShards(prefix, count=2))
+    calls: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def handler(timer: Timer) -> None:
+        with lock:
+            calls[timer.id] += 1
+        if timer.payload.get("slow"):
+            time.sleep(2.0)  # still running when its shard is dealt away and back
+
+    a = TimerServices(timers, handler, me="a", threads=2, **BEAT).start()
+    try:
+        assert a.shards == (0, 1)
+        (race,) = on_shard_ids(2, 1, 1, "r")
+        store = timers.stores[1]
+        slow = store.arm(f"{race}:slow", int(time.time() * 1000), {"slow": 1})
+        wait_for(lambda: calls[slow] == 1, 5, "the slow handler started")
+        b = TimerServices(timers, handler, me="b", threads=2, **BEAT).start()
+        counts = []
+        wait_for(lambda: counts.append(a.fired) or a.shards == (0,), 5, "a lets shard 1 go")
+        b.stop()  # shard 1 comes back to a while its old service still waits for the handler
+        wait_for(lambda: counts.append(a.fired) or a.shards == (0, 1), 5, "a takes it back")
+        wait_for(lambda: counts.append(a.fired) or a.fired == 1, 10, "the slow timer counted")
+        assert counts == sorted(counts)  # never went down while a service was being retired
+        assert store.claims_carry_cancels  # the new service carries cancels, whatever the old did
+        wait_for(lambda: store.in_flight() == 0, 5, "the slow timer acknowledged")
+        assert calls[slow] == 1
+    finally:
+        a.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_stops_lets_go_before_waiting_for_its_handlers(redis_client, prefix):
+    firing = Firing(redis_client, prefix, 2)
+    slow = threading.Event()
+    try:
+        firing.join("a")
+        firing.join("b", hang=slow, coordinator_lease_ms=5_000)  # a lapse would take 5 s
+        wait_for(firing.settled, 5, "a and b share the shards")
+        (b_shard,) = firing.held()["b"]
+        slow.set()  # b's next handler runs until cleared
+        (race,) = on_shard_ids(2, b_shard, 1, "g")
+        firing.timers.stores[b_shard].arm(f"{race}:busy", int(time.time() * 1000), {})
+        time.sleep(0.3)
+        stopping = threading.Thread(target=firing.coordinators["b"].stop, args=(10,))
+        stopping.start()
+        # b has ended its lease at once: a takes its shard while b still waits for its handler
+        wait_for(lambda: Coordinators(redis_client, prefix).live() == ["a"], 2, "b let go")
+        wait_for(lambda: firing.coordinators["a"].shards == (0, 1), 2, "a took b's shard")
+        assert stopping.is_alive()
+        slow.clear()
+        stopping.join(10)
+    finally:
+        slow.clear()
+        firing.stop()

@@ -7,11 +7,13 @@ number waiting at once is ``pending_peak``), while ``--concurrency`` processes r
 (unbuffered, so the lines of a killed process survive); ``--threads`` is each service's number
 of handler threads (1: handlers run one after another in the service thread). With
 ``--shards`` the races' timers are spread over that many race shards (a namespace each, as
-``GPUHEDGE_RACE_SHARDS`` spreads a deployment's) and each process runs one service per shard,
-sharing its ``--threads``. Lag is fire time minus due time. The ``kill`` row SIGKILLs one
-firing process half-way through; its claimed timers must fire elsewhere after their lease
-(``lost`` must be 0; ``duplicates`` counts timers whose handler ran in the killed process just
-before it died and ran again elsewhere: delivery is at least once).
+``GPUHEDGE_RACE_SHARDS`` spreads a deployment's) and dealt over the processes as a
+deployment's coordinators deal them (a service per shard held, sharing its ``--threads``).
+Lag is fire time minus due time. The ``kill`` row SIGKILLs one firing process half-way through,
+hung in a handler; its claimed timers must fire elsewhere after their lease (``lost`` must be
+0; ``duplicates`` counts timers whose handler ran in the killed process just before it died and
+ran again elsewhere: delivery is at least once), and the shards dealt to it only once it has
+stalled or its coordinator lease has lapsed.
 """
 
 from __future__ import annotations
@@ -283,7 +285,7 @@ def run_row(
     "--shards",
     type=click.IntRange(1, MAX_SHARDS),
     default=1,
-    help="Race shards the timers are spread over (a timer service per shard in each process).",
+    help="Race shards the timers are spread over (dealt over the firing processes).",
 )
 def command(
     as_json: bool,

@@ -20,8 +20,8 @@ from .race_keys import check_name
 from .scripts import lua_script
 from .timers import as_text, store_errors
 
-LEASE_MS = 2_000  # a coordinator silent this long is dead to the others
-BEAT_MS = 500  # how often a coordinator renews its lease and re-reads the deal
+LEASE_MS = 1_000  # a coordinator silent this long is dead to the others
+BEAT_MS = 250  # how often a coordinator renews its lease and re-reads the deal
 
 
 def coordinator_id() -> str:

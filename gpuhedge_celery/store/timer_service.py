@@ -131,9 +131,11 @@ class TimerService(TimerWorkers):
         # slot. Only the service thread touches it.
         self._early: list[tuple[int, int, Timer]] = []
         self._early_seq = itertools.count()
-        # When the service thread last came round its loop or an idle wait's slice (monotonic
-        # seconds): a thread stuck in a handler or behind busy workers stops moving it.
-        self.moved_at = time.monotonic()
+        # For stalled(): since when the service thread runs handler code itself (None: it does
+        # not), and when a handler last finished or work was last handed to the workers.
+        self._busy_since: float | None = None
+        self._done_at = self._handed_at = time.monotonic()
+        self._carrying = False  # whether this service's claims carry the store's cancels
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -145,7 +147,8 @@ class TimerService(TimerWorkers):
         ride in this service's claims from now until :meth:`stop`."""
         self._start_workers()
         if self.threads > 1:
-            self.store.claims_carry_cancels = True
+            self.store.carry_cancels(True)
+            self._carrying = True
         self._thread.start()
         return self
 
@@ -172,8 +175,11 @@ class TimerService(TimerWorkers):
                     break
                 self._slots.wait(left)
         self._flush_acks()
-        self.store.claims_carry_cancels = False
-        self._flush_cancels()
+        if self._carrying:  # another service of this store may carry them on (a shard dealt back)
+            self._carrying = False
+            self.store.carry_cancels(False)
+        if not self.store.claims_carry_cancels:
+            self._flush_cancels()
         for _ in self._workers:
             self._jobs.put(None)
 
@@ -182,9 +188,20 @@ class TimerService(TimerWorkers):
         return self._thread.is_alive()
 
     def stalled(self, limit_s: float) -> bool:
-        """Whether the service thread has not moved for ``limit_s`` (a handler that hangs with
-        one thread, every worker busy that long) or has died."""
-        return not self.alive or time.monotonic() - self.moved_at > limit_s
+        """Whether this service has fired nothing for ``limit_s`` while its handlers hold it:
+        the service thread in one handler (or batch) that long, or every worker thread busy
+        that long without one finishing; or its thread has died. Idle waits and failing Redis
+        calls are not stalls (handing the shard over would not help)."""
+        if not self.alive:
+            return True
+        now = time.monotonic()
+        busy_since = self._busy_since
+        if busy_since is not None and now - busy_since > limit_s:
+            return True
+        if self.threads == 1:
+            return False
+        handlers = self._running - len(self._early)  # handed over, not yet finished
+        return handlers >= self.threads and now - max(self._done_at, self._handed_at) > limit_s
 
     @property
     def running(self) -> int:
@@ -203,8 +220,12 @@ class TimerService(TimerWorkers):
         claim = self.store.claim(self.now_ms(), self.batch, self.lease_ms)
         done = []
         for timer in claim.timers:
-            if self._fire(timer):
-                done.append(timer)
+            self._busy_since = time.monotonic()
+            try:
+                if self._fire(timer):
+                    done.append(timer)
+            finally:
+                self._busy_since = None
         if done:
             self.store.ack_many(done)
         # The claim says when the next timer is due (now or earlier when one batch did not hold
@@ -221,6 +242,7 @@ class TimerService(TimerWorkers):
             else:
                 work()
         except Exception:
+            self._done_at = time.monotonic()
             with self._counts:
                 self.failed += 1
             if timer.deliveries >= self.max_deliveries:
@@ -228,6 +250,7 @@ class TimerService(TimerWorkers):
                 return True
             log.exception("timer %s handler failed; it will be delivered again", timer.id)
             return False
+        self._done_at = time.monotonic()
         with self._counts:
             self.fired += 1
         return True
@@ -243,8 +266,7 @@ class TimerService(TimerWorkers):
         # a timer that finishes meanwhile gets its acknowledgement out within ack_delay_ms.
         until = time.monotonic() + ms / 1000
         while not self._stop.is_set():
-            self.moved_at = time.monotonic()
-            left = until - self.moved_at
+            left = until - time.monotonic()
             if left <= 0:
                 return False
             if self._ack_is_due():
@@ -275,7 +297,6 @@ class TimerService(TimerWorkers):
         backoff = 0.0
         claim_at = 0  # epoch ms of the next claim (0: at once)
         while not self._stop.is_set():
-            self.moved_at = time.monotonic()
             try:
                 if self.threads > 1:
                     self._wait_for_slot()
@@ -317,10 +338,10 @@ class TimerServices:
     coordinator it went to may not have read the deal yet: a shard claimed twice costs claims,
     one claimed by nobody costs lag) and its service is then stopped in the background. A
     coordinator that dies drops out of the others' deal once its lease (``lease_ms`` of the
-    registry) lapses. One that stalls (a service thread that has not moved for that long: a
-    hung handler, every worker busy) ends its lease itself, so the others take its shards too
-    while it keeps firing what it can. When the registry cannot be read at start the process
-    claims every shard, and on a later failure it keeps what it holds.
+    registry) lapses. One that stalls (a service whose handlers have held it that long without
+    one finishing: :meth:`TimerService.stalled`) ends its lease itself, so the others take its
+    shards too while it keeps firing what it can. When the registry cannot be read at start
+    the process claims every shard, and on a later failure it keeps what it holds.
 
     The services share one budget of ``threads`` handler threads: each gets a share of it by
     the shards held when it starts (at least 2 when ``threads > 1``, as a batch handler needs),
@@ -362,9 +383,11 @@ class TimerServices:
         self.last_error: BaseException | None = None
         self._held: dict[int, TimerService] = {}
         self._dealt_away: dict[int, int] = {}  # held shard -> beats it has been dealt elsewhere
-        self._retired_fired = 0  # counts of services stopped since
-        self._retired_failed = 0
-        self._lock = threading.Lock()  # _held and the retired counts
+        # Services of shards dealt away (their counts still count; a late handler adds to
+        # them), and the threads stopping them.
+        self._retired: list[TimerService] = []
+        self._retiring: list[threading.Thread] = []
+        self._lock = threading.Lock()  # _held, _retired, _retiring
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._run, name=f"{name}-beat", daemon=True)
 
@@ -418,17 +441,18 @@ class TimerServices:
                 if self._dealt_away[shard] >= 2:
                     del self._dealt_away[shard]
                     stopping.append(self._held.pop(shard))
-        for service in stopping:
-            # its running handlers finish and are acknowledged without holding up the beat
-            threading.Thread(
-                target=self._retire, args=(service,), name=f"{self.name}-retire", daemon=True
-            ).start()
-
-    def _retire(self, service: TimerService) -> None:
-        service.stop()
-        with self._lock:
-            self._retired_fired += service.fired
-            self._retired_failed += service.failed
+            self._retired.extend(stopping)
+            for service in stopping:
+                # its running handlers finish and are acknowledged without holding up the beat
+                retire = threading.Thread(
+                    target=service.stop,
+                    args=(service.lease_ms / 1000,),  # a handler running longer is redelivered
+                    name=f"{self.name}-retire",
+                    daemon=True,
+                )
+                retire.start()
+                self._retiring.append(retire)
+            self._retiring = [t for t in self._retiring if t.is_alive()]
 
     def _run(self) -> None:
         stalled = False
@@ -443,30 +467,41 @@ class TimerServices:
                     stalled = True
                     continue
                 stalled = False
-                self._apply(self._deal())
+                dealt = self._deal()
             except Exception as e:  # keep what this process holds; the next beat retries
                 self.last_error = e
                 log.warning("timer coordinator beat failed: %s; keeping its shards", e)
+                continue
+            try:
+                self._apply(dealt)
+            except Exception as e:  # leased but not firing its part: let the others have it
+                self.last_error = e
+                log.error("timer coordinator %s could not take its shards: %s", self.me, e)
+                with contextlib.suppress(Exception):
+                    self.coordinators.leave(self.me)
 
     def _stalled(self) -> bool:
         limit_s = self.coordinator_lease_ms / 1000
         return any(service.stalled(limit_s) for service in self.services)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop every service, at most ``timeout`` seconds in all (:meth:`TimerService.stop`),
-        and end this process's lease so the others take its shards at their next beat."""
-        self._stop.set()
-        with self._lock:
-            services = list(self._held.values())
-        for service in services:
-            service._stop.set()  # all stop claiming at once, then each is waited for
+        """End this process's lease so the others take its shards at their next beat, then
+        stop every service, at most ``timeout`` seconds in all (:meth:`TimerService.stop`)."""
         deadline = time.monotonic() + timeout
-        for service in services:
-            service.stop(max(0.0, deadline - time.monotonic()))
-        if self._beat.is_alive():
-            self._beat.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        if self._beat.is_alive():  # no beat may renew the lease after it ended
+            self._beat.join(min(timeout, 2 * self.beat_ms / 1000))
         with contextlib.suppress(Exception):  # a lease left behind lapses on its own
             self.coordinators.leave(self.me)
+        with self._lock:
+            services = list(self._held.values())
+            retiring = list(self._retiring)
+        for service in services:
+            service._stop.set()  # all stop claiming at once, then each is waited for
+        for service in services:
+            service.stop(max(0.0, deadline - time.monotonic()))
+        for thread in retiring:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def services(self) -> list[TimerService]:
@@ -490,9 +525,9 @@ class TimerServices:
     @property
     def fired(self) -> int:
         with self._lock:
-            return self._retired_fired + sum(s.fired for s in self._held.values())
+            return sum(s.fired for s in (*self._retired, *self._held.values()))
 
     @property
     def failed(self) -> int:
         with self._lock:
-            return self._retired_failed + sum(s.failed for s in self._held.values())
+            return sum(s.failed for s in (*self._retired, *self._held.values()))

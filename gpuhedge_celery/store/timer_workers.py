@@ -53,6 +53,9 @@ class TimerWorkers:
     _ack_by: float | None
     _early: list[tuple[int, int, Timer]]
     _early_seq: itertools.count[int]
+    _busy_since: float | None
+    _done_at: float
+    _handed_at: float
 
     def now_ms(self) -> int:
         raise NotImplementedError
@@ -111,8 +114,14 @@ class TimerWorkers:
         due = []
         while self._early and self._early[0][0] <= now_ms:
             due.append(heapq.heappop(self._early)[2])
+        if due:
+            self._handed_at = time.monotonic()
         if due and self.batch_handler is not None:
-            self._fire_batch(due)
+            self._busy_since = self._handed_at
+            try:
+                self._fire_batch(due)
+            finally:
+                self._busy_since = None
             return
         for timer in due:
             self._jobs.put((timer, None))
@@ -139,6 +148,7 @@ class TimerWorkers:
             for timer in due:
                 hand_back(timer, None)
         done = [timer for timer in due if id(timer) not in handed]
+        self._done_at = time.monotonic()
         metrics.timers_batched(len(done), len(handed))
         for timer in done:
             metrics.timer_fired(timer.payload, (self.now_ms() - timer.due_ms) / 1000.0)

@@ -92,7 +92,7 @@ class TimerStore:
         self._arm = lua_script(client, "timer_arm")
         self._claim = lua_script(client, "timer_claim")
         # Cancels this process's timer service sends with its next claim (defer_cancels).
-        self.claims_carry_cancels = False
+        self._carriers = 0  # services of this store whose claims carry them
         self._deferred: list[str] = []
         self._deferred_lock = threading.Lock()
         self._release = lua_script(client, "timer_release")
@@ -238,6 +238,17 @@ class TimerStore:
                 self._deferred.extend(timer_ids)
             return
         self.cancel_many(timer_ids)
+
+    @property
+    def claims_carry_cancels(self) -> bool:
+        """Whether a timer service of this store carries deferred cancels in its claims."""
+        return self._carriers > 0
+
+    def carry_cancels(self, on: bool) -> None:
+        """A service starts (``on``) or stops carrying deferred cancels in its claims (counted:
+        a shard's old service may still be stopping while its new one runs)."""
+        with self._deferred_lock:
+            self._carriers = max(0, self._carriers + (1 if on else -1))
 
     def take_deferred(self) -> list[str]:
         """The cancels :meth:`defer_cancels` left for the next claim (the caller sends them)."""
