@@ -91,10 +91,13 @@ def check_races(cluster, outcomes, *, expect_all_won: bool) -> dict[str, int]:
     """One winner per race, no sim job left running, nothing leaked; returns counts."""
     from gpuhedge_celery.providers.redis_ledger import sim_job_running
     from gpuhedge_celery.providers.simledger import RedisLedger
+    from gpuhedge_celery.settings import ProcessSettings
     from gpuhedge_celery.store.races import RaceStore
     from tests.support.fixtures_races import RaceCluster
 
-    store = RaceStore(cluster.client, cluster.prefix)
+    # the shards the workers use (the count's default follows the store's URL)
+    shards = ProcessSettings.from_env(cluster.env).race_shards(cluster.prefix, cluster.redis_url)
+    store = RaceStore(cluster.client, shards)
     rc = RaceCluster.__new__(RaceCluster)  # its helpers only, on this cluster's keys
     rc.client, rc.prefix, rc.store = cluster.client, cluster.prefix, store
     rc.ledger = RedisLedger(cluster.client, cluster.prefix)

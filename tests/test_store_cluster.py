@@ -24,8 +24,10 @@ from gpuhedge_celery.store.cluster import ClusterClient, CrossSlotPipeline
 from gpuhedge_celery.store.connection import (
     client_location,
     database_number,
+    persistence_warning,
     ping,
     redis_from_url,
+    replication_warning,
     same_database,
 )
 from gpuhedge_celery.store.scripts import lua_script, queue_script, run_pipeline
@@ -407,4 +409,24 @@ def test_a_tls_cluster_is_reached_through_its_rediss_cluster_url():
         assert pipe.execute() == [True, "tls"]
         with cluster.client(cluster.nodes[2]) as node:
             assert node.get(f"{{{tag}}}:a") == "tls"
+        client.close()
+
+
+def test_the_start_up_warnings_judge_every_primary_not_one_node():
+    with LocalCluster(replicas=True) as cluster:
+        client = redis_from_url(cluster.url, decode_responses=True)
+        primaries = cluster.primaries()
+        said = persistence_warning(client)
+        assert said is not None and "(and 2 more primaries) keeps no persistence at all" in said
+        for node in primaries[:2]:
+            with cluster.client(node) as c:
+                c.config_set("appendonly", "yes")
+        # only the third primary is without AOF now: the warning names it
+        assert f"Redis 127.0.0.1:{primaries[2].port} keeps" in persistence_warning(client)
+        with cluster.client(primaries[2]) as c:
+            c.config_set("appendonly", "yes")
+        assert persistence_warning(client) is None
+        said = replication_warning(client, 0)
+        assert said is not None and "has 1 replicas and GPUHEDGE_REDIS_WAIT_REPLICAS is 0" in said
+        assert replication_warning(client, 1) is None
         client.close()

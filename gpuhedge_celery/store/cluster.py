@@ -110,6 +110,12 @@ class ClusterClient:
             if "master" in info["flags"] and "fail" not in info["flags"] and info.get("slots")
         )
 
+    def primary_clients(self) -> list[tuple[str, redis.Redis]]:
+        """``(host:port, client)`` of each primary this client routes to: for what each node
+        says of itself (its persistence, its replicas, its key events)."""
+        cluster = self.cluster
+        return [(node.name, cluster.get_redis_connection(node)) for node in cluster.get_primaries()]
+
     def refresh(self) -> None:
         """Read the topology again (redis-py does so by itself only when a command fails or is
         redirected, which a pub/sub connection never is)."""

@@ -152,43 +152,66 @@ def wait_for_redis(client: redis.Redis, limit_s: float, interval_s: float = 0.5)
             time.sleep(interval_s)
 
 
-def persistence_warning(client: redis.Redis) -> str | None:
-    """A one-line warning when Redis would lose races and leases in a restart, else None.
+def _servers(client: Any) -> list[tuple[str, Any]]:
+    """``(name, client)`` of each server whose own settings count: the one Redis (no name), or
+    every primary of a cluster (``host:port``: each keeps its own slots' keys)."""
+    if isinstance(client, ClusterClient):
+        return client.primary_clients()
+    return [("", client)]
+
+
+def _on(name: str) -> str:
+    return f"Redis {name}" if name else "Redis"
+
+
+def persistence_warning(client: Any) -> str | None:
+    """A one-line warning when Redis (any primary of a cluster) would lose races and leases in
+    a restart, else None.
 
     Without AOF a restarted Redis comes back empty (or at its last RDB snapshot): races in
     flight lose their state, their callers get an explicit failure only at their deadline
     (``RaceResult``), and the provider jobs they had submitted can no longer be found or
     cancelled by the janitor. Managed Redis that forbids ``CONFIG`` is not judged here.
     """
-    try:
-        info = client.info("persistence")
-        save = client.config_get("save").get("save", "")
-    except redis.RedisError:
+    lacking = []
+    for name, server in _servers(client):
+        try:
+            info = server.info("persistence")
+            save = server.config_get("save").get("save", "")
+        except redis.RedisError:
+            continue
+        if not int(info.get("aof_enabled", 0) or 0):
+            lacking.append((name, save))
+    if not lacking:
         return None
-    if int(info.get("aof_enabled", 0) or 0):
-        return None
+    name, save = lacking[0]
     kept = f"only RDB snapshots ({save!r})" if save else "no persistence at all"
+    more = f" (and {len(lacking) - 1} more primaries)" if len(lacking) > 1 else ""
     return (
-        f"Redis keeps {kept}: a restart loses the races in flight (their callers fail at their "
-        "deadline) and the provider jobs they submitted can no longer be found or cancelled; "
-        "set 'appendonly yes' and 'appendfsync everysec' (docs/reliability.md)"
+        f"{_on(name)}{more} keeps {kept}: a restart loses the races in flight (their callers fail "
+        "at their deadline) and the provider jobs they submitted can no longer be found or "
+        "cancelled; set 'appendonly yes' and 'appendfsync everysec' (docs/reliability.md)"
     )
 
 
-def replication_warning(client: redis.Redis, wait_replicas: int) -> str | None:
-    """A one-line warning when the primary has more replicas than a winner waits for: while a
+def replication_warning(client: Any, wait_replicas: int) -> str | None:
+    """A one-line warning when a primary has more replicas than a winner waits for: while a
     failover promotes one replica, another may still follow the old primary and acknowledge a
     claim the promoted one never gets (measured: ``tests/test_failover_e2e.py``)."""
-    try:
-        replicas = int(client.info("replication").get("connected_slaves", 0) or 0)
-    except redis.RedisError:
-        return None
-    if replicas == 0 or wait_replicas >= replicas:
+    most, where = 0, ""
+    for name, server in _servers(client):
+        try:
+            replicas = int(server.info("replication").get("connected_slaves", 0) or 0)
+        except redis.RedisError:
+            continue
+        if replicas > most:
+            most, where = replicas, name
+    if most == 0 or wait_replicas >= most:
         return None
     return (
-        f"Redis has {replicas} replicas and GPUHEDGE_REDIS_WAIT_REPLICAS is {wait_replicas}: a "
-        "winner or a reservation acknowledged by fewer than all of them can still be lost in a "
-        f"failover; set it to {replicas} (docs/operations.md, Failover)"
+        f"{_on(where)} has {most} replicas and GPUHEDGE_REDIS_WAIT_REPLICAS is {wait_replicas}: "
+        "a winner or a reservation acknowledged by fewer than all of them can still be lost in "
+        f"a failover; set it to {most} (docs/operations.md, Failover)"
     )
 
 

@@ -54,8 +54,7 @@ def servers(client: Any) -> list[Any]:
     """A client per server whose key events the listener needs: ``client`` itself, or on a
     Redis Cluster one per primary (each node publishes its own keys' events only)."""
     if isinstance(client, ClusterClient):
-        cluster = client.cluster
-        return [cluster.get_redis_connection(n) for n in cluster.get_primaries()]
+        return [server for _, server in client.primary_clients()]
     return [client]
 
 

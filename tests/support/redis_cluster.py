@@ -139,8 +139,55 @@ class LocalCluster:
 
     def primaries(self) -> list[ClusterNodeProcess]:
         """The nodes that own slots now."""
-        owners = {node_id for _, _, node_id in self.slot_map(self.nodes[0])}
+        owners = {node_id for _, _, node_id in self.slot_map(self._live()[0])}
         return [n for n in self.nodes if n.node_id in owners]
+
+    def _live(self) -> list[ClusterNodeProcess]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def kill(self, master: ClusterNodeProcess) -> ClusterNodeProcess:
+        """SIGKILL ``master`` and wait until its replica has taken over (once the others count
+        it failed: ``node_timeout_ms``) and the live nodes agree; returns the new master."""
+        replica = self.replica_of(master)
+        assert master.process is not None
+        master.process.kill()
+        master.process.wait(10)
+        deadline = time.monotonic() + START_S + self.node_timeout_ms / 1000
+        while True:
+            try:
+                with self.client(replica) as c:
+                    if c.execute_command("ROLE")[0] == "master":
+                        break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replica on port {replica.port} never took over")
+            time.sleep(0.05)
+        self.wait_agreed()
+        return replica
+
+    def restart(self, node: ClusterNodeProcess) -> None:
+        """Start a stopped node again from its own config (a failed-over master rejoins as a
+        replica of the node that took over), and wait until it has synced."""
+        node.process = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", *self._args(node)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + START_S
+        self._wait_id(node, deadline)
+        while True:
+            try:
+                with self.client(node) as c:
+                    info = c.info("replication")
+                if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node on port {node.port} did not rejoin as a replica")
+            time.sleep(0.05)
+        self.wait_agreed()
 
     def _args(self, node: ClusterNodeProcess) -> list[str]:
         args = [
@@ -244,10 +291,11 @@ class LocalCluster:
         while True:
             try:
                 states = []
-                for node in self.nodes:
+                live = self._live()
+                for node in live:
                     with self.client(node) as c:
                         states.append(c.execute_command("CLUSTER INFO"))
-                maps = [self.slot_map(n) for n in self.nodes]
+                maps = [self.slot_map(n) for n in live]
                 ok = all(s.get("cluster_state") == "ok" for s in states)
                 if ok and all(m == maps[0] for m in maps):
                     return
@@ -258,8 +306,8 @@ class LocalCluster:
             time.sleep(0.05)
 
     def owner(self, slot: int) -> ClusterNodeProcess:
-        """The node that owns ``slot`` (as the first node sees it)."""
-        for first, last, node_id in self.slot_map(self.nodes[0]):
+        """The node that owns ``slot`` (as the first live node sees it)."""
+        for first, last, node_id in self.slot_map(self._live()[0]):
             if first <= slot <= last:
                 return self._by_id(node_id)
         raise LookupError(f"no node owns slot {slot}")
