@@ -4,7 +4,8 @@ reads them (``tests/test_settings_reads.py`` holds the package to that).
 The ``*_values`` functions parse each section's variables from a mapping into the keyword
 arguments of that section's class; the section's ``from_env`` builds it and checks what needs
 the section's own knowledge (a runner spec, a plugin path, a webhook URL). This module is a leaf:
-it imports nothing of the package but its errors, so every section can build on it.
+it imports nothing of the package but its errors, URL parsing and names, so every section can
+build on it.
 ``env_number`` / ``env_flag`` each say what they expect, so a bad value's :class:`ConfigError`
 reads ``expected <what>, got '<value>'`` with the variable as its key. The variables are
 listed, once, in docs/configuration.md (*Environment variables*).
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .names import pool_name_problem
 from .redis_url import is_cluster, with_sentinel_options
 
 N = TypeVar("N", int, float)
@@ -371,10 +373,9 @@ def glue_values(env: Mapping[str, str]) -> dict[str, Any]:
     gpu = (env.get(GPU_VAR) or "").strip() or None
     runner = (env.get(RUNNER_VAR) or "cpu").strip()
     pool = (env.get("GPUHEDGE_POOL") or "default").strip()
-    if not pool or any(c in pool for c in " :*?[]"):
-        raise ConfigError(
-            f"expected a pool name without spaces or ':', got {pool!r}", key="GPUHEDGE_POOL"
-        )
+    problem = pool_name_problem(pool)
+    if problem is not None:
+        raise ConfigError(problem, key="GPUHEDGE_POOL")
     pool_ttl = _number(env, "GPUHEDGE_POOL_TTL_MS", None, integer=True)
     acquire = _number(env, "GPUHEDGE_ACQUIRE_TIMEOUT_S", None)
     broker_url = (env.get(BROKER_URL_VAR) or "").strip() or None

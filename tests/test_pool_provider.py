@@ -38,8 +38,8 @@ def _config(block: str) -> str:
     "block, message",
     [
         ("", "providers.gp.pool.name: required key is missing"),
-        ("    pool: {name: 'a b'}\n", "pool.name: expected a pool name without spaces or ':'"),
-        ("    pool: {name: 'a:b'}\n", "pool.name: expected a pool name without spaces or ':'"),
+        ("    pool: {name: 'a b'}\n", "pool.name: invalid pool name 'a b': expected 1-200 letters"),
+        ("    pool: {name: 'a:b'}\n", "pool.name: invalid pool name 'a:b': expected 1-200 letters"),
         ("    pool: {name: a, lables: {}}\n", "pool.lables: unknown key; did you mean 'labels'?"),
         ("    pool: {name: a, poll_s: 0}\n", "pool.poll_s: expected a number > 0, got 0"),
         ("    pool: {name: a, labels: {m: [1]}}\n", "pool.labels.m: expected a string value"),

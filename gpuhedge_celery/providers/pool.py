@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.jobs import AttemptResult, JobHandle, JobState, LifecycleEvent
 from ..core.receipts import CancelReceipt, CancelScope, Evidence
 from ..errors import GpuHedgeError, ProviderError, SubmitError
+from ..names import pool_name_problem
 from . import account_checks
 from .account import LoginCheck, SpendReport
 from .base import Provider
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from ..store.leases import LeaseStore
     from .provider_config import ProviderConfig
 
-_BAD_POOL_CHARS = " :*?[]"
 # Failures the pool itself reports when a request was cancelled (see tasks/cancel.py).
 _CANCEL_ERRORS = ("AcquireTimeout", "RunnerStopped")
 _BEFORE_RUN = ("before it waited", "before it started", "wait of")
@@ -62,8 +62,9 @@ class PoolSpec:
     def from_block(cls, block: Block) -> PoolSpec:
         """Validate ``providers.<name>.pool`` (one-line errors; unknown keys reported)."""
         name = block.string("name")
-        if any(c in name for c in _BAD_POOL_CHARS):
-            raise block.error("name", f"expected a pool name without spaces or ':', got {name!r}")
+        problem = pool_name_problem(name)
+        if problem is not None:
+            raise block.error("name", problem)
         labels = block.string_map("labels")
         poll_s = block.number("poll_s", 0.5, positive=True)
         confirm = block.number("cancel_confirm_s", 10.0, positive=True)

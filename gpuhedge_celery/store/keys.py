@@ -8,20 +8,17 @@ Redis without seeing each other's keys. The keys of races, timers and the budget
 
 from __future__ import annotations
 
-import re
+from ..names import pool_name_problem
 
 LEASE_SEGMENT = "lease"
-# A pool's name becomes part of a hash tag: braces would break the tag, and whitespace or control
-# characters make keys unreadable in redis-cli.
-_POOL_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
 
 def check_pool(pool: str) -> str:
-    """Return ``pool`` if it is safe inside a key's hash tag, else raise ``ValueError``."""
-    if not isinstance(pool, str) or not _POOL_RE.match(pool):
-        raise ValueError(
-            f"invalid pool name {pool!r}: expected 1-200 letters, digits, '_', '-', '.' or ':'"
-        )
+    """Return ``pool`` if it may name a pool (:func:`~gpuhedge_celery.names.pool_name_problem`),
+    else raise ``ValueError``."""
+    problem = pool_name_problem(pool)
+    if problem is not None:
+        raise ValueError(problem)
     return pool
 
 
