@@ -14,7 +14,7 @@ import redis
 
 from gpuhedge_celery.core.shard_deal import dealt_shards
 from gpuhedge_celery.store.race_keys import RaceShards, shard_of
-from gpuhedge_celery.store.timer_coordinators import Coordinators
+from gpuhedge_celery.store.timer_coordinators import HELP_BEHIND_MS, Coordinators
 from gpuhedge_celery.store.timer_service import TimerServices
 from gpuhedge_celery.store.timers import RaceTimers, Timer
 from tests.support.redis_server import free_port
@@ -129,7 +129,7 @@ class Firing:
 def crash(coordinator: TimerServices) -> None:
     """Stop firing without ending the lease, as a killed process does."""
     coordinator._stop.set()
-    for service in coordinator.services:
+    for service in [*coordinator.services, *coordinator.helpers]:
         service.stop()
 
 
@@ -337,4 +337,70 @@ def test_a_coordinator_that_stops_lets_go_before_waiting_for_its_handlers(redis_
         stopping.join(10)
     finally:
         slow.clear()
+        firing.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_the_others_fire_a_shard_s_timers_only_when_its_holder_falls_behind(redis_client, prefix):
+    timers = RaceTimers(redis_client, RaceShards(prefix, count=2))
+    fired: list[tuple[str, str, float]] = []  # (coordinator, timer id, lag ms)
+    lock = threading.Lock()
+    slow = threading.Event()
+
+    def handler_of(me: str):
+        def handler(timer: Timer) -> None:
+            if me == "b" and slow.is_set():
+                time.sleep(0.25)  # b keeps firing, four a second per thread: behind
+            with lock:
+                fired.append((me, timer.id, time.time() * 1000 - timer.due_ms))
+
+        return handler
+
+    a = TimerServices(timers, handler_of("a"), me="a", threads=2, **BEAT).start()
+    b = TimerServices(timers, handler_of("b"), me="b", threads=2, **BEAT).start()
+    try:
+        wait_for(lambda: a.shards != b.shards and len(a.shards) == 1, 5, "one shard each")
+        (b_shard,) = b.shards
+        assert [h.store for h in a.helpers] == [timers.stores[b_shard]]
+        store = timers.stores[b_shard]
+        races = on_shard_ids(2, b_shard, 40, "k")
+        keeping_up = [store.arm(f"{r}:x", int(time.time() * 1000), {}) for r in races[:20]]
+        wait_for(lambda: {t for _, t, _ in fired} >= set(keeping_up), 10, "b's own fired")
+        assert {me for me, t, _ in fired if t in keeping_up} == {"b"}  # nothing to help with
+        slow.set()
+        now = int(time.time() * 1000)
+        behind = [store.arm(f"{r}:y", now, {}) for r in races[20:]]
+        wait_for(lambda: {t for _, t, _ in fired} >= set(behind), 10, "b's late ones fired")
+        ids = [t for _, t, _ in fired if t in behind]
+        assert sorted(ids) == sorted(behind)  # each once
+        helped = [lag for me, t, lag in fired if t in behind and me == "a"]
+        assert helped, "a fired none of the timers b fell behind on"
+        assert min(helped) >= HELP_BEHIND_MS  # only those already a helper's margin late
+        assert b.shards == (b_shard,)  # b never stalled: it kept its shard
+    finally:
+        slow.clear()
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_dead_holder_s_timers_are_fired_by_the_others_before_its_lease_lapses(
+    redis_client, prefix
+):
+    firing = Firing(redis_client, prefix, 2)
+    try:
+        firing.join("a")
+        firing.join("b", coordinator_lease_ms=30_000)  # its shard stays dealt to it 30 s
+        wait_for(firing.settled, 5, "a and b share the shards")
+        (b_shard,) = firing.held()["b"]
+        crash(firing.coordinators["b"])
+        armed_at = time.monotonic()
+        (race,) = on_shard_ids(2, b_shard, 1, "d")
+        timer = firing.timers.stores[b_shard].arm(f"{race}:t", int(time.time() * 1000), {})
+        wait_for(lambda: timer in {t for _, t in firing.fired}, 5, "a's helper fired it")
+        assert time.monotonic() - armed_at < 2  # a poll and a margin, not b's 30 s lease
+        assert firing.coordinators["a"].shards == (1 - b_shard,)  # still dealt to b
+    finally:
         firing.stop()

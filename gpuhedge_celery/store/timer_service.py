@@ -24,7 +24,14 @@ from typing import Any
 from ..core.clock import Clock, WallClock
 from ..core.shard_deal import dealt_shards
 from ..metrics import record as metrics
-from .timer_coordinators import BEAT_MS, LEASE_MS, Coordinators, coordinator_id
+from .timer_coordinators import (
+    BEAT_MS,
+    HELP_BEHIND_MS,
+    HELP_EVERY_MS,
+    LEASE_MS,
+    Coordinators,
+    coordinator_id,
+)
 from .timer_workers import BatchHandler, TimerWorkers, _Job
 from .timers import RaceTimers, Timer, TimerStore
 
@@ -86,6 +93,7 @@ class TimerService(TimerWorkers):
         clock: Clock | None = None,
         name: str = "gpuhedge-timers",
         batch_handler: BatchHandler | None = None,
+        behind_ms: int = 0,
     ):
         if idle_ms < 1:
             raise ValueError(f"idle_ms must be >= 1, got {idle_ms}")
@@ -95,14 +103,18 @@ class TimerService(TimerWorkers):
             raise ValueError(f"ahead_ms must be >= 0, and 0 with one thread; got {ahead_ms}")
         if batch_handler is not None and threads == 1:
             raise ValueError("a batch_handler needs threads > 1 for the timers it hands back")
+        if behind_ms < 0 or (behind_ms and ahead_ms):
+            raise ValueError(f"behind_ms must be >= 0, and 0 with ahead_ms; got {behind_ms}")
         self.store = store
         self.handler = handler
         self.batch_handler = batch_handler
         self.batch = batch
         self.lease_ms = lease_ms
-        # Without wake-up messages only polling bounds the lag, so poll often.
-        self.idle_ms = idle_ms if use_pubsub else min(idle_ms, 5)
-        self.use_pubsub = use_pubsub
+        # Without wake-up messages only polling bounds the lag, so poll often; a helper
+        # (behind_ms) polls every idle_ms: it only takes what is already that late.
+        self.behind_ms = behind_ms
+        self.idle_ms = idle_ms if use_pubsub or behind_ms else min(idle_ms, 5)
+        self.use_pubsub = use_pubsub and not behind_ms
         self.max_deliveries = max_deliveries
         self.threads = threads
         self.ahead_ms = ahead_ms
@@ -139,6 +151,11 @@ class TimerService(TimerWorkers):
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
+
+    def claim_now_ms(self) -> int:
+        """The "now" of a claim: a helper's lies ``behind_ms`` back, so it takes only timers
+        overdue by that much (the shard's own claimer is behind or gone)."""
+        return self.now_ms() - self.behind_ms
 
     def start(self) -> TimerService:
         """Start the thread (once), and the worker threads when ``threads > 1``; returns self.
@@ -217,7 +234,7 @@ class TimerService(TimerWorkers):
         """
         if self.threads > 1:
             return self._submit_once()
-        claim = self.store.claim(self.now_ms(), self.batch, self.lease_ms)
+        claim = self.store.claim(self.claim_now_ms(), self.batch, self.lease_ms)
         done = []
         for timer in claim.timers:
             self._busy_since = time.monotonic()
@@ -312,6 +329,8 @@ class TimerService(TimerWorkers):
                     now = self.now_ms()
                     idle = now + self.idle_ms
                     claim_at = idle if next_ms is None else min(next_ms, idle)
+                    if self.behind_ms and claim_at > now - self.behind_ms:
+                        claim_at = idle  # nothing overdue enough is left: poll again later
                 else:  # woken for a timer held ahead: hand it over, no claim
                     self._hand_over_due(now)
                 backoff = 0.0
@@ -329,9 +348,10 @@ class TimerService(TimerWorkers):
 
 
 class TimerServices:
-    """A process's timer coordinator: one :class:`TimerService` for each race shard dealt to
-    it (:func:`~gpuhedge_celery.core.shard_deal.dealt_shards`) over the coordinators whose
-    lease runs in the registry (:class:`~.timer_coordinators.Coordinators`).
+    """A process's timer coordinator: a :class:`TimerService` for each race shard dealt to it
+    (:func:`~gpuhedge_celery.core.shard_deal.dealt_shards`) over the coordinators whose lease
+    runs in the registry (:class:`~.timer_coordinators.Coordinators`), and a helper for each
+    other shard.
 
     A beat thread renews this process's lease every ``beat_ms`` and re-reads the deal: a shard
     dealt to it starts a service at once; a shard dealt elsewhere is kept one more beat (the
@@ -343,12 +363,18 @@ class TimerServices:
     shards too while it keeps firing what it can. When the registry cannot be read at start
     the process claims every shard, and on a later failure it keeps what it holds.
 
+    A helper (``help_behind_ms``) polls a shard held elsewhere every ``help_every_ms`` without
+    wake-up messages and claims only the timers already that late: the shard's holder is
+    behind (one process's CPU saturated while another's idles) or gone (before its lease
+    lapses), so work moves to where there is room and a dead holder's timers wait a poll, not
+    a lease.
+
     The services share one budget of ``threads`` handler threads: each gets a share of it by
     the shards held when it starts (at least 2 when ``threads > 1``, as a batch handler needs),
     so a process holding 12 shards runs about as many handler threads as one holding one,
-    plus a service thread and a pub/sub connection per shard. ``options`` are the services'
-    other keyword arguments (``ahead_ms`` applies only to services with a pool, so it is
-    dropped where the share is one thread).
+    plus a service thread and a pub/sub connection per shard; a helper gets a share by the
+    shard count. ``options`` are the services' other keyword arguments (``ahead_ms`` applies
+    only to services with a pool that are not helpers, so it is dropped elsewhere).
     """
 
     def __init__(
@@ -361,6 +387,8 @@ class TimerServices:
         me: str | None = None,
         beat_ms: int = BEAT_MS,
         coordinator_lease_ms: int = LEASE_MS,
+        help_behind_ms: int = HELP_BEHIND_MS,
+        help_every_ms: int = HELP_EVERY_MS,
         **options: Any,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -370,6 +398,11 @@ class TimerServices:
                 f"beat_ms must be > 0 and under coordinator_lease_ms, got {beat_ms} and "
                 f"{coordinator_lease_ms}"
             )
+        if help_behind_ms < 1 or help_every_ms < 1:
+            raise ValueError(
+                f"help_behind_ms and help_every_ms must be >= 1, got {help_behind_ms} and "
+                f"{help_every_ms}"
+            )
         self.timers = timers
         self.handler = handler
         self.threads = threads
@@ -377,17 +410,20 @@ class TimerServices:
         self.me = me or coordinator_id()
         self.beat_ms = beat_ms
         self.coordinator_lease_ms = coordinator_lease_ms
+        self.help_behind_ms = help_behind_ms
+        self.help_every_ms = help_every_ms
         self.options = options
         shards = timers.shards
         self.coordinators = Coordinators(timers.stores[0].client, shards.prefix, shards.namespace)
         self.last_error: BaseException | None = None
         self._held: dict[int, TimerService] = {}
+        self._helping: dict[int, TimerService] = {}  # the shards held elsewhere
         self._dealt_away: dict[int, int] = {}  # held shard -> beats it has been dealt elsewhere
-        # Services of shards dealt away (their counts still count; a late handler adds to
-        # them), and the threads stopping them.
+        # Services stopped (their counts still count; a late handler adds to them), and the
+        # threads stopping them.
         self._retired: list[TimerService] = []
         self._retiring: list[threading.Thread] = []
-        self._lock = threading.Lock()  # _held, _retired, _retiring
+        self._lock = threading.Lock()  # _held, _helping, _retired, _retiring
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._run, name=f"{name}-beat", daemon=True)
 
@@ -400,14 +436,24 @@ class TimerServices:
         # The re-read only covers a lost wake-up message: spread over the shards held, a
         # process re-reads as often holding 12 shards as holding one.
         options["idle_ms"] = int(options.get("idle_ms", IDLE_MS)) * held
-        count = self.timers.shards.count
         return TimerService(
-            self.timers.stores[shard],
-            self.handler,
-            threads=share,
-            name=self.name if count == 1 else f"{self.name}-{shard}",
+            self.timers.stores[shard], self.handler, threads=share, name=self._named(shard),
             **options,
-        )
+        )  # fmt: skip
+
+    def _helper(self, shard: int) -> TimerService:
+        """A helper for ``shard``, held elsewhere (see the class docstring)."""
+        count = self.timers.shards.count
+        share = 1 if self.threads == 1 else max(2, math.ceil(self.threads / count))
+        options = {k: v for k, v in self.options.items() if k not in ("ahead_ms", "idle_ms")}
+        return TimerService(
+            self.timers.stores[shard], self.handler, threads=share,
+            name=f"{self._named(shard)}-help", idle_ms=self.help_every_ms,
+            behind_ms=self.help_behind_ms, **options,
+        )  # fmt: skip
+
+    def _named(self, shard: int) -> str:
+        return self.name if self.timers.shards.count == 1 else f"{self.name}-{shard}"
 
     def start(self) -> TimerServices:
         """Take this process's part of the shards (every shard when the registry cannot be
@@ -427,7 +473,8 @@ class TimerServices:
         return dealt_shards(self.me, live, self.timers.shards.count)
 
     def _apply(self, dealt: tuple[int, ...]) -> None:
-        """Start services for shards newly dealt here; stop those dealt away two beats running."""
+        """Start services for shards newly dealt here; stop those dealt away two beats running;
+        help every shard not held."""
         stopping: list[TimerService] = []
         with self._lock:
             if self._stop.is_set():
@@ -436,11 +483,17 @@ class TimerServices:
                 self._dealt_away.pop(shard, None)
                 if shard not in self._held:
                     self._held[shard] = self._service(shard, len(dealt)).start()
+                    helper = self._helping.pop(shard, None)
+                    if helper is not None:
+                        stopping.append(helper)
             for shard in [s for s in self._held if s not in dealt]:
                 self._dealt_away[shard] = self._dealt_away.get(shard, 0) + 1
                 if self._dealt_away[shard] >= 2:
                     del self._dealt_away[shard]
                     stopping.append(self._held.pop(shard))
+            for shard in range(self.timers.shards.count):
+                if shard not in self._held and shard not in self._helping:
+                    self._helping[shard] = self._helper(shard).start()
             self._retired.extend(stopping)
             for service in stopping:
                 # its running handlers finish and are acknowledged without holding up the beat
@@ -494,7 +547,7 @@ class TimerServices:
         with contextlib.suppress(Exception):  # a lease left behind lapses on its own
             self.coordinators.leave(self.me)
         with self._lock:
-            services = list(self._held.values())
+            services = [*self._held.values(), *self._helping.values()]
             retiring = list(self._retiring)
         for service in services:
             service._stop.set()  # all stop claiming at once, then each is waited for
@@ -505,9 +558,15 @@ class TimerServices:
 
     @property
     def services(self) -> list[TimerService]:
-        """The services of the shards this process holds, by shard."""
+        """The services of the shards this process holds, by shard (not its helpers)."""
         with self._lock:
             return [self._held[shard] for shard in sorted(self._held)]
+
+    @property
+    def helpers(self) -> list[TimerService]:
+        """The helpers of the shards held elsewhere, by shard."""
+        with self._lock:
+            return [self._helping[shard] for shard in sorted(self._helping)]
 
     @property
     def shards(self) -> tuple[int, ...]:
@@ -522,12 +581,15 @@ class TimerServices:
         services = self.services
         return self._beat.is_alive() and bool(services) and all(s.alive for s in services)
 
+    def _all(self) -> tuple[TimerService, ...]:
+        return (*self._retired, *self._held.values(), *self._helping.values())
+
     @property
     def fired(self) -> int:
         with self._lock:
-            return sum(s.fired for s in (*self._retired, *self._held.values()))
+            return sum(s.fired for s in self._all())
 
     @property
     def failed(self) -> int:
         with self._lock:
-            return sum(s.failed for s in (*self._retired, *self._held.values()))
+            return sum(s.failed for s in self._all())

@@ -60,6 +60,9 @@ class TimerWorkers:
     def now_ms(self) -> int:
         raise NotImplementedError
 
+    def claim_now_ms(self) -> int:
+        raise NotImplementedError
+
     def _fire(self, timer: Timer, work: _Work | None = None) -> bool:
         raise NotImplementedError
 
@@ -90,7 +93,7 @@ class TimerWorkers:
         acks, cancels = self._take_acks(), self.store.take_deferred()
         try:
             claim = self.store.claim(
-                self.now_ms(),
+                self.claim_now_ms(),
                 min(self.batch, free),
                 self.lease_ms,
                 self.ahead_ms,
