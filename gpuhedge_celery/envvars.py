@@ -111,7 +111,7 @@ def _positive(env: Mapping[str, str], name: str, default: D) -> float | D:
     return _float(env, name, default, bound="a positive number")
 
 
-TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
+TIMER_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,100}\Z")
 
 
 def receipt_ttl_s(env: Mapping[str, str]) -> float:

@@ -43,7 +43,7 @@ RACE_TASKS = frozenset({TASK_HEDGED_INFER, TASK_RACE_STEP, TASK_RACE_SUBMIT, TAS
 # -- GPU pools -------------------------------------------------------------------------------
 # A pool's name sits inside a Redis Cluster hash tag (braces would break it), between ':'
 # separators of key names, and in metric labels; whitespace is unreadable in redis-cli.
-_POOL_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_POOL_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}\Z")
 POOL_NAME_RULE = "1-200 letters, digits, '_', '-' or '.'"
 
 

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 
 from .errors import ConfigError
 
-MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _loaded: set[str] = set()
 _dry: ContextVar[bool] = ContextVar("gpuhedge_plugins_dry", default=False)
 

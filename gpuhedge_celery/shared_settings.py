@@ -29,7 +29,7 @@ from .redis_url import (
     redact_url,
 )
 
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
 
 
 def validate_redis_url(url: str, *, source: str = envvars.REDIS_URL_VAR) -> str:

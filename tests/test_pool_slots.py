@@ -110,7 +110,7 @@ class SlotClient:
 
 def test_pool_names_must_be_safe_in_a_hash_tag():
     assert check_pool("gpu-a.1_x") == "gpu-a.1_x"
-    for bad in ("", "a{b", "a}b", "a b", "a:b", "a*", 3):
+    for bad in ("", "a{b", "a}b", "a b", "a:b", "a*", "gpu\n", 3):  # no newline, even last
         with pytest.raises(ValueError, match="invalid pool name"):
             check_pool(bad)  # type: ignore[arg-type]
 

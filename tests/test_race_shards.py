@@ -13,7 +13,7 @@ from redis.crc import key_slot
 from gpuhedge_celery.commands.watch import snapshot
 from gpuhedge_celery.core.clock import VirtualClock
 from gpuhedge_celery.metrics.redis_gauges import RedisGauges
-from gpuhedge_celery.store.race_keys import RaceShards, shard_indexes
+from gpuhedge_celery.store.race_keys import RaceShards, check_name, shard_indexes
 from gpuhedge_celery.store.race_lookup import races_starting_with, recently_finished
 from gpuhedge_celery.store.race_receipts import Finish
 from gpuhedge_celery.store.races import RaceStore
@@ -224,3 +224,10 @@ def test_the_record_streams_together_keep_about_the_cap(redis_client, prefix):
     assert all(100 <= redis_client.xlen(key) <= 300 for key in stream.keys)
     assert 300 <= stream.length() <= 900
     assert RecordStream(redis_client, prefix, maxlen=7, shards=shards).shard_maxlen == 3
+
+
+@pytest.mark.parametrize("bad", ["r1\n", "r 1", "r{1}", ""])
+def test_a_race_id_must_end_where_its_characters_do(bad):
+    # "$" would let a final newline through into a key name and a hash tag
+    with pytest.raises(ValueError, match="invalid race id"):
+        check_name(bad, "race id")

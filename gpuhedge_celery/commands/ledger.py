@@ -23,7 +23,7 @@ import click
 from ..core.budget import to_usd
 from ..errors import ConfigError
 
-_STREAM_ID = re.compile(r"^\d+-\d+$")
+_STREAM_ID = re.compile(r"^\d+-\d+\Z")
 
 
 def since_to_stream_id(since: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 NANO = 1_000_000_000  # nano-dollars per dollar
 ANY_KEY = "*"  # refused as a budget.keys entry: it gave every unlisted key a fresh cap
 UNKNOWN_KEYS = ("refuse", "default")  # budget.unknown_keys: what a key not listed gets
-KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
+KEY_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}\Z")
 
 
 def to_nano(usd: float, *, round_up: bool = False) -> int:

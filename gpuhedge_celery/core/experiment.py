@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-ARM_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
+ARM_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}\Z")
 PERCENTILES = ("p50", "p90", "p95", "p99")
 #: what a plan may name as its primary metric (columns of ``report``'s rows)
 PRIMARY_METRICS = (

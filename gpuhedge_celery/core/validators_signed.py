@@ -43,7 +43,7 @@ from .validator_registry import (
     validator,
 )
 
-ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}\Z")
 SIGNED = "hmac"  # the validator a race's own validator may add to, never replace
 
 

@@ -32,8 +32,8 @@ from .options import Block
 
 DEFAULT_API_URL = "https://api.aws.us-east-1.cerebrium.ai"
 DEFAULT_REST_URL = "https://rest.cerebrium.ai"
-_ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}$")
-_SEGMENT = re.compile(r"^(\$\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z0-9_.\-]+)$")
+_ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}\Z")
+_SEGMENT = re.compile(r"^(\$\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z0-9_.\-]+)\Z")
 
 
 @dataclass(frozen=True)

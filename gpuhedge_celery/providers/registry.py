@@ -22,7 +22,7 @@ from .base import Provider
 from .options import Block
 from .provider_config import ROLES, ProviderConfig
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
 _ADAPTERS: dict[str, type[Provider] | str] = {
     "sim": "gpuhedge_celery.providers.sim:SimProvider",
     "http": "gpuhedge_celery.providers.http:HttpProvider",

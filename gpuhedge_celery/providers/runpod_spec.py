@@ -40,7 +40,7 @@ DEFAULT_GRAPHQL_URL = "https://api.runpod.io/graphql"
 ROUTES = ("run", "status", "cancel")
 DOCUMENTED_LIMITS = {"run": 1000, "status": 2000, "cancel": 100}  # per endpoint, per 10 s
 WEBHOOK_FIELDS = ("race_id", "attempt_id", "token")
-_ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}$")
+_ENV_ONLY = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-[^}]*)?\}\Z")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .keys import under
 
 # A race id or timer namespace becomes part of a hash tag: braces would break the tag, and
 # whitespace or control characters make keys unreadable in redis-cli.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}\Z")
 
 
 def check_name(value: str, what: str) -> str:

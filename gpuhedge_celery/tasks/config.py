@@ -30,7 +30,7 @@ BROKER_SCHEMES = {
     "amqps": "amqp",
     "pyamqp": "amqp",
 }
-GPU_RE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?$")
+GPU_RE = re.compile(r"^[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)?\Z")
 
 
 def default_schedule(env: Mapping[str, str], prefix: str) -> str:
