@@ -430,3 +430,41 @@ def test_the_start_up_warnings_judge_every_primary_not_one_node():
         assert said is not None and "has 1 replicas and GPUHEDGE_REDIS_WAIT_REPLICAS is 0" in said
         assert replication_warning(client, 1) is None
         client.close()
+
+
+class _Nodes:
+    """What ``CLUSTER NODES`` says, as redis-py parses it (a stand-in for the cluster)."""
+
+    def __init__(self, nodes: dict):
+        self.nodes = nodes
+
+    def cluster_nodes(self) -> dict:
+        return self.nodes
+
+
+def _node(flags: str, slots=(("0", "100"),), hostname: str = "") -> dict:
+    return {"flags": flags, "slots": [list(s) for s in slots], "hostname": hostname}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "known", "missing"),
+    [
+        ({"10.0.0.1:7000": _node("master")}, {"10.0.0.1:7000"}, []),
+        ({"10.0.0.2:7001": _node("master")}, {"10.0.0.1:7000"}, ["10.0.0.2:7001"]),
+        # announced by hostname: the client names it so
+        ({"10.0.0.1:7000": _node("master", hostname="vm")}, {"vm:7000"}, []),
+        # a lone node that never learned its own address
+        ({":7000": _node("myself,master")}, {"127.0.0.1:7000"}, []),
+        # a master that may not fail over is still a master ("fail" is a flag, not a substring)
+        ({"10.0.0.2:7001": _node("master,nofailover")}, {"10.0.0.1:7000"}, ["10.0.0.2:7001"]),
+        # failed, suspected, joining, slotless or a replica: nothing to listen to
+        ({"10.0.0.2:7001": _node("master,fail")}, set(), []),
+        ({"10.0.0.2:7001": _node("master,fail?")}, set(), []),
+        ({"10.0.0.2:7001": _node("master,handshake")}, set(), []),
+        ({"10.0.0.2:7001": _node("master", slots=())}, set(), []),
+        ({"10.0.0.2:7001": _node("slave")}, set(), []),
+    ],
+)
+def test_the_primaries_a_listener_misses_are_named_by_address_or_hostname(nodes, known, missing):
+    client = ClusterClient(_Nodes(nodes), parse_cluster_url("redis+cluster://10.0.0.1:7000/0"))
+    assert client.primaries_not_in(frozenset(known)) == missing

@@ -99,16 +99,26 @@ class ClusterClient:
         """``host:port`` of the primaries this client routes to (its cached topology)."""
         return frozenset(node.name for node in self.cluster.get_primaries())
 
-    def serving_primaries(self) -> frozenset[str]:
-        """``host:port`` of the nodes that own slots now, as one node of the cluster tells (one
-        round trip): a promoted replica or an added primary shows here before this client's
-        own topology follows."""
-        nodes = self.cluster.cluster_nodes()
-        return frozenset(
-            address
-            for address, info in nodes.items()
-            if "master" in info["flags"] and "fail" not in info["flags"] and info.get("slots")
-        )
+    def primaries_not_in(self, known: frozenset[str]) -> list[str]:
+        """``host:port`` of each healthy primary owning slots now, as one node of the cluster
+        tells (one round trip), that none of the ``known`` names (``host:port``, as this
+        client names nodes) is: a promoted replica or an added primary shows here before this
+        client's own topology follows. A node is matched by its address or its announced
+        hostname, and one that never learned its own address by its port alone."""
+        missing = []
+        for address, info in self.cluster.cluster_nodes().items():
+            flags = set(str(info.get("flags", "")).split(","))
+            unhealthy = flags & {"fail", "fail?", "handshake", "noaddr"}
+            if "master" not in flags or unhealthy or not info.get("slots"):
+                continue
+            host, _, port = address.rpartition(":")
+            names = {address}
+            if info.get("hostname"):
+                names.add(f"{info['hostname']}:{port}")
+            if names & known or (not host and any(k.rpartition(":")[2] == port for k in known)):
+                continue
+            missing.append(address)
+        return sorted(missing)
 
     def primary_clients(self) -> list[tuple[str, redis.Redis]]:
         """``(host:port, client)`` of each primary this client routes to: for what each node

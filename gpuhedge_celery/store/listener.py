@@ -226,6 +226,8 @@ class KeyspaceListener:
         self._pubsub: Any = None
         self._thread: threading.Thread | None = None
         self._topology_at = 0.0  # when a cluster's primaries are next compared with ours
+        self._topology_every = TOPOLOGY_EVERY_S  # grows while the same primaries stay missing
+        self._missing: list[str] = []  # what the last comparison found unsubscribed
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, timeout_s: float = 5.0) -> KeyspaceListener:
@@ -342,11 +344,12 @@ class KeyspaceListener:
                         self._ready.set()
                         backoff = 0.05
                     msg = self._pubsub.get_message(timeout=0.2)
-                    if msg is None and self._primaries_changed():
+                    if msg is not None:
+                        self._dispatch(msg)
+                    if self._primaries_changed():
                         # a promoted replica or an added primary publishes its own keys'
                         # events only: subscribe again on the primaries there are now
                         self._drop(None)
-                        continue
                 except Exception as e:  # noqa: BLE001 - a listener that dies leaves waiters deaf
                     if not isinstance(e, redis.ConnectionError | redis.TimeoutError | OSError):
                         log.error("lease event listener failed (%r); reconnecting", e)
@@ -358,26 +361,34 @@ class KeyspaceListener:
                         return
                     self._stopped.wait(backoff)
                     backoff = min(backoff * 2, 1.0)
-                    continue
-                if msg is not None:
-                    self._dispatch(msg)
         finally:
             self._drop(None)
 
     def _primaries_changed(self) -> bool:
-        """On a cluster, every ``TOPOLOGY_EVERY_S``: whether a primary owning slots is one not
-        subscribed to (the client's topology is read again when so). One subscribed to that
-        no longer is (failed, demoted) is left alone: a failed one breaks the connection."""
+        """On a cluster, every ``TOPOLOGY_EVERY_S`` whether messages flow or not: whether a
+        primary owning slots is one not subscribed to (the client's topology is read again
+        when so). One subscribed to that no longer is (failed, demoted) is left alone: a failed
+        one breaks the connection. The same primaries still missing after subscribing again
+        (a name this client cannot reach them by) are checked less and less often, up to
+        once a minute, so they never cause a storm of subscriptions."""
         if not isinstance(self.client, ClusterClient) or time.monotonic() < self._topology_at:
             return False
-        self._topology_at = time.monotonic() + TOPOLOGY_EVERY_S
         try:
-            serving = self.client.serving_primaries()
+            missing = self.client.primaries_not_in(self._pubsub.primaries)
         except redis.RedisError:  # the node asked is gone: the subscriptions will say so
+            missing = []
+        if missing and missing == self._missing:
+            self._topology_every = min(self._topology_every * 2, 60.0)
+            if self._topology_every == 60.0:
+                log.warning("cluster primaries %s stay unsubscribed: no node name reaches them",
+                            missing)  # fmt: skip
+        elif not missing:
+            self._topology_every = TOPOLOGY_EVERY_S
+        self._missing = missing
+        self._topology_at = time.monotonic() + self._topology_every
+        if not missing:
             return False
-        if serving <= self._pubsub.primaries:
-            return False
-        log.info("cluster primaries now %s: lease events subscribed again", sorted(serving))
+        log.info("cluster primaries %s not listened to: lease events subscribed again", missing)
         self._refresh_topology()
         return True
 
@@ -412,8 +423,8 @@ class KeyspaceListener:
         Sentinel, or a restarted Redis, that never had them."""
         try:
             self.notifications = enable_notifications(self.client)
-        except StoreUnavailable:  # gone again: the next reconnect tries once more
-            pass
+        except Exception as e:  # noqa: BLE001 - gone again: the next reconnect tries once more
+            log.debug("switching key events on again failed: %r", e)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]

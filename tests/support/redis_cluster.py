@@ -113,8 +113,32 @@ class LocalCluster:
         self._wait_id(node, time.monotonic() + START_S)
         with self.client(self.nodes[0]) as c:
             c.execute_command("CLUSTER MEET", "127.0.0.1", node.port, node.bus_port)
+        self._wait_known()
         self.wait_agreed()
         return node
+
+    def _wait_known(self) -> None:
+        """Until every live node lists every live node (a master without slots shows in no
+        slot map, and a slot may be given only to a node every node knows)."""
+        deadline = time.monotonic() + START_S
+        live = self._live()
+        ids = {n.node_id for n in live}
+        while True:
+            try:
+                if all(self._known_ids(n) >= ids for n in live):
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the nodes did not all meet the new one")
+            time.sleep(0.05)
+
+    def _known_ids(self, node: ClusterNodeProcess) -> set[str]:
+        with self.client(node) as c:
+            found = c.execute_command("CLUSTER NODES")
+        if isinstance(found, dict):
+            return {info["node_id"] for info in found.values()}
+        return {line.split()[0] for line in str(found).splitlines() if line.strip()}
 
     def replica_of(self, master: ClusterNodeProcess) -> ClusterNodeProcess:
         """The node that replicates ``master``."""
