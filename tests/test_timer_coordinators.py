@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import redis
 
-from gpuhedge_celery.core.shard_deal import dealt_shards
+from gpuhedge_celery.core.shard_deal import dealt_shards, helped_shards
 from gpuhedge_celery.store.race_keys import RaceShards, shard_of
 from gpuhedge_celery.store.timer_coordinators import HELP_BEHIND_MS, Coordinators
 from gpuhedge_celery.store.timer_service import TimerServices
@@ -39,6 +39,21 @@ def test_every_shard_is_claimed_and_the_work_is_spread_evenly(n, count):
         assert set(claimers.values()) == {1}
     else:  # more coordinators than shards: each holds one, the shards' claimers differ by <= 1
         assert held == [1] * n and max(claimers.values()) - min(claimers.values()) <= 1
+
+
+@pytest.mark.parametrize(("n", "count"), list(itertools.product(range(1, 8), range(1, 8))))
+def test_each_shard_with_one_holder_has_one_helper_and_helping_grows_with_shards(n, count):
+    names = [f"c{i}" for i in range(n)]
+    held = deal(names, count)
+    helped = {me: helped_shards(me, names, count) for me in names}
+    holders = Counter(shard for shards in held.values() for shard in shards)
+    helpers = Counter(shard for shards in helped.values() for shard in shards)
+    for shard in range(count):
+        alone = holders[shard] == 1 and n > 1
+        assert helpers[shard] == (1 if alone else 0)  # helped where nobody else claims it
+    for me in names:
+        assert not set(helped[me]) & set(held[me])  # never a shard it holds
+    assert sum(helpers.values()) <= count  # polls grow with shards, not with n x shards
 
 
 def test_with_one_shard_every_coordinator_claims_it():
@@ -128,6 +143,7 @@ class Firing:
 
 def crash(coordinator: TimerServices) -> None:
     """Stop firing without ending the lease, as a killed process does."""
+    coordinator.coordinators.leave = lambda me: []  # type: ignore[method-assign]
     coordinator._stop.set()
     for service in [*coordinator.services, *coordinator.helpers]:
         service.stop()
@@ -404,3 +420,29 @@ def test_a_dead_holder_s_timers_are_fired_by_the_others_before_its_lease_lapses(
         assert firing.coordinators["a"].shards == (1 - b_shard,)  # still dealt to b
     finally:
         firing.stop()
+
+
+def test_a_helper_that_cannot_start_leaves_no_service_running(redis_client, prefix):
+    timers = RaceTimers(redis_client, RaceShards(prefix, count=2))
+    a = TimerServices(timers, print, me="a", name="orphan-a", threads=2, **BEAT)
+    real, calls = a._helper, []
+
+    def failing(shard):
+        calls.append(shard)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        return real(shard)
+
+    a._helper = failing  # type: ignore[method-assign]
+    a.start()
+    b = TimerServices(timers, print, me="b", name="orphan-b", threads=2, **BEAT).start()
+    try:  # a's shard given to b: a's service for it must stop although its helper failed once
+        wait_for(lambda: len(a.shards) == 1 and len(a.helpers) == 1, 5, "a helps after a failure")
+    finally:
+        a.stop()
+        b.stop()
+
+    def running():
+        return [t.name for t in threading.enumerate() if t.name.startswith("orphan-a")]
+
+    wait_for(lambda: not running(), 5, "none of a's threads left")

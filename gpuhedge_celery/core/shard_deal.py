@@ -30,3 +30,23 @@ def dealt_shards(me: str, coordinators: Iterable[str], count: int) -> tuple[int,
     alive = sorted(set(coordinators) | {me})
     n = len(alive)
     return tuple(sorted({q % count for q in range(alive.index(me), max(n, count), n)}))
+
+
+def helped_shards(me: str, coordinators: Iterable[str], count: int) -> tuple[int, ...]:
+    """The shards coordinator ``me`` helps with (claims their timers once they are late) among
+    ``coordinators``: a shard with one holder is helped by the coordinator after that holder in
+    sorted order, so it has one helper and a process helps with about as many shards as it
+    holds, however many coordinators there are. A shard with several holders (more
+    coordinators than shards) needs none, nor does a coordinator alone."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"shard count must be a whole number >= 1, got {count!r}")
+    alive = sorted(set(coordinators) | {me})
+    n = len(alive)
+    seats = max(n, count)
+    mine = alive.index(me)
+    # seat q pairs shard q mod count with coordinator q mod n: shard k's seats are k, k + count...
+    return tuple(
+        k
+        for k in range(count)
+        if n > 1 and len(range(k, seats, count)) == 1 and (k % n + 1) % n == mine
+    )

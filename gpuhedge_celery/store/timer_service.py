@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.clock import Clock, WallClock
-from ..core.shard_deal import dealt_shards
+from ..core.shard_deal import dealt_shards, helped_shards
 from ..metrics import record as metrics
 from .timer_coordinators import (
     BEAT_MS,
@@ -367,7 +367,9 @@ class TimerServices:
     wake-up messages and claims only the timers already that late: the shard's holder is
     behind (one process's CPU saturated while another's idles) or gone (before its lease
     lapses), so work moves to where there is room and a dead holder's timers wait a poll, not
-    a lease.
+    a lease. Each shard with one holder has one helper, the next coordinator
+    (:func:`~gpuhedge_celery.core.shard_deal.helped_shards`), so the polls grow with the
+    shards, not with coordinators times shards.
 
     The services share one budget of ``threads`` handler threads: each gets a share of it by
     the shards held when it starts (at least 2 when ``threads > 1``, as a batch handler needs),
@@ -459,53 +461,63 @@ class TimerServices:
         """Take this process's part of the shards (every shard when the registry cannot be
         read now) and start the beat thread; returns self."""
         try:
-            dealt = self._deal()
+            deal = self._deal()
         except Exception as e:
             log.warning("timer coordinators unreadable (%s): claiming every shard for now", e)
             self.last_error = e
-            dealt = tuple(range(self.timers.shards.count))
-        self._apply(dealt)
+            deal = (tuple(range(self.timers.shards.count)), ())
+        self._apply(*deal)
         self._beat.start()
         return self
 
-    def _deal(self) -> tuple[int, ...]:
+    def _deal(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Renew the lease; the shards to hold and those to help with."""
         live = self.coordinators.beat(self.me, self.coordinator_lease_ms)
-        return dealt_shards(self.me, live, self.timers.shards.count)
+        count = self.timers.shards.count
+        return dealt_shards(self.me, live, count), helped_shards(self.me, live, count)
 
-    def _apply(self, dealt: tuple[int, ...]) -> None:
+    def _apply(self, dealt: tuple[int, ...], helped: tuple[int, ...]) -> None:
         """Start services for shards newly dealt here; stop those dealt away two beats running;
-        help every shard not held."""
+        help with the shards given to help with."""
         stopping: list[TimerService] = []
         with self._lock:
             if self._stop.is_set():
                 return
-            for shard in dealt:
-                self._dealt_away.pop(shard, None)
-                if shard not in self._held:
-                    self._held[shard] = self._service(shard, len(dealt)).start()
-                    helper = self._helping.pop(shard, None)
-                    if helper is not None:
-                        stopping.append(helper)
-            for shard in [s for s in self._held if s not in dealt]:
-                self._dealt_away[shard] = self._dealt_away.get(shard, 0) + 1
-                if self._dealt_away[shard] >= 2:
-                    del self._dealt_away[shard]
-                    stopping.append(self._held.pop(shard))
-            for shard in range(self.timers.shards.count):
-                if shard not in self._held and shard not in self._helping:
-                    self._helping[shard] = self._helper(shard).start()
-            self._retired.extend(stopping)
-            for service in stopping:
-                # its running handlers finish and are acknowledged without holding up the beat
-                retire = threading.Thread(
-                    target=service.stop,
-                    args=(service.lease_ms / 1000,),  # a handler running longer is redelivered
-                    name=f"{self.name}-retire",
-                    daemon=True,
-                )
-                retire.start()
-                self._retiring.append(retire)
-            self._retiring = [t for t in self._retiring if t.is_alive()]
+            try:
+                for shard in dealt:
+                    self._dealt_away.pop(shard, None)
+                    if shard not in self._held:
+                        self._held[shard] = self._service(shard, len(dealt)).start()
+                for shard in [s for s in self._held if s not in dealt]:
+                    self._dealt_away[shard] = self._dealt_away.get(shard, 0) + 1
+                    if self._dealt_away[shard] >= 2:
+                        del self._dealt_away[shard]
+                        stopping.append(self._held.pop(shard))
+                for shard in [s for s in self._helping if s not in helped or s in self._held]:
+                    stopping.append(self._helping.pop(shard))
+                for shard in helped:
+                    if shard not in self._held and shard not in self._helping:
+                        self._helping[shard] = self._helper(shard).start()
+            finally:  # what was taken out is stopped even when starting another failed
+                self._retired.extend(stopping)
+                for service in stopping:
+                    self._retire(service)
+                self._retiring = [t for t in self._retiring if t.is_alive()]
+
+    def _retire(self, service: TimerService) -> None:
+        """Stop ``service`` in the background: its running handlers finish and are acknowledged
+        without holding up the beat (a handler running past its claim's lease is delivered
+        again anyway, so that is as long as it is waited for)."""
+        try:
+            retire = threading.Thread(
+                target=service.stop, args=(service.lease_ms / 1000,),
+                name=f"{self.name}-retire", daemon=True,
+            )  # fmt: skip
+            retire.start()
+        except RuntimeError:  # no thread to spare: stop it claiming now, unwaited
+            service.stop(0)
+            return
+        self._retiring.append(retire)
 
     def _run(self) -> None:
         stalled = False
@@ -520,18 +532,21 @@ class TimerServices:
                     stalled = True
                     continue
                 stalled = False
-                dealt = self._deal()
+                deal = self._deal()
             except Exception as e:  # keep what this process holds; the next beat retries
                 self.last_error = e
                 log.warning("timer coordinator beat failed: %s; keeping its shards", e)
                 continue
             try:
-                self._apply(dealt)
+                self._apply(*deal)
             except Exception as e:  # leased but not firing its part: let the others have it
                 self.last_error = e
                 log.error("timer coordinator %s could not take its shards: %s", self.me, e)
                 with contextlib.suppress(Exception):
                     self.coordinators.leave(self.me)
+        if self._stop.is_set():  # a beat still running when stop() left must not outlast it
+            with contextlib.suppress(Exception):
+                self.coordinators.leave(self.me)
 
     def _stalled(self) -> bool:
         limit_s = self.coordinator_lease_ms / 1000
