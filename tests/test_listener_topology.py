@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 import redis
@@ -122,5 +123,23 @@ def test_a_pool_s_primary_killed_is_replaced_and_its_waiters_woken_again(cluster
         )  # fmt: skip
         assert f"127.0.0.1:{promoted.port}" in listener.primaries
         assert listener.reconnects >= 1
+    finally:
+        listener.close()
+
+
+def test_a_failing_topology_check_is_retried_on_its_timer_not_in_a_storm(cluster, monkeypatch):
+    from redis.exceptions import RedisClusterException
+
+    client, listener, key = listening(cluster)
+    try:
+
+        def failing(known):
+            raise RedisClusterException("All slots are not covered after query all startup_nodes")
+
+        monkeypatch.setattr(listener.client, "primaries_not_in", failing)
+        before = listener.reconnects
+        time.sleep(2 * TOPOLOGY_EVERY_S + 0.5)
+        assert listener.reconnects == before  # nothing dropped, nobody woken for it
+        assert woken_twice(client, listener, key)  # and the events still flow
     finally:
         listener.close()

@@ -446,3 +446,23 @@ def test_a_helper_that_cannot_start_leaves_no_service_running(redis_client, pref
         return [t.name for t in threading.enumerate() if t.name.startswith("orphan-a")]
 
     wait_for(lambda: not running(), 5, "none of a's threads left")
+
+
+def test_a_service_that_cannot_start_its_thread_undoes_what_did_start(redis_client, prefix):
+    from gpuhedge_celery.store.timer_service import TimerService
+
+    (store,) = RaceTimers(redis_client, RaceShards(prefix)).stores
+    service = TimerService(store, print, threads=2, name="half-started")
+
+    def no_thread():
+        raise RuntimeError("can't start new thread")
+
+    service._thread.start = no_thread  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        service.start()
+    assert not store.claims_carry_cancels  # its cancels are sent at once again
+
+    def left():
+        return [t for t in threading.enumerate() if t.name.startswith("half-started")]
+
+    wait_for(lambda: not left(), 5, "its worker threads gone")

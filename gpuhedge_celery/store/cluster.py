@@ -107,7 +107,8 @@ class ClusterClient:
         hostname, and one that never learned its own address by its port alone."""
         missing = []
         for address, info in self.cluster.cluster_nodes().items():
-            flags = set(str(info.get("flags", "")).split(","))
+            raw = info.get("flags", "")
+            flags = set(raw.split(",") if isinstance(raw, str) else raw)
             unhealthy = flags & {"fail", "fail?", "handshake", "noaddr"}
             if "master" not in flags or unhealthy or not info.get("slots"):
                 continue

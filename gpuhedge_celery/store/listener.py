@@ -370,24 +370,24 @@ class KeyspaceListener:
         when so). One subscribed to that no longer is (failed, demoted) is left alone: a failed
         one breaks the connection. The same primaries still missing after subscribing again
         (a name this client cannot reach them by) are checked less and less often, up to
-        once a minute, so they never cause a storm of subscriptions."""
+        twice a minute, so they never cause a storm of subscriptions."""
         if not isinstance(self.client, ClusterClient) or time.monotonic() < self._topology_at:
             return False
+        self._topology_at = time.monotonic() + self._topology_every  # whatever happens below
         try:
             missing = self.client.primaries_not_in(self._pubsub.primaries)
-        except redis.RedisError:  # the node asked is gone: the subscriptions will say so
-            missing = []
-        if missing and missing == self._missing:
-            self._topology_every = min(self._topology_every * 2, 60.0)
-            if self._topology_every == 60.0:
+        except Exception as e:  # noqa: BLE001 - the node asked is gone: the connections will say
+            log.debug("reading the cluster's primaries failed: %r", e)
+            return False
+        if not missing:
+            self._topology_every, self._missing = TOPOLOGY_EVERY_S, []
+            return False
+        if missing == self._missing:  # subscribed again last time, and still not reached
+            self._topology_every = min(self._topology_every * 2, 30.0)
+            if self._topology_every == 30.0:
                 log.warning("cluster primaries %s stay unsubscribed: no node name reaches them",
                             missing)  # fmt: skip
-        elif not missing:
-            self._topology_every = TOPOLOGY_EVERY_S
         self._missing = missing
-        self._topology_at = time.monotonic() + self._topology_every
-        if not missing:
-            return False
         log.info("cluster primaries %s not listened to: lease events subscribed again", missing)
         self._refresh_topology()
         return True

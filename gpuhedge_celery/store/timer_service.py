@@ -162,11 +162,15 @@ class TimerService(TimerWorkers):
 
         With worker threads, the store's deferred cancels (:meth:`TimerStore.defer_cancels`)
         ride in this service's claims from now until :meth:`stop`."""
-        self._start_workers()
-        if self.threads > 1:
-            self.store.carry_cancels(True)
-            self._carrying = True
-        self._thread.start()
+        try:
+            self._start_workers()
+            if self.threads > 1:
+                self.store.carry_cancels(True)
+                self._carrying = True
+            self._thread.start()
+        except BaseException:  # half started (no thread to spare): undo what did start
+            self.stop(0)
+            raise
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -424,6 +428,8 @@ class TimerServices:
         # Services stopped (their counts still count; a late handler adds to them), and the
         # threads stopping them.
         self._retired: list[TimerService] = []
+        self._retired_counts = [0, 0]  # fired, failed of retired services forgotten since
+        self._unhelped: dict[int, int] = {}  # helped shard -> beats it has not been given
         self._retiring: list[threading.Thread] = []
         self._lock = threading.Lock()  # _held, _helping, _retired, _retiring
         self._stop = threading.Event()
@@ -494,7 +500,13 @@ class TimerServices:
                         del self._dealt_away[shard]
                         stopping.append(self._held.pop(shard))
                 for shard in [s for s in self._helping if s not in helped or s in self._held]:
-                    stopping.append(self._helping.pop(shard))
+                    # kept one more beat like a held shard, unless held here now
+                    self._unhelped[shard] = self._unhelped.get(shard, 0) + 1
+                    if self._unhelped[shard] >= 2 or shard in self._held:
+                        del self._unhelped[shard]
+                        stopping.append(self._helping.pop(shard))
+                for shard in helped:
+                    self._unhelped.pop(shard, None)
                 for shard in helped:
                     if shard not in self._held and shard not in self._helping:
                         self._helping[shard] = self._helper(shard).start()
@@ -503,6 +515,15 @@ class TimerServices:
                 for service in stopping:
                     self._retire(service)
                 self._retiring = [t for t in self._retiring if t.is_alive()]
+                self._fold_retired()
+
+    def _fold_retired(self) -> None:
+        """Count the retired services that are done for good and forget them (held lock)."""
+        done = [s for s in self._retired if not s.alive and not s.running]
+        for service in done:
+            self._retired_counts[0] += service.fired
+            self._retired_counts[1] += service.failed
+        self._retired = [s for s in self._retired if s not in done]
 
     def _retire(self, service: TimerService) -> None:
         """Stop ``service`` in the background: its running handlers finish and are acknowledged
@@ -602,9 +623,9 @@ class TimerServices:
     @property
     def fired(self) -> int:
         with self._lock:
-            return sum(s.fired for s in self._all())
+            return self._retired_counts[0] + sum(s.fired for s in self._all())
 
     @property
     def failed(self) -> int:
         with self._lock:
-            return sum(s.failed for s in self._all())
+            return self._retired_counts[1] + sum(s.failed for s in self._all())
