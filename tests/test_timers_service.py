@@ -492,7 +492,10 @@ def test_a_lone_acknowledgement_rides_in_the_next_claim_and_stop_sends_what_wait
     finally:
         service.stop()
     # a service that claims again only after 10 s: the acknowledgement waits until stop
-    slow = TimerService(store, recorder, threads=2, idle_ms=10_000, ack_delay_ms=5000).start()
+    # (a delay of 19 s: a loaded machine may hold this thread up for seconds)
+    slow = TimerService(
+        store, recorder, threads=2, idle_ms=20_000, lease_ms=20_000, ack_delay_ms=19_000
+    ).start()
     try:
         store.arm("race2|t", now_ms(), {})
         wait_for(lambda: len(recorder.fired) == 2, 5, "the second firing")
