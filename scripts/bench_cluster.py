@@ -25,12 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,30 +37,7 @@ from gpuhedge_celery.bench.race_capacity import capacity_row  # noqa: E402
 from gpuhedge_celery.bench.races import bench_cluster  # noqa: E402
 from gpuhedge_celery.envvars import CLUSTER_RACE_SHARDS  # noqa: E402
 from tests.support.redis_cluster import LocalCluster  # noqa: E402
-from tests.support.redis_server import free_port  # noqa: E402
-
-
-def _plain_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    """A private plain redis-server for Celery's broker and results."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    import redis
-
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            redis.Redis.from_url(url).ping()
-            return proc, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("the broker's redis-server did not start")
+from tests.support.redis_server import start_redis_server  # noqa: E402
 
 
 def _side(args: argparse.Namespace, cluster: LocalCluster | None, broker: str | None) -> dict:
@@ -94,8 +67,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="gpuhedge-bench-cluster-")
-    broker_proc, broker = _plain_redis(workdir)
+    broker_server = start_redis_server()  # Celery's broker and results
+    broker = broker_server.url
     pairs: list[dict[str, Any]] = []
     try:
         for _ in range(args.pairs):
@@ -113,9 +86,7 @@ def main() -> None:
                 }
             )
     finally:
-        broker_proc.kill()
-        broker_proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
+        broker_server.stop()
     summary = {
         key: statistics.median(p[key] for p in pairs)
         for key in ("summed_cpu_vs_single", "projected_capacity_vs_single")

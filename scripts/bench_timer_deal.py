@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.redis_server import free_port  # noqa: E402
+from tests.support.redis_server import start_redis_server  # noqa: E402
 
 KEEP = (
     "processes",
@@ -55,26 +55,19 @@ def _unpack(ref: str, into: Path) -> Path:
     return into
 
 
-def _side(tree: Path, args: argparse.Namespace, concurrency: int, workdir: str) -> list[dict]:
-    port = free_port()
-    server = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-         "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+def _side(tree: Path, args: argparse.Namespace, concurrency: int) -> list[dict]:
+    server = start_redis_server()
     try:
         env = dict(os.environ, PYTHONPATH=str(tree))
         out = subprocess.run(
             [sys.executable, "-m", "gpuhedge_celery", "--redis-url",
-             f"redis://127.0.0.1:{port}/0", "bench", "timers", "--json", "--timers",
+             server.url, "bench", "timers", "--json", "--timers",
              str(args.timers), "--shards", str(args.shards), "--threads", str(args.threads),
              "--concurrency", str(concurrency), "--window", str(args.window)],
             cwd=tree, env=env, check=True, capture_output=True, text=True, timeout=600,
         ).stdout  # fmt: skip
     finally:
-        server.kill()
-        server.wait(10)
+        server.stop()
     rows = json.loads(out[out.index("{") :])["results"]
     return [{key: row.get(key) for key in KEEP} for row in rows]
 
@@ -97,7 +90,7 @@ def main() -> None:
             for pair in range(args.pairs):
                 sides = [("baseline", baseline), ("this tree", ROOT)]
                 for name, tree in sides if pair % 2 == 0 else sides[::-1]:
-                    for row in _side(tree, args, concurrency, workdir):
+                    for row in _side(tree, args, concurrency):
                         runs.append({"side": name, "pair": pair, "concurrency": concurrency, **row})
                         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:

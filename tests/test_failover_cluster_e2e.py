@@ -15,8 +15,6 @@ pooled jobs run one per GPU at a time before and after."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import pytest
@@ -27,6 +25,7 @@ from tests.support.faults import (
     double_holds,
     run_intervals,
     send_race,
+    stacks_on_failure,
     start_fault_cluster,
 )
 from tests.support.redis_cluster import LocalCluster
@@ -44,7 +43,7 @@ def test_races_ride_through_a_cluster_failover_and_a_killed_primary(tmp_path, pl
             store.url, tmp_path, deadline_s=60.0, gpus=2, broker_url=plain_redis_url,
             GPUHEDGE_REDIS_WAIT_REPLICAS="1",
         )  # fmt: skip
-        try:
+        with stacks_on_failure(cluster):
             before = pooled_jobs(cluster, "before")
             for _ in range(2):  # warm both coordinators
                 send_race(cluster, QUICK_REQUEST).get(timeout=30)
@@ -68,13 +67,4 @@ def test_races_ride_through_a_cluster_failover_and_a_killed_primary(tmp_path, pl
                 "seconds": round(time.monotonic() - started, 1),
                 "pooled_jobs": len(before) + len(after),
             }  # fmt: skip
-        except BaseException:
-            for worker in cluster.workers:  # Celery answers SIGUSR1 with every thread's stack
-                if worker.alive():
-                    os.kill(worker.pid, signal.SIGUSR1)
-            time.sleep(1.0)
-            print(cluster.logs())
-            raise
-        finally:
-            cluster.close()
     print(json.dumps({"fault": "cluster_failovers", "broker": "redis", **figures}))

@@ -22,8 +22,6 @@ Celery result is written without ``WAIT``): that is not covered here (``docs/ope
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import pytest
@@ -36,6 +34,7 @@ from tests.support.faults import (
     double_holds,
     run_intervals,
     send_race,
+    stacks_on_failure,
     start_fault_cluster,
 )
 from tests.support.sentinel import SentinelGroup
@@ -55,7 +54,7 @@ def ride_through(group, tmp_path, broker_url, lossy: bool) -> dict:
         url, tmp_path, deadline_s=60.0, gpus=2, broker_url=broker_url,
         GPUHEDGE_REDIS_WAIT_REPLICAS="2",
     )  # fmt: skip
-    try:
+    with stacks_on_failure(cluster):
         before = pooled_jobs(cluster, "before")
         for _ in range(2):  # warm both coordinators
             send_race(cluster, QUICK_REQUEST).get(timeout=30)
@@ -84,15 +83,6 @@ def ride_through(group, tmp_path, broker_url, lossy: bool) -> dict:
             "seconds": round(time.monotonic() - started, 1),
             "pooled_jobs": len(before) + len(after),
         }  # fmt: skip
-    except BaseException:
-        for worker in cluster.workers:  # Celery answers SIGUSR1 with every thread's stack
-            if worker.alive():
-                os.kill(worker.pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        print(cluster.logs())
-        raise
-    finally:
-        cluster.close()
 
 
 def pooled_jobs(cluster, tag: str) -> list[dict]:

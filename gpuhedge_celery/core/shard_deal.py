@@ -25,9 +25,7 @@ def dealt_shards(me: str, coordinators: Iterable[str], count: int) -> tuple[int,
     ``me`` counts as alive whether or not it is listed (its own lease may have lapsed while
     it could not reach Redis; it still claims its part rather than nothing).
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"shard count must be a whole number >= 1, got {count!r}")
-    alive = sorted(set(coordinators) | {me})
+    alive = _alive(me, coordinators, count)
     n = len(alive)
     return tuple(sorted({q % count for q in range(alive.index(me), max(n, count), n)}))
 
@@ -38,9 +36,7 @@ def helped_shards(me: str, coordinators: Iterable[str], count: int) -> tuple[int
     sorted order, so it has one helper and a process helps with about as many shards as it
     holds, however many coordinators there are. A shard with several holders (more
     coordinators than shards) needs none, nor does a coordinator alone."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"shard count must be a whole number >= 1, got {count!r}")
-    alive = sorted(set(coordinators) | {me})
+    alive = _alive(me, coordinators, count)
     n = len(alive)
     seats = max(n, count)
     mine = alive.index(me)
@@ -50,3 +46,10 @@ def helped_shards(me: str, coordinators: Iterable[str], count: int) -> tuple[int
         for k in range(count)
         if n > 1 and len(range(k, seats, count)) == 1 and (k % n + 1) % n == mine
     )
+
+
+def _alive(me: str, coordinators: Iterable[str], count: int) -> list[str]:
+    """The coordinators in sorted order, ``me`` among them; ValueError for a bad count."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"shard count must be a whole number >= 1, got {count!r}")
+    return sorted(set(coordinators) | {me})

@@ -22,8 +22,8 @@ from .timers import as_text, store_errors
 
 LEASE_MS = 1_000  # a coordinator silent this long is dead to the others
 BEAT_MS = 250  # how often a coordinator renews its lease and re-reads the deal
-HELP_BEHIND_MS = 50  # a shard's timers this late are claimed by the other coordinators too
-HELP_EVERY_MS = 50  # how often a coordinator looks for them on each shard it does not hold
+HELP_BEHIND_MS = 50  # a shard's timers this late are claimed by its helper too
+HELP_EVERY_MS = 50  # how often a helper looks for them
 
 
 def coordinator_id() -> str:

@@ -351,6 +351,16 @@ class TimerService(TimerWorkers):
         self._close_pubsub()
 
 
+def _second_beat(away: dict[int, int], shard: int) -> bool:
+    """Count one more beat ``shard`` went without being given here; True, and forgotten, at
+    the second (a shard is kept one beat in case the others have not read the deal yet)."""
+    away[shard] = away.get(shard, 0) + 1
+    if away[shard] < 2:
+        return False
+    del away[shard]
+    return True
+
+
 class TimerServices:
     """A process's timer coordinator: a :class:`TimerService` for each race shard dealt to it
     (:func:`~gpuhedge_celery.core.shard_deal.dealt_shards`) over the coordinators whose lease
@@ -495,15 +505,12 @@ class TimerServices:
                     if shard not in self._held:
                         self._held[shard] = self._service(shard, len(dealt)).start()
                 for shard in [s for s in self._held if s not in dealt]:
-                    self._dealt_away[shard] = self._dealt_away.get(shard, 0) + 1
-                    if self._dealt_away[shard] >= 2:
-                        del self._dealt_away[shard]
+                    if _second_beat(self._dealt_away, shard):
                         stopping.append(self._held.pop(shard))
                 for shard in [s for s in self._helping if s not in helped or s in self._held]:
                     # kept one more beat like a held shard, unless held here now
-                    self._unhelped[shard] = self._unhelped.get(shard, 0) + 1
-                    if self._unhelped[shard] >= 2 or shard in self._held:
-                        del self._unhelped[shard]
+                    if _second_beat(self._unhelped, shard) or shard in self._held:
+                        self._unhelped.pop(shard, None)
                         stopping.append(self._helping.pop(shard))
                 for shard in helped:
                     self._unhelped.pop(shard, None)

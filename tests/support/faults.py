@@ -7,6 +7,7 @@ shared Redis is never stopped, frozen or restarted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -222,6 +223,23 @@ def fault_config(deadline_s: float) -> str:
     )
     assert out != RACE_CONFIG
     return out
+
+
+@contextlib.contextmanager
+def stacks_on_failure(cluster):
+    """Close ``cluster`` at the end; on a failure print every live worker's thread stacks
+    (Celery answers SIGUSR1 with them) and the logs first."""
+    try:
+        yield cluster
+    except BaseException:
+        for worker in cluster.workers:
+            if worker.alive():
+                os.kill(worker.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.close()
 
 
 def start_fault_cluster(redis_url: str, tmp, *, deadline_s: float, coordinators: int = 2,
